@@ -1,0 +1,14 @@
+"""Memory-efficient pipeline-parallel training for PyTorch Lightning (PipeDream-2BW, 1F1B, GPipe).
+
+Importing the package registers the strategy names (``"pipe2bw"``, ``"pipe2bw_spawn"``,
+``"pipe_gpipe"``, ``"pipe_1f1b"``) with Lightning's strategy registry.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_pipe2bw.strategy import Pipe2BWStrategy
+
+__all__ = ["Pipe2BWStrategy"]
+__version__ = "0.1.0"
+
+Pipe2BWStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,67 @@
+"""Spawned workers whose results (gathered weights, predictions) come back to the launching process."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.strategies.launchers.multiprocessing import (
+    _MultiProcessingLauncher,
+    _WorkerOutput,
+)
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+if TYPE_CHECKING:
+    from lightning_pipe2bw.strategy import Pipe2BWStrategy
+
+__all__ = ["PipeSpawnLauncher"]
+
+
+class _GatheringLauncher(_MultiProcessingLauncher):
+    """Lightning's multiprocessing launcher, but the weights sent back are the whole model's,
+    gathered from every stage (each worker holds only its own stage)."""
+
+    _strategy: Pipe2BWStrategy
+
+    @override
+    def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> _WorkerOutput | None:
+        callback = trainer.checkpoint_callback
+        best_model_path = getattr(callback, "best_model_path", None) if callback else None
+        state_dict = self._strategy.full_state_dict()  # collective: every rank takes part
+        if self._strategy.global_rank != 0:
+            return None
+        weights_path = None
+        if trainer.state.fn == TrainerFn.FITTING:
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
+        extra = self.get_extra_results(trainer)
+        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)
+
+
+class PipeSpawnLauncher(_Launcher):
+    """Starts one worker per stage with ``torch.multiprocessing`` (spawn, fork or forkserver).
+
+    It wraps rather than subclasses Lightning's launcher: Lightning refuses to return
+    predictions from launchers of that class, whereas this one brings them back (the last stage
+    broadcasts them, so rank 0 returns them).
+    """
+
+    def __init__(self, strategy: Pipe2BWStrategy, start_method: str = "spawn") -> None:
+        self._inner = _GatheringLauncher(strategy, start_method=start_method)
+
+    @property
+    @override
+    def is_interactive_compatible(self) -> bool:
+        return self._inner.is_interactive_compatible
+
+    @override
+    def launch(self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+        return self._inner.launch(function, *args, trainer=trainer, **kwargs)
+
+    @override
+    def kill(self, signum: Any) -> None:
+        self._inner.kill(signum)

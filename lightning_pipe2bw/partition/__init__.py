@@ -1,0 +1,5 @@
+"""Splitting a model into pipeline stages."""
+
+from lightning_pipe2bw.partition.split import BodyRef, Partition, find_body, make_partition
+
+__all__ = ["BodyRef", "Partition", "find_body", "make_partition"]

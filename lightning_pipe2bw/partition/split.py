@@ -1,0 +1,131 @@
+"""Finding a module's pipeline body and splitting its blocks into contiguous stages."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from lightning_pipe2bw.runtime.stage import StageBody
+
+__all__ = ["BodyRef", "Partition", "find_body", "make_partition"]
+
+
+@dataclass(frozen=True)
+class BodyRef:
+    """Where the body lives: ``parent.<attr>`` is the ``nn.Sequential`` of blocks."""
+
+    parent: nn.Module
+    attr: str
+    path: str  # dotted path from the LightningModule, for messages and state_dict keys
+
+    @property
+    def module(self) -> nn.Module:
+        return getattr(self.parent, self.attr)  # type: ignore[no-any-return]
+
+
+def _resolve(root: nn.Module, path: str) -> BodyRef:
+    parent = root
+    *heads, attr = path.split(".")
+    for name in heads:
+        child = getattr(parent, name, None)
+        if not isinstance(child, nn.Module):
+            raise ValueError(f"body path {path!r}: {name!r} is not a submodule of {type(parent).__name__}")
+        parent = child
+    body = getattr(parent, attr, None)
+    if not isinstance(body, (nn.Sequential, StageBody)):
+        raise TypeError(
+            f"the pipeline body {path!r} must be an nn.Sequential of blocks, got {type(body).__name__}; "
+            "wrap the blocks in nn.Sequential or define `pipeline_body()` returning one"
+        )
+    return BodyRef(parent, attr, path)
+
+
+def find_body(module: nn.Module, name: str | None = None) -> BodyRef:
+    """Locate the body: the ``name`` given, else ``module.pipeline_body()``'s answer, else the only
+    outermost ``nn.Sequential`` attribute of ``module`` that holds parameters. A body already
+    replaced by its :class:`StageBody` (by an earlier ``trainer`` call) is found the same way.
+    """
+    if name is not None:
+        return _resolve(module, name)
+    hook = getattr(module, "pipeline_body", None)
+    if callable(hook):
+        target = hook()
+        for path, sub in module.named_modules():
+            if sub is target and path:
+                return _resolve(module, path)
+        raise ValueError(
+            f"{type(module).__name__}.pipeline_body() must return a submodule (an nn.Sequential "
+            f"attribute) of the module; got {type(target).__name__} that is not one of its submodules"
+        )
+    candidates = [
+        path
+        for path, sub in module.named_modules()
+        if path and isinstance(sub, (nn.Sequential, StageBody)) and any(True for _ in sub.parameters())
+    ]
+    # keep only the outermost Sequentials (a Sequential inside a block is part of that block)
+    top = [p for p in candidates if not any(p.startswith(q + ".") for q in candidates if q != p)]
+    if len(top) == 1:
+        return _resolve(module, top[0])
+    if not top:
+        raise TypeError(
+            f"{type(module).__name__} has no nn.Sequential attribute to split into pipeline stages. "
+            "pipe2bw's rule: the layers that hold parameters live in one nn.Sequential (the body) that "
+            "forward/training_step call once per step. Either build such an attribute, define "
+            "`pipeline_body(self) -> nn.Sequential`, or pass Pipe2BWStrategy(body='<attribute name>')"
+        )
+    raise ValueError(
+        f"{type(module).__name__} has several nn.Sequential attributes with parameters: {top}; name the "
+        "pipeline body with Pipe2BWStrategy(body=...) or a `pipeline_body()` method"
+    )
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Blocks ``[bounds[s], bounds[s+1])`` of the body run on stage ``s``."""
+
+    balance: tuple[int, ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.balance)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(self.balance)
+
+    def blocks_of(self, stage: int) -> range:
+        start = sum(self.balance[:stage])
+        return range(start, start + self.balance[stage])
+
+
+def make_partition(num_blocks: int, num_stages: int, balance: Sequence[int] | None) -> Partition:
+    """Validate ``balance`` (or split evenly when None) for a body of ``num_blocks`` blocks.
+
+    The even split gives any extra blocks to the *last* stages: under 1F1B the first stages stash
+    the most activations, so they get the lighter share.
+    """
+    problems: list[str] = []
+    if num_stages > num_blocks:
+        raise ValueError(
+            f"the body has {num_blocks} blocks but the pipeline has {num_stages} stages; use at most "
+            f"{num_blocks} devices/stages or split the body into more blocks"
+        )
+    if balance is None:
+        q, r = divmod(num_blocks, num_stages)
+        return Partition(tuple(q + (1 if s >= num_stages - r else 0) for s in range(num_stages)))
+    values = list(balance)
+    if any(not isinstance(b, int) or isinstance(b, bool) for b in values):
+        raise TypeError(f"balance must be a list of ints (block counts per stage), got {values}")
+    if len(values) != num_stages:
+        problems.append(f"balance has {len(values)} entries but the pipeline has {num_stages} stages")
+    if sum(values) != num_blocks:
+        problems.append(
+            f"module has {num_blocks} blocks but balance sums to {sum(values)} (balance={values})"
+        )
+    if any(b <= 0 for b in values):
+        problems.append(f"every stage needs at least one block, but balance={values} has {min(values)}")
+    if problems:
+        raise ValueError("invalid balance: " + "; ".join(problems))
+    return Partition(tuple(values))

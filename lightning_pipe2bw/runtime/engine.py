@@ -1,0 +1,239 @@
+"""The interpreter that executes one stage's action list: forward, backward, send and receive."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from lightning_pipe2bw.runtime.stage import StageBody
+from lightning_pipe2bw.runtime.transport import P2PTransport
+from lightning_pipe2bw.schedule import Action, ActionKind, Schedule
+
+__all__ = ["ActionTiming", "PipelineEngine", "StepFn"]
+
+# the user's step (training_step & co.) applied to one micro-batch
+StepFn = Callable[[Any], Any]
+
+
+class _BodyReached(BaseException):
+    """Raised on the first stage when the user's step reaches the body: the rest of the step (the
+    loss) belongs to the last stage. A BaseException so that a broad ``except Exception`` in user
+    code does not swallow it."""
+
+
+@dataclass(frozen=True)
+class ActionTiming:
+    """When one action ran on this rank (``time.perf_counter`` seconds)."""
+
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass
+class _Slot:
+    """What the stage holds for one in-flight micro-batch."""
+
+    inputs: Any = None  # payload received from the previous stage
+    outputs: Any = None  # payload this stage produced (kept until its backward)
+    result: Any = None  # the user's step output (last stage)
+    grads_in: Any = None  # gradients received from the next stage
+    grads_out: Any = None  # gradients of this stage's inputs, to send back
+    body_calls: int = 0
+
+
+@dataclass
+class EngineStats:
+    """Counters the engine keeps about what it ran (read by callbacks and benchmarks)."""
+
+    peak_inflight: int = 0
+    busy_s: float = 0.0
+    timeline: list[ActionTiming] = field(default_factory=list)
+
+
+def _grad_leaves(payload: Any) -> list[Tensor]:
+    return [
+        x for x in pytree.tree_leaves(payload) if isinstance(x, Tensor) and x.requires_grad
+    ]
+
+
+def _loss_of(result: Any, microbatch: int) -> Tensor:
+    loss = result.get("loss") if isinstance(result, dict) else result
+    if not isinstance(loss, Tensor):
+        raise TypeError(
+            "with pipe2bw, training_step must return the loss tensor (or a dict with a 'loss' tensor) "
+            f"for every micro-batch; micro-batch {microbatch} returned {type(result).__name__}"
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            f"the loss of micro-batch {microbatch} does not require grad: compute it from the output "
+            "of the pipeline body (self.body(x) / self(x)) without detaching it"
+        )
+    return loss
+
+
+class PipelineEngine:
+    """Runs a stage's actions for one batch of micro-batches.
+
+    The engine knows nothing about Lightning: the strategy hands it the user's step as a
+    function of one micro-batch, the loss weights, and a ``backward`` function (which applies the
+    precision plugin's loss scaling).
+    """
+
+    def __init__(
+        self,
+        body: StageBody,
+        stage: int,
+        num_stages: int,
+        transport: P2PTransport,
+        prev_rank: int | None,
+        next_rank: int | None,
+    ) -> None:
+        self.body = body
+        self.stage = stage
+        self.num_stages = num_stages
+        self.transport = transport
+        self.prev_rank = prev_rank
+        self.next_rank = next_rank
+        self.stats = EngineStats()
+        self.record_timeline = True
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def run(
+        self,
+        schedule: Schedule,
+        microbatches: Sequence[Any],
+        step: StepFn,
+        *,
+        train: bool,
+        loss_weights: Sequence[float] = (),
+        backward: Callable[[Tensor], None] | None = None,
+    ) -> list[Any]:
+        """Execute ``schedule.stages[self.stage]`` and return the step outputs of the last stage
+        (one per micro-batch; an empty list on other stages).
+
+        ``schedule`` must already carry communication actions. With ``train`` the losses are
+        scaled by ``loss_weights[i]`` and back-propagated through ``backward``.
+        """
+        slots = [_Slot() for _ in microbatches]
+        inflight = 0
+        timeline = self.stats.timeline
+        timeline.clear()
+        try:
+            for action in schedule.stages[self.stage]:
+                start = time.perf_counter()
+                i = action.microbatch
+                slot = slots[i]
+                kind = action.kind
+                if kind is ActionKind.RECV_F:
+                    slot.inputs = self.transport.recv(self._peer(self.prev_rank))
+                elif kind is ActionKind.FORWARD:
+                    self._forward(slot, microbatches[i], step, i)
+                    inflight += 1
+                    self.stats.peak_inflight = max(self.stats.peak_inflight, inflight)
+                    if not train:
+                        slot.inputs = None
+                elif kind is ActionKind.SEND_F:
+                    # the transport sends detached copies but records requires_grad for the peer
+                    self.transport.send(slot.outputs, self._peer(self.next_rank))
+                    if not train:
+                        slot.outputs = None
+                        inflight -= 1
+                elif kind is ActionKind.RECV_B:
+                    slot.grads_in = self.transport.recv(self._peer(self.next_rank))
+                elif kind is ActionKind.BACKWARD:
+                    assert backward is not None, "training needs a backward function"
+                    self._backward(slot, i, loss_weights[i], backward)
+                    inflight -= 1
+                elif kind is ActionKind.SEND_B:
+                    self.transport.send(slot.grads_out, self._peer(self.prev_rank))
+                    slot.grads_out = None
+                else:  # pragma: no cover - the schedule validator rejects other kinds
+                    raise ValueError(f"the engine cannot run action {action}")
+                end = time.perf_counter()
+                if action.is_compute:
+                    self.stats.busy_s += end - start
+                if self.record_timeline:
+                    timeline.append(ActionTiming(action, start, end))
+            self.transport.wait_sends()
+        finally:
+            self.body.set_call(None)
+        if not self.is_last:
+            return []
+        return [slot.result for slot in slots]
+
+    @staticmethod
+    def _peer(rank: int | None) -> int:
+        assert rank is not None, "the schedule asked a stage to talk past the end of the pipeline"
+        return rank
+
+    def _forward(self, slot: _Slot, microbatch: Any, step: StepFn, index: int) -> None:
+        body = self.body
+        if not self.is_first and not self.is_last:
+            slot.outputs = body.run_blocks(slot.inputs)
+            return
+
+        def call(stage_body: StageBody, x: Any) -> Any:
+            slot.body_calls += 1
+            if slot.body_calls > 1:
+                raise RuntimeError(
+                    "the pipeline body was called twice in one step; pipe2bw runs the body once per "
+                    "micro-batch, so call self.body(x) / self(x) exactly once in each step"
+                )
+            if self.is_first:
+                out = stage_body.run_blocks(x)
+                if self.is_last:
+                    return out
+                slot.outputs = out
+                raise _BodyReached
+            return stage_body.run_blocks(slot.inputs)
+
+        body.set_call(call)
+        try:
+            slot.result = step(microbatch)
+        except _BodyReached:
+            return
+        finally:
+            body.set_call(None)
+        if slot.body_calls == 0:
+            raise RuntimeError(
+                f"the step of micro-batch {index} returned without calling the pipeline body; every "
+                "step must run the model input through self.body(x) / self(x) exactly once"
+            )
+
+    def _backward(
+        self, slot: _Slot, index: int, weight: float, backward: Callable[[Tensor], None]
+    ) -> None:
+        if self.is_last:
+            loss = _loss_of(slot.result, index)
+            backward(loss * weight)
+            slot.result = _detach_all(slot.result)
+        else:
+            outs = _grad_leaves(slot.outputs)
+            grads = slot.grads_in
+            pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if g is not None]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if not self.is_first:
+            slot.grads_out = [
+                x.grad if x.grad is not None else torch.zeros_like(x)
+                for x in _grad_leaves(slot.inputs)
+            ]
+        slot.inputs = slot.outputs = slot.grads_in = None
+
+
+def _detach_all(payload: Any) -> Any:
+    return pytree.tree_map(lambda x: x.detach() if isinstance(x, Tensor) else x, payload)

@@ -1,0 +1,64 @@
+"""The module a rank keeps in place of the body: its own blocks, under their original names."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import nn
+
+__all__ = ["BodyCall", "StageBody"]
+
+# Called with (stage body, the input the user's step passed to the body); returns what the body
+# call returns to the user's code, or raises to stop the step (see runtime.engine).
+BodyCall = Callable[["StageBody", Any], Any]
+
+
+class StageBody(nn.Module):
+    """This rank's share of the body.
+
+    Blocks keep their index in the original ``nn.Sequential`` as their name, so the stage's
+    ``state_dict`` keys are exactly the original model's keys for the owned blocks, and gathering
+    every stage's dict gives the unpartitioned model's dict.
+
+    Calling the module (as the user's step does with ``self.body(x)``) is routed to the pipeline
+    engine, which decides what the call means on this stage: capture the input and stop (first
+    stage), or return the received activation run through the local blocks (last stage).
+    """
+
+    def __init__(self, blocks: Iterable[tuple[int, nn.Module]], stage: int, num_stages: int) -> None:
+        super().__init__()
+        self.stage = stage
+        self.num_stages = num_stages
+        self.indices: list[int] = []
+        for index, block in blocks:
+            self.add_module(str(index), block)
+            self.indices.append(index)
+        self._call: BodyCall | None = None
+
+    def run_blocks(self, x: Any) -> Any:
+        """Apply the owned blocks in order, with ``nn.Sequential`` semantics (one input each)."""
+        for block in self.children():
+            x = block(x)
+        return x
+
+    def set_call(self, call: BodyCall | None) -> None:
+        self._call = call
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs or len(args) != 1:
+            raise TypeError(
+                "the pipeline body is an nn.Sequential and takes exactly one positional input "
+                f"(got {len(args)} positional and {sorted(kwargs)} keyword arguments); pack several "
+                "inputs into one tuple or dict"
+            )
+        if self._call is None:
+            raise RuntimeError(
+                "the pipeline body was called outside a pipelined step: with pipe2bw each rank holds "
+                f"only its stage's blocks (stage {self.stage} of {self.num_stages}). Run the model "
+                "through trainer.fit/validate/test/predict, or load a checkpoint on one device."
+            )
+        return self._call(self, args[0])
+
+    def extra_repr(self) -> str:
+        return f"stage={self.stage}/{self.num_stages}, blocks={self.indices}"

@@ -1,0 +1,151 @@
+"""Point-to-point transport of stage inputs and outputs (pytrees of tensors) over torch.distributed."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+__all__ = ["P2PTransport", "TensorMeta", "flatten_payload"]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What a receiver needs to allocate one tensor leaf: shape, dtype and whether it carries grad."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+class _TensorSlot:
+    """Placeholder for a tensor leaf inside a pickled header."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __reduce__(self) -> tuple[type[_TensorSlot], tuple[int]]:
+        return (_TensorSlot, (self.index,))
+
+
+def flatten_payload(obj: Any) -> tuple[list[torch.Tensor], bytes]:
+    """Split ``obj`` into its tensor leaves and a pickled header describing everything else.
+
+    The header holds the tree structure, the non-tensor leaves (plain Python values) and a
+    :class:`TensorMeta` per tensor, so shapes may change from one message to the next.
+    """
+    leaves, spec = pytree.tree_flatten(obj)
+    tensors: list[torch.Tensor] = []
+    header_leaves: list[Any] = []
+    metas: list[TensorMeta] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            header_leaves.append(_TensorSlot(len(tensors)))
+            metas.append(TensorMeta(tuple(leaf.shape), leaf.dtype, leaf.requires_grad))
+            tensors.append(leaf)
+        else:
+            header_leaves.append(leaf)
+    try:
+        header = pickle.dumps((spec, header_leaves, metas), protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, TypeError, AttributeError) as err:
+        raise TypeError(
+            "a pipeline stage output must be a tensor or a tuple/list/dict of tensors and picklable "
+            f"Python values; got {type(obj).__name__} with an unpicklable leaf ({err})"
+        ) from err
+    return tensors, header
+
+
+def _unflatten_payload(header: bytes, tensors: list[torch.Tensor]) -> Any:
+    spec, header_leaves, _ = pickle.loads(header)
+    leaves = [tensors[x.index] if isinstance(x, _TensorSlot) else x for x in header_leaves]
+    return pytree.tree_unflatten(leaves, spec)
+
+
+class P2PTransport:
+    """Sends and receives pytrees between pipeline ranks.
+
+    A message on a channel (ordered pair of ranks) is: one int64 length, the pickled header
+    (only when it differs from the previous header on that channel, else length 0), then each
+    tensor leaf. Sends are non-blocking (``isend``; buffers are kept alive until completed),
+    receives block. Channels are FIFO, so the schedule's send order on a channel must equal the
+    peer's receive order; the schedule validator checks this.
+
+    ``batch_isend_irecv`` is deliberately not used: with gloo it serialises per peer and has
+    hung in mixed send/recv batches; plain ``isend``/``irecv`` pairs are safe on gloo and NCCL.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
+        self.group = group
+        self.device = device
+        self._pending: list[tuple[dist.Work, list[torch.Tensor]]] = []
+        self._sent_header: dict[int, bytes] = {}
+        self._recv_header: dict[int, bytes] = {}
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def _global(self, group_rank: int) -> int:
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+    def send(self, obj: Any, dst: int) -> None:
+        """Start sending ``obj`` to group rank ``dst`` without waiting for it to arrive."""
+        tensors, header = flatten_payload(obj)
+        peer = self._global(dst)
+        same = self._sent_header.get(dst) == header
+        self._sent_header[dst] = header
+        length = torch.tensor([0 if same else len(header)], dtype=torch.int64, device=self.device)
+        buffers = [length]
+        if not same:
+            buffers.append(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device))
+        for t in tensors:
+            buffers.append(t.detach().to(self.device).contiguous())
+        for buf in buffers:
+            work = dist.isend(buf, dst=peer, group=self.group)
+            assert work is not None
+            self._pending.append((work, [buf]))
+            self.bytes_sent += buf.numel() * buf.element_size()
+        self._reap()
+
+    def recv(self, src: int) -> Any:
+        """Receive the next message from group rank ``src`` (blocking)."""
+        peer = self._global(src)
+        length = torch.empty(1, dtype=torch.int64, device=self.device)
+        dist.recv(length, src=peer, group=self.group)
+        n = int(length.item())
+        if n > 0:
+            raw = torch.empty(n, dtype=torch.uint8, device=self.device)
+            dist.recv(raw, src=peer, group=self.group)
+            self._recv_header[src] = raw.cpu().numpy().tobytes()
+        header = self._recv_header[src]
+        _, _, metas = pickle.loads(header)
+        tensors: list[torch.Tensor] = []
+        for meta in metas:
+            t = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+            dist.recv(t, src=peer, group=self.group)
+            self.bytes_received += t.numel() * t.element_size()
+            if meta.requires_grad:
+                t.requires_grad_(True)
+            tensors.append(t)
+        return _unflatten_payload(header, tensors)
+
+    def _reap(self) -> None:
+        self._pending = [(w, b) for w, b in self._pending if not w.is_completed()]
+
+    def wait_sends(self) -> None:
+        """Block until every started send has completed, then release its buffers."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes held in send buffers that have not completed yet."""
+        self._reap()
+        return sum(b.numel() * b.element_size() for _, bufs in self._pending for b in bufs)

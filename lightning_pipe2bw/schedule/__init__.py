@@ -1,0 +1,49 @@
+"""Pipeline schedules: actions, generators, communication pass, validator and simulator."""
+
+from __future__ import annotations
+
+from .action import (
+    Action,
+    ActionKind,
+    format_actions,
+    parse_action,
+    parse_actions,
+    parse_stages,
+)
+from .comm import add_communication
+from .generators import (
+    SCHEDULES,
+    Schedule,
+    check_sizes,
+    format_grid,
+    forward_only,
+    get_schedule,
+    gpipe,
+    one_f_one_b,
+)
+from .simulate import Costs, DeadlockError, SimResult, simulate
+from .validate import ScheduleError, validate
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "ActionKind",
+    "Costs",
+    "DeadlockError",
+    "Schedule",
+    "ScheduleError",
+    "SimResult",
+    "add_communication",
+    "check_sizes",
+    "format_actions",
+    "format_grid",
+    "forward_only",
+    "get_schedule",
+    "gpipe",
+    "one_f_one_b",
+    "parse_action",
+    "parse_actions",
+    "parse_stages",
+    "simulate",
+    "validate",
+]

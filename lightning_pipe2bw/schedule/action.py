@@ -1,0 +1,106 @@
+"""Pipeline schedule actions and their compact, round-trippable text form."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum
+
+__all__ = [
+    "Action",
+    "ActionKind",
+    "format_actions",
+    "parse_action",
+    "parse_actions",
+    "parse_stages",
+]
+
+
+class ActionKind(str, Enum):
+    """What a stage does in one schedule slot."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    SEND_F = "SEND_F"  # activations, stage s -> s+1
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"  # gradients, stage s -> s-1
+    RECV_B = "RECV_B"
+
+
+_COMPUTE = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD})
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One step of one stage: compute (F/B) or communication (SEND_*/RECV_*) for a micro-batch.
+
+    ``version`` is the weight version the action runs with (weight-stashing schedules such as
+    PipeDream-2BW); it is ``None`` for flush schedules (GPipe, 1F1B).
+    """
+
+    stage: int
+    kind: ActionKind
+    microbatch: int
+    version: int | None = None
+
+    def __post_init__(self) -> None:
+        # Accept the plain string value ("F", "SEND_B", ...) and store the enum member.
+        if not isinstance(self.kind, ActionKind):
+            valid = ", ".join(k.value for k in ActionKind)
+            try:
+                kind = ActionKind(self.kind)
+            except ValueError:
+                raise ValueError(f"unknown action kind {self.kind!r}; use one of {valid}") from None
+            object.__setattr__(self, "kind", kind)
+
+    def __str__(self) -> str:
+        text = f"{self.stage}{self.kind.value}{self.microbatch}"
+        return text if self.version is None else f"{text}v{self.version}"
+
+    @property
+    def is_compute(self) -> bool:
+        """True for forward and backward actions."""
+        return self.kind in _COMPUTE
+
+    @property
+    def is_comm(self) -> bool:
+        """True for send and receive actions."""
+        return self.kind not in _COMPUTE
+
+
+# Longer kinds first so that e.g. "SEND_F" is never read as a bare "F".
+_KINDS = "|".join(
+    re.escape(k.value) for k in sorted(ActionKind, key=lambda k: len(k.value), reverse=True)
+)
+_ACTION_RE = re.compile(rf"(-?\d+)({_KINDS})(-?\d+)(?:v(-?\d+))?")
+
+
+def parse_action(text: str) -> Action:
+    """Parse the compact form produced by ``str(action)``, e.g. ``"2F0"`` or ``"1F5v2"``."""
+    match = _ACTION_RE.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(
+            f"malformed action {text!r}; expected <stage><kind><microbatch>[v<version>] with "
+            f"kind one of {', '.join(k.value for k in ActionKind)}, e.g. '2F0', '1SEND_B3', "
+            "'1F5v2'"
+        )
+    stage, kind, microbatch, version = match.groups()
+    return Action(
+        int(stage), ActionKind(kind), int(microbatch), None if version is None else int(version)
+    )
+
+
+def format_actions(actions: Iterable[Action]) -> str:
+    """Space-separated compact forms of ``actions``."""
+    return " ".join(str(action) for action in actions)
+
+
+def parse_actions(text: str) -> list[Action]:
+    """Inverse of :func:`format_actions`: parse whitespace-separated compact actions."""
+    return [parse_action(token) for token in text.split()]
+
+
+def parse_stages(text: str) -> tuple[tuple[Action, ...], ...]:
+    """Parse one line of actions per stage; blank lines are ignored, so aligned literals work."""
+    return tuple(tuple(parse_actions(line)) for line in text.splitlines() if line.strip())

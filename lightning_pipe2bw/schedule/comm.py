@@ -1,0 +1,48 @@
+"""Communication pass: insert point-to-point sends/receives around compute actions."""
+
+from __future__ import annotations
+
+from .action import Action, ActionKind
+from .generators import Schedule
+
+__all__ = ["add_communication"]
+
+
+def _with_comm(action: Action, s: int, num_stages: int) -> list[Action]:
+    i, v = action.microbatch, action.version
+    first, last = s == 0, s == num_stages - 1
+    if action.kind is ActionKind.FORWARD:
+        before = [] if first else [Action(s, ActionKind.RECV_F, i, v)]
+        after = [] if last else [Action(s, ActionKind.SEND_F, i, v)]
+    else:
+        before = [] if last else [Action(s, ActionKind.RECV_B, i, v)]
+        after = [] if first else [Action(s, ActionKind.SEND_B, i, v)]
+    return [*before, action, *after]
+
+
+def add_communication(schedule: Schedule) -> Schedule:
+    """Return ``schedule`` with sends/receives added around every F and B.
+
+    * ``RECV_F(i)`` right before ``F(i)`` on stages s > 0 (activation from s - 1),
+    * ``SEND_F(i)`` right after ``F(i)`` on stages s < p - 1 (activation to s + 1),
+    * ``RECV_B(i)`` right before ``B(i)`` on stages s < p - 1 (gradient from s + 1),
+    * ``SEND_B(i)`` right after ``B(i)`` on stages s > 0 (gradient to s - 1).
+
+    Comm actions copy the compute action's ``version``. The runtime posts sends without
+    waiting and blocks at each receive, so placing a receive right before its consumer is
+    enough; a receive never needs to be hoisted for correctness. The stage an action runs on is
+    its position in ``schedule.stages`` (the validator checks ``action.stage`` agrees).
+    """
+    for s, actions in enumerate(schedule.stages):
+        for slot, action in enumerate(actions):
+            if action.is_comm:
+                raise ValueError(
+                    f"schedule {schedule.name!r} already has communication actions "
+                    f"({action} at stage {s}, slot {slot}); pass the compute-only schedule "
+                    "to add_communication"
+                )
+    p = schedule.num_stages
+    return schedule.with_stages(
+        [comm for action in actions for comm in _with_comm(action, s, p)]
+        for s, actions in enumerate(schedule.stages)
+    )

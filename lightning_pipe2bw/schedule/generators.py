@@ -1,0 +1,169 @@
+"""Schedule container, compute-only schedule generators and the schedule registry."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, replace
+
+from .action import Action, ActionKind
+
+__all__ = [
+    "SCHEDULES",
+    "Schedule",
+    "check_sizes",
+    "format_grid",
+    "forward_only",
+    "get_schedule",
+    "gpipe",
+    "one_f_one_b",
+]
+
+
+def check_sizes(num_stages: int, num_microbatches: int) -> None:
+    """Raise ValueError unless both sizes are integers >= 1."""
+    for label, value, fix in (
+        ("num_stages", num_stages, "use at least one pipeline stage"),
+        ("num_microbatches", num_microbatches, "split the batch into at least one micro-batch"),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{label} must be an int, got {value!r}; {fix}")
+        if value < 1:
+            raise ValueError(f"{label} must be >= 1, got {value}; {fix}")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-stage action lists: ``stages[s]`` is what stage ``s`` executes, in order.
+
+    ``training`` schedules run one F and one B per micro-batch on every stage; ``training=False``
+    marks a forward-only (evaluation/prediction) schedule with no B at all.
+    """
+
+    name: str
+    num_stages: int
+    num_microbatches: int
+    stages: tuple[tuple[Action, ...], ...]
+    training: bool = True
+
+    def __post_init__(self) -> None:
+        check_sizes(self.num_stages, self.num_microbatches)
+        # Normalise lists to tuples so schedules stay hashable and immutable.
+        object.__setattr__(self, "stages", tuple(tuple(actions) for actions in self.stages))
+        if len(self.stages) != self.num_stages:
+            raise ValueError(
+                f"schedule {self.name!r} has {len(self.stages)} action lists but "
+                f"num_stages={self.num_stages}; give exactly one action list per stage"
+            )
+
+    @property
+    def has_comm(self) -> bool:
+        """True if any stage contains a send or receive action."""
+        return any(action.is_comm for actions in self.stages for action in actions)
+
+    def with_stages(self, stages: Iterable[Iterable[Action]]) -> Schedule:
+        """A copy of this schedule with the action lists replaced."""
+        return replace(self, stages=tuple(tuple(actions) for actions in stages))
+
+    def __str__(self) -> str:
+        header = (
+            f"schedule {self.name!r}: {self.num_stages} stages, "
+            f"{self.num_microbatches} micro-batches{'' if self.training else ', forward-only'}"
+        )
+        return f"{header}\n{format_grid(self)}"
+
+
+def format_grid(schedule: Schedule, mark: Collection[tuple[int, int]] | None = None) -> str:
+    """Stage-by-slot table of compact actions; cells ``(stage, slot)`` in ``mark`` get [brackets].
+
+    Columns are action slots (the position in the stage's list), not wall-clock time.
+    """
+    marked = set(mark or ())
+    cells = [
+        [f"[{action}]" if (s, i) in marked else f" {action} " for i, action in enumerate(row)]
+        for s, row in enumerate(schedule.stages)
+    ]
+    num_slots = max((len(row) for row in cells), default=0)
+    width = max((len(cell) for row in cells for cell in row), default=1)
+    labels = [f"stage {s}" for s in range(schedule.num_stages)]
+    label_width = 1 + max(len(label) for label in [*labels, "slot"])  # room for a "[" mark
+    header = "slot".ljust(label_width) + "".join(f" {i}".ljust(width) for i in range(num_slots))
+    lines = [header.rstrip()]
+    for label, row in zip(labels, cells, strict=True):
+        lines.append((label.ljust(label_width) + "".join(c.ljust(width) for c in row)).rstrip())
+    return "\n".join(lines)
+
+
+def _forward(stage: int, microbatch: int) -> Action:
+    return Action(stage, ActionKind.FORWARD, microbatch)
+
+
+def _backward(stage: int, microbatch: int) -> Action:
+    return Action(stage, ActionKind.BACKWARD, microbatch)
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+    """GPipe: every stage runs all forwards F0..F(m-1), then all backwards B0..B(m-1).
+
+    Backwards run in forward order (not reversed): gradients then flow through the pipeline in
+    the same order the activations did, which keeps every channel FIFO-consistent and gives the
+    textbook makespan (m + p - 1) * (F + B).
+    """
+    check_sizes(num_stages, num_microbatches)
+    stages = tuple(
+        tuple(_forward(s, i) for i in range(num_microbatches))
+        + tuple(_backward(s, i) for i in range(num_microbatches))
+        for s in range(num_stages)
+    )
+    return Schedule("gpipe", num_stages, num_microbatches, stages)
+
+
+def _one_f_one_b_stage(stage: int, num_stages: int, num_microbatches: int) -> tuple[Action, ...]:
+    warmup = min(num_stages - stage - 1, num_microbatches)
+    actions = [_forward(stage, i) for i in range(warmup)]
+    next_f, next_b = warmup, 0
+    # Steady state: one forward, then one backward, while forwards remain.
+    while next_f < num_microbatches:
+        actions += [_forward(stage, next_f), _backward(stage, next_b)]
+        next_f, next_b = next_f + 1, next_b + 1
+    actions += [_backward(stage, i) for i in range(next_b, num_microbatches)]  # cool-down
+    return tuple(actions)
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+    """PipeDream-Flush (1F1B): min(p - s - 1, m) warm-up forwards, then F/B pairs, then drain.
+
+    At most min(p - s, m) micro-batches are in flight on stage s, versus m for GPipe, with the
+    same makespan.
+    """
+    check_sizes(num_stages, num_microbatches)
+    stages = tuple(_one_f_one_b_stage(s, num_stages, num_microbatches) for s in range(num_stages))
+    return Schedule("1f1b", num_stages, num_microbatches, stages)
+
+
+def forward_only(num_stages: int, num_microbatches: int) -> Schedule:
+    """Evaluation/prediction schedule: every stage runs F0..F(m-1) and no backward.
+
+    Not in :data:`SCHEDULES` (which lists training schedules); the result has ``training=False``.
+    """
+    check_sizes(num_stages, num_microbatches)
+    stages = tuple(
+        tuple(_forward(s, i) for i in range(num_microbatches)) for s in range(num_stages)
+    )
+    return Schedule("forward", num_stages, num_microbatches, stages, training=False)
+
+
+# Registering a new schedule is one entry here.
+SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+}
+
+
+def get_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
+    """Build the registered schedule ``name`` for ``num_stages`` x ``num_microbatches``."""
+    generator = SCHEDULES.get(name)
+    if generator is None:
+        valid = ", ".join(repr(key) for key in SCHEDULES)
+        raise ValueError(f"unknown schedule {name!r}; valid schedules: {valid}")
+    check_sizes(num_stages, num_microbatches)
+    return generator(num_stages, num_microbatches)

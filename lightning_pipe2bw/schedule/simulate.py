@@ -1,0 +1,228 @@
+"""Event-driven simulator: makespan, bubbles, activation memory and deadlock detection."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NoReturn
+
+from .action import Action, ActionKind
+from .comm import add_communication
+from .generators import Schedule, format_grid
+
+__all__ = ["Costs", "DeadlockError", "SimResult", "simulate"]
+
+# A FIFO channel: (source stage, destination stage, "F" for activations or "B" for gradients).
+_Channel = tuple[int, int, str]
+
+
+def _check_cost(label: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        raise ValueError(f"cost {label} must be a finite number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Durations: per-stage sequences or one scalar for all stages; ``comm`` is transfer latency."""
+
+    forward: Sequence[float] | float = 1.0
+    backward: Sequence[float] | float = 2.0
+    comm: float = 0.0
+
+    def __post_init__(self) -> None:
+        for label in ("forward", "backward"):
+            value = getattr(self, label)
+            if isinstance(value, (int, float)):
+                _check_cost(label, value)
+            else:
+                value = tuple(value)  # normalise so Costs stays hashable
+                for s, item in enumerate(value):
+                    _check_cost(f"{label}[{s}]", item)
+                object.__setattr__(self, label, value)
+        _check_cost("comm", self.comm)
+
+    def per_stage(self, label: str, num_stages: int) -> tuple[float, ...]:
+        """The ``forward`` or ``backward`` cost of every stage."""
+        value: Sequence[float] | float = getattr(self, label)
+        if isinstance(value, (int, float)):
+            return (float(value),) * num_stages
+        if len(value) != num_stages:
+            raise ValueError(
+                f"Costs.{label} has {len(value)} entries but the schedule has {num_stages} "
+                f"stages; give one cost per stage or a single scalar"
+            )
+        return tuple(float(item) for item in value)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Outcome of :func:`simulate`."""
+
+    step_time: float
+    busy: tuple[float, ...]
+    bubble_fraction: tuple[float, ...]
+    mean_bubble_fraction: float
+    peak_activations: tuple[int, ...]  # micro-batches whose F ran and whose B has not finished
+    timeline: tuple[tuple[tuple[Action, float, float], ...], ...]
+
+
+class DeadlockError(ValueError):
+    """No stage can make progress while some still have actions left.
+
+    ``stuck`` holds the ``(stage, slot)`` of every blocked receive and ``reasons`` one line per
+    blocked stage; both refer to ``schedule`` (the schedule actually simulated, i.e. with
+    communication inserted).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        stuck: tuple[tuple[int, int], ...] = (),
+        reasons: tuple[str, ...] = (),
+        schedule: Schedule | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.stuck = stuck
+        self.reasons = reasons
+        self.schedule = schedule
+
+
+_SEND_DIR = {ActionKind.SEND_F: ("F", 1), ActionKind.SEND_B: ("B", -1)}
+_RECV_DIR = {ActionKind.RECV_F: ("F", -1), ActionKind.RECV_B: ("B", 1)}
+
+
+def _send_channel(stage: int, kind: ActionKind) -> _Channel:
+    direction, step = _SEND_DIR[kind]
+    return (stage, stage + step, direction)
+
+
+def _recv_channel(stage: int, kind: ActionKind) -> _Channel:
+    direction, step = _RECV_DIR[kind]
+    return (stage + step, stage, direction)
+
+
+def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
+    """Run ``schedule`` on an idealised machine (one action at a time per stage).
+
+    Compute takes the stage's cost; a send takes no time on the sender and its item reaches the
+    receiver ``costs.comm`` later; a receive blocks until the matching item has arrived. The
+    k-th receive on a channel consumes the k-th send (FIFO). Compute-only schedules get
+    :func:`add_communication` first. Raises :class:`DeadlockError` if the stages get stuck.
+    """
+    costs = Costs() if costs is None else costs
+    p = schedule.num_stages
+    compute = {
+        ActionKind.FORWARD: costs.per_stage("forward", p),
+        ActionKind.BACKWARD: costs.per_stage("backward", p),
+    }
+    if not schedule.has_comm:
+        schedule = add_communication(schedule)
+    stages = schedule.stages
+
+    clock, slot, busy = [0.0] * p, [0] * p, [0.0] * p
+    in_flight, peak = [0] * p, [0] * p
+    timeline: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
+    sent: dict[_Channel, list[tuple[float, Action]]] = {}  # (arrival time, send), in send order
+    received: dict[_Channel, int] = {}
+    waiting: dict[_Channel, int] = {}  # channel -> the stage blocked receiving on it
+    ready = deque(range(p))
+    # Each stage runs until it blocks on a receive; a send wakes the stage waiting on its
+    # channel. Every action is executed once, so this is linear in the schedule size.
+    while ready:
+        s = ready.popleft()
+        actions, i, t = stages[s], slot[s], clock[s]
+        while i < len(actions):
+            action = actions[i]
+            kind = action.kind
+            end = t
+            if kind in compute:
+                end = t + compute[kind][s]
+                busy[s] += end - t
+                # Forward-only schedules keep no activations for a backward.
+                if kind is ActionKind.FORWARD and schedule.training:
+                    in_flight[s] += 1
+                    peak[s] = max(peak[s], in_flight[s])
+                elif kind is ActionKind.BACKWARD:
+                    in_flight[s] -= 1
+            elif kind in _SEND_DIR:
+                channel = _send_channel(s, kind)
+                sent.setdefault(channel, []).append((t + costs.comm, action))
+                if channel in waiting:
+                    ready.append(waiting.pop(channel))
+            else:
+                channel = _recv_channel(s, kind)
+                k = received.get(channel, 0)
+                queue = sent.get(channel, [])
+                if k >= len(queue):
+                    waiting[channel] = s
+                    break
+                arrival, send = queue[k]
+                if send.microbatch != action.microbatch:
+                    raise ValueError(
+                        f"stage {s}, slot {i}: {action} would receive the data of {send} "
+                        f"because channels are FIFO; make the receive order on stage {s} match "
+                        f"the send order on stage {channel[0]} (validate() lists all problems)"
+                    )
+                received[channel] = k + 1
+                end = max(t, arrival)
+            timeline[s].append((action, t, end))
+            t = end
+            i += 1
+        slot[s], clock[s] = i, t
+
+    if any(slot[s] < len(stages[s]) for s in range(p)):
+        _raise_deadlock(schedule, slot, sent, received)
+
+    step_time = max(clock, default=0.0)
+    bubble = tuple(1.0 - b / step_time if step_time > 0 else 0.0 for b in busy)
+    return SimResult(
+        step_time=step_time,
+        busy=tuple(busy),
+        bubble_fraction=bubble,
+        mean_bubble_fraction=sum(bubble) / p,
+        peak_activations=tuple(peak),
+        timeline=tuple(tuple(row) for row in timeline),
+    )
+
+
+def _raise_deadlock(
+    schedule: Schedule,
+    slot: list[int],
+    sent: dict[_Channel, list[tuple[float, Action]]],
+    received: dict[_Channel, int],
+) -> NoReturn:
+    stages, p = schedule.stages, schedule.num_stages
+    stuck: list[tuple[int, int]] = []
+    reasons: list[str] = []
+    for s in range(p):
+        if slot[s] >= len(stages[s]):
+            continue
+        action = stages[s][slot[s]]  # only receives block
+        src, _, direction = channel = _recv_channel(s, action.kind)
+        n_sent = len(sent.get(channel, []))
+        if not 0 <= src < p:
+            peer = f"stage {src} does not exist"
+        elif slot[src] >= len(stages[src]):
+            peer = f"stage {src} finished after {n_sent} send(s) on this channel"
+        else:
+            peer = (
+                f"stage {src} is stuck at slot {slot[src]} on {stages[src][slot[src]]} "
+                f"after {n_sent} send(s) on this channel"
+            )
+        stuck.append((s, slot[s]))
+        reasons.append(
+            f"stage {s} is stuck at slot {slot[s]} on {action}: waits for "
+            f"{src}SEND_{direction}{action.microbatch} (send #{received.get(channel, 0) + 1} "
+            f"from stage {src} to stage {s}); {peer}"
+        )
+    message = "\n".join(
+        [
+            f"deadlock in schedule {schedule.name!r}: no stage can make progress",
+            *(f"  - {reason}" for reason in reasons),
+            "grid (stuck actions in [brackets]):",
+            format_grid(schedule, stuck),
+        ]
+    )
+    raise DeadlockError(message, tuple(stuck), tuple(reasons), schedule)

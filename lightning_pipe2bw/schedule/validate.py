@@ -1,0 +1,225 @@
+"""Schedule validator: per-stage, channel (FIFO) and deadlock checks, reported on a grid."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .action import Action, ActionKind
+from .comm import add_communication
+from .generators import Schedule, format_grid
+from .simulate import DeadlockError, simulate
+
+__all__ = ["ScheduleError", "format_grid", "validate"]
+
+_F, _B = ActionKind.FORWARD, ActionKind.BACKWARD
+_MAX_LISTED = 40  # problems spelled out in the message; ScheduleError.problems has them all
+
+# Stage offset of the peer each comm kind talks to.
+_PEER = {
+    ActionKind.SEND_F: 1,
+    ActionKind.RECV_F: -1,
+    ActionKind.SEND_B: -1,
+    ActionKind.RECV_B: 1,
+}
+# (comm kind, the compute kind it serves, whether it must come before that compute action)
+_RULES = (
+    (ActionKind.RECV_F, _F, True),
+    (ActionKind.SEND_F, _F, False),
+    (ActionKind.RECV_B, _B, True),
+    (ActionKind.SEND_B, _B, False),
+)
+
+
+class ScheduleError(ValueError):
+    """A schedule is invalid; ``problems`` lists every problem found (one line each)."""
+
+    def __init__(self, message: str, problems: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.problems = problems
+
+
+@dataclass(frozen=True)
+class _Problem:
+    message: str
+    cell: tuple[int, int] | None = None  # (stage, slot) to mark on the grid
+
+
+def _where(stage: int, slot: int, action: Action) -> str:
+    return f"stage {stage}, slot {slot} ({action})"
+
+
+def _check_stage(schedule: Schedule, s: int, has_comm: bool) -> list[_Problem]:
+    p, m = schedule.num_stages, schedule.num_microbatches
+    actions = schedule.stages[s]
+    out: list[_Problem] = []
+    first: dict[tuple[ActionKind, int], int] = {}  # (kind, micro-batch) -> first slot
+    for i, a in enumerate(actions):
+        cell = (s, i)
+        if a.stage != s:
+            # Messages are only formatted on error paths, keeping the happy path cheap.
+            msg = (
+                f"{_where(s, i, a)}: its stage field is {a.stage} but it is listed under stage {s}"
+            )
+            out.append(_Problem(f"{msg}; set stage={s} or move it", cell))
+        if not 0 <= a.microbatch < m:
+            msg = f"{_where(s, i, a)}: micro-batch {a.microbatch} is out of range"
+            out.append(_Problem(f"{msg}; use 0..{m - 1} (num_microbatches={m})", cell))
+            continue
+        if a.is_comm and not 0 <= s + _PEER[a.kind] < p:
+            peer = s + _PEER[a.kind]
+            msg = f"{_where(s, i, a)}: {a.kind.value} needs stage {peer}, which does not exist"
+            out.append(_Problem(f"{msg} (p={p}); remove it", cell))
+            continue
+        key = (a.kind, a.microbatch)
+        if key in first:
+            msg = f"{_where(s, i, a)}: duplicate {a.kind.value} of micro-batch {a.microbatch}"
+            out.append(_Problem(f"{msg} (first at slot {first[key]}); keep exactly one", cell))
+            continue
+        first[key] = i
+
+    for mb in range(m):
+        f, b = first.get((_F, mb)), first.get((_B, mb))
+        if not schedule.training and b is not None:
+            msg = (
+                f"{_where(s, b, actions[b])}: backward in a forward-only (training=False) schedule"
+            )
+            out.append(
+                _Problem(f"{msg}; remove it or build the schedule with training=True", (s, b))
+            )
+        for kind, slot in ((_F, f), (_B, b)):
+            if slot is None and (kind is _F or schedule.training):
+                missing = Action(s, kind, mb)
+                out.append(_Problem(f"stage {s}: micro-batch {mb} has no {missing}; add one"))
+        if f is not None and b is not None:
+            fwd, bwd = actions[f], actions[b]
+            if b < f:
+                msg = f"{_where(s, b, bwd)}: backward runs before its forward {fwd} (slot {f})"
+                out.append(_Problem(f"{msg}; move it after the forward", (s, b)))
+            if fwd.version != bwd.version:
+                msg = (
+                    f"{_where(s, b, bwd)}: runs with weight version {bwd.version} but its "
+                    f"forward {fwd} used {fwd.version}"
+                )
+                out.append(_Problem(f"{msg}; a backward must use its forward's version", (s, b)))
+        if has_comm:
+            out += _check_comm_order(schedule, s, mb, first)
+    return out
+
+
+def _check_comm_order(
+    schedule: Schedule, s: int, mb: int, first: dict[tuple[ActionKind, int], int]
+) -> list[_Problem]:
+    """Each F/B on a stage with a peer needs its receive right before and send after it."""
+    actions, out = schedule.stages[s], []
+    for comm_kind, compute_kind, before in _RULES:
+        x = first.get((compute_kind, mb))
+        if x is None or not 0 <= s + _PEER[comm_kind] < schedule.num_stages:
+            continue
+        compute, c = actions[x], first.get((comm_kind, mb))
+        side = "before" if before else "after"
+        if c is None:
+            need = Action(s, comm_kind, mb, compute.version)
+            msg = f"{_where(s, x, compute)}: no {need} {side} it"
+            out.append(_Problem(f"{msg}; insert one (or use add_communication)", (s, x)))
+        elif (c > x) if before else (c < x):
+            msg = f"{_where(s, c, actions[c])}: must come {side} {compute} (slot {x})"
+            out.append(_Problem(f"{msg}; move it", (s, c)))
+    return out
+
+
+def _firsts(schedule: Schedule, stage: int, kind: ActionKind) -> list[tuple[int, Action]]:
+    """(slot, action) of the first ``kind`` action per in-range micro-batch, in slot order."""
+    seen: set[int] = set()
+    out: list[tuple[int, Action]] = []
+    for i, a in enumerate(schedule.stages[stage]):
+        if a.kind is kind and 0 <= a.microbatch < schedule.num_microbatches:
+            if a.microbatch not in seen:
+                seen.add(a.microbatch)
+                out.append((i, a))
+    return out
+
+
+def _check_channels(schedule: Schedule) -> list[_Problem]:
+    """Sends and receives pair up across neighbours, in the same (FIFO) order."""
+    out: list[_Problem] = []
+    for s in range(schedule.num_stages - 1):
+        for send_kind, recv_kind, src, dst in (
+            (ActionKind.SEND_F, ActionKind.RECV_F, s, s + 1),
+            (ActionKind.SEND_B, ActionKind.RECV_B, s + 1, s),
+        ):
+            sends, recvs = _firsts(schedule, src, send_kind), _firsts(schedule, dst, recv_kind)
+            sent = {a.microbatch for _, a in sends}
+            got = {a.microbatch for _, a in recvs}
+            for i, a in sends:
+                if a.microbatch not in got:
+                    need = f"{dst}{recv_kind.value}{a.microbatch}"
+                    msg = f"{_where(src, i, a)}: no matching {need} on stage {dst}"
+                    out.append(_Problem(f"{msg}; add one there", (src, i)))
+            for i, a in recvs:
+                if a.microbatch not in sent:
+                    need = f"{src}{send_kind.value}{a.microbatch}"
+                    msg = f"{_where(dst, i, a)}: no matching {need} on stage {src}"
+                    out.append(_Problem(f"{msg}; add one there or remove this receive", (dst, i)))
+            paired_sends = [(i, a) for i, a in sends if a.microbatch in got]
+            paired_recvs = [(i, a) for i, a in recvs if a.microbatch in sent]
+            # Channels are FIFO: the k-th receive gets the k-th send's data, whatever its id.
+            for (si, sa), (ri, ra) in zip(paired_sends, paired_recvs, strict=False):
+                if sa.microbatch != ra.microbatch:
+                    msg = (
+                        f"{_where(dst, ri, ra)}: the FIFO channel {src}->{dst} delivers {sa} "
+                        f"(stage {src}, slot {si}) here"
+                    )
+                    fix = f"receive in the order stage {src} sends"
+                    out.append(_Problem(f"{msg}; {fix}", (dst, ri)))
+                    break  # later mismatches on this channel follow from the first
+    return out
+
+
+def _collect(schedule: Schedule) -> list[_Problem]:
+    has_comm = schedule.has_comm
+    problems = [p for s in range(schedule.num_stages) for p in _check_stage(schedule, s, has_comm)]
+    if has_comm:
+        problems += _check_channels(schedule)
+    return problems
+
+
+def _message(schedule: Schedule, problems: list[_Problem], note: str) -> str:
+    s = schedule
+    lines = [
+        f"invalid schedule {s.name!r} ({s.num_stages} stages, {s.num_microbatches} "
+        f"micro-batches){note}: {len(problems)} problem(s)"
+    ]
+    lines += [f"  - {problem.message}" for problem in problems[:_MAX_LISTED]]
+    if len(problems) > _MAX_LISTED:
+        lines.append(f"  ... and {len(problems) - _MAX_LISTED} more (see .problems)")
+    marks = {problem.cell for problem in problems if problem.cell is not None}
+    lines += ["grid (problem cells in [brackets]):", format_grid(schedule, marks)]
+    return "\n".join(lines)
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise :class:`ScheduleError` listing every problem in ``schedule``; return if valid.
+
+    Checks stage fields, micro-batch ranges, exactly one F and one B per micro-batch per stage
+    with F before B and the same weight version (one F and no B if ``training=False``), and, for
+    schedules with communication, send/receive placement, pairing and FIFO order across
+    neighbours. A compute-only schedule is also checked after :func:`add_communication`.
+    Finally the schedule is simulated to rule out deadlock (only once everything else passes,
+    so the deadlock report is meaningful).
+    """
+    checked, note = schedule, ""
+    problems = _collect(schedule)
+    if not problems and not schedule.has_comm:
+        checked, note = add_communication(schedule), " after add_communication"
+        problems = _collect(checked)
+    if not problems:
+        try:
+            simulate(checked)
+        except DeadlockError as err:
+            problems = [
+                _Problem(f"deadlock: {reason}", cell)
+                for reason, cell in zip(err.reasons, err.stuck, strict=True)
+            ]
+    if problems:
+        message = _message(checked, problems, note)
+        raise ScheduleError(message, tuple(problem.message for problem in problems))

@@ -1,0 +1,580 @@
+"""The Lightning seam: ``Pipe2BWStrategy`` sets up stages and hands each step to the pipeline engine."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Generator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _set_num_threads_if_needed,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer import call
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.data import _update_dataloader
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from typing_extensions import override
+
+from lightning_pipe2bw.launcher import PipeSpawnLauncher
+from lightning_pipe2bw.partition import Partition, find_body, make_partition
+from lightning_pipe2bw.runtime import P2PTransport, PipelineEngine, StageBody, merge_outputs
+from lightning_pipe2bw.runtime.microbatch import batch_size_of, split_batch
+from lightning_pipe2bw.schedule import SCHEDULES, Schedule, add_communication, get_schedule
+from lightning_pipe2bw.schedule.generators import forward_only
+from lightning_pipe2bw.steplog import LogRecorder, replay
+
+__all__ = ["Pipe2BWStrategy"]
+
+log = logging.getLogger(__name__)
+
+_StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+
+class Pipe2BWStrategy(ParallelStrategy):
+    """Pipeline-parallel training: one stage of the model's body per process.
+
+    Args:
+        schedule: the pipeline schedule, one of ``lightning_pipe2bw.schedule.SCHEDULES``
+            (``"gpipe"``, ``"1f1b"``).
+        microbatches: micro-batches per batch (``m``); each batch is split along dim 0. Defaults to
+            the number of stages. Uneven splits are allowed (sizes differ by at most one).
+        balance: blocks per stage, e.g. ``[3, 5]``; ``None`` splits the body evenly.
+        body: dotted attribute name of the ``nn.Sequential`` body, if it cannot be found
+            automatically (see the user rule in the docs).
+        start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"spawn"``/``"fork"``
+            start workers from this process (like ``ddp_spawn``) and bring the trained weights and
+            predictions back to it. Under ``torchrun`` or a cluster launcher nothing is started.
+        process_group_backend: defaults to ``"nccl"`` on CUDA and ``"gloo"`` on CPU.
+        timeout: the process group timeout.
+    """
+
+    strategy_name = "pipe2bw"
+
+    def __init__(
+        self,
+        schedule: str = "1f1b",
+        microbatches: int | None = None,
+        balance: Sequence[int] | None = None,
+        body: str | None = None,
+        start_method: _StartMethod = "popen",
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if schedule not in SCHEDULES:
+            valid = ", ".join(repr(name) for name in SCHEDULES)
+            raise ValueError(f"unknown schedule {schedule!r}; valid schedules: {valid}")
+        if microbatches is not None and (
+            not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1
+        ):
+            raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
+        if balance is not None:
+            if isinstance(balance, (str, bytes)) or not all(
+                isinstance(b, int) and not isinstance(b, bool) for b in balance
+            ):
+                raise TypeError(f"balance must be a list of block counts per stage, got {balance!r}")
+            if any(b <= 0 for b in balance):
+                raise ValueError(f"every stage needs at least one block, but balance={list(balance)}")
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(
+                f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}"
+            )
+        self.schedule_name = schedule
+        self.microbatches = microbatches
+        self.balance = tuple(balance) if balance is not None else None
+        self.body_name = body
+        self._start_method: _StartMethod = start_method
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._num_nodes = 1
+        self.partition: Partition | None = None
+        self.engine: PipelineEngine | None = None
+        self._schedules: dict[tuple[str, int], Schedule] = {}
+        self._grad_stash: list[tuple[nn.Parameter, Tensor | None]] = []
+
+    # ------------------------------------------------------------------ topology
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning injects a DistributedSampler (with forced shuffling) only for data-parallel
+        # replicas; every stage of one pipeline must read the user's batches in the user's order
+        return False
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def num_stages(self) -> int:
+        return self.world_size
+
+    @property
+    def stage(self) -> int:
+        return self.global_rank
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # every stage of one pipeline reads the same batches
+        return {"num_replicas": 1, "rank": 0}
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Make random sampling agree across stages: a ``RandomSampler`` draws from each rank's
+        global RNG, which the stages consume differently (dropout), so it is replaced by a
+        ``DistributedSampler`` with one replica, seeded with the run's seed."""
+        if isinstance(dataloader, DataLoader) and isinstance(dataloader.sampler, RandomSampler):
+            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+            sampler = DistributedSampler(
+                dataloader.dataset, num_replicas=1, rank=0, shuffle=True, seed=seed  # type: ignore[arg-type]
+            )
+            return _update_dataloader(dataloader, sampler)
+        return dataloader
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.microbatches if self.microbatches is not None else self.num_stages
+
+    # ------------------------------------------------------------------ launch and environment
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+        else:
+            self._launcher = PipeSpawnLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        _set_num_threads_if_needed(num_processes=max(self.num_processes, 1))
+        reset_seed()
+        assert self.cluster_environment is not None
+        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+        if self._process_group_backend is None:
+            self._process_group_backend = _get_default_process_group_backend_for_device(
+                self.root_device
+            )
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout
+        )
+        self._check_world()
+
+    def _check_world(self) -> None:
+        if self.balance is not None and len(self.balance) != self.world_size:
+            stages = len(self.balance)
+            if self.world_size % stages != 0:
+                raise ValueError(
+                    f"{self.world_size} devices cannot be split into pipelines of {stages} stages "
+                    f"(balance={list(self.balance)}); use a device count divisible by {stages}"
+                )
+            raise ValueError(
+                f"balance={list(self.balance)} describes {stages} stages but {self.world_size} "
+                f"devices were given; data parallel x pipeline is not supported yet, so use "
+                f"devices={stages} (one stage per device)"
+            )
+
+    # ------------------------------------------------------------------ model set-up
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Build ``configure_model``'s modules on the meta device; setup materialises only the
+        blocks this rank owns."""
+        with torch.device("meta"):
+            yield
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self._check_trainer(trainer)
+        self._build_stage()
+        assert self.model is not None
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self._patch_clip_grad_norm()
+
+    def _check_trainer(self, trainer: Trainer) -> None:
+        module = self.lightning_module
+        assert module is not None
+        if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
+            raise ValueError(
+                "pipe2bw drives forward and backward itself and needs automatic optimization; "
+                "remove `self.automatic_optimization = False` from the LightningModule"
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not supported "
+                "by pipe2bw: a batch already accumulates gradients over its micro-batches. Use a "
+                f"{trainer.accumulate_grad_batches}x larger batch (and more micro-batches) instead"
+            )
+
+    def _build_stage(self) -> None:
+        module = self.lightning_module
+        assert module is not None
+        ref = find_body(module, self.body_name)
+        current = ref.module
+        if isinstance(current, StageBody):  # already partitioned by an earlier trainer call
+            if current.num_stages != self.num_stages or current.stage != self.stage:
+                raise ValueError(
+                    f"this module was partitioned for stage {current.stage} of {current.num_stages}"
+                    f" and cannot be re-used as stage {self.stage} of {self.num_stages}"
+                )
+            self._setup_engine()
+            return
+        blocks = list(current)
+        partition = make_partition(len(blocks), self.num_stages, self.balance)
+        owned = partition.blocks_of(self.stage)
+        stage_body = StageBody(
+            ((i, blocks[i]) for i in owned), stage=self.stage, num_stages=self.num_stages
+        )
+        setattr(ref.parent, ref.attr, stage_body)  # the other stages' blocks are released here
+        del blocks, current
+        self._check_params_outside_body(module, ref.path)
+        self._materialize(module, ref.path, owned)
+        self.partition = partition
+        log.info(
+            "pipe2bw: rank %d runs stage %d/%d with blocks %s of %r",
+            self.global_rank, self.stage, self.num_stages, list(owned), ref.path,
+        )
+        self._setup_engine()
+
+    @staticmethod
+    def _check_params_outside_body(module: nn.Module, body_path: str) -> None:
+        stray = [
+            name for name, _ in module.named_parameters() if not name.startswith(body_path + ".")
+        ]
+        if stray:
+            raise ValueError(
+                f"parameters outside the pipeline body {body_path!r}: {stray}. Every layer with "
+                "parameters must be a block of the body so that exactly one stage owns it; move "
+                "these layers into the body (e.g. an embedding as its first block, a head as its last)"
+            )
+
+    def _materialize(self, module: nn.Module, body_path: str, owned: range) -> None:
+        """Allocate meta tensors (from ``configure_model``) on this rank's device. Each owned
+        block is initialised with ``reset_parameters()`` under a seed derived from its index, so
+        a block's initial weights do not depend on the partition."""
+        if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            return
+        base_seed = torch.initial_seed()
+        stage_body = module.get_submodule(body_path)
+        for index, block in zip(owned, stage_body.children(), strict=True):
+            block.to_empty(device=self.root_device)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(base_seed + index)
+                for sub in block.modules():
+                    reset = getattr(sub, "reset_parameters", None)
+                    if callable(reset):
+                        reset()
+        if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            module.to_empty(device=self.root_device)
+
+    def _setup_engine(self) -> None:
+        stage = self.stage
+        group = None  # the whole world is one pipeline
+        transport = P2PTransport(group, self.root_device)
+        module = self.lightning_module
+        assert module is not None
+        body = find_body(module, self.body_name).module
+        assert isinstance(body, StageBody)
+        self.engine = PipelineEngine(
+            body,
+            stage=stage,
+            num_stages=self.num_stages,
+            transport=transport,
+            prev_rank=stage - 1 if stage > 0 else None,
+            next_rank=stage + 1 if stage < self.num_stages - 1 else None,
+        )
+
+    def _schedule(self, train: bool, num_microbatches: int) -> Schedule:
+        key = (self.schedule_name if train else "forward", num_microbatches)
+        if key not in self._schedules:
+            if train:
+                sched = get_schedule(self.schedule_name, self.num_stages, num_microbatches)
+            else:
+                sched = forward_only(self.num_stages, num_microbatches)
+            self._schedules[key] = add_communication(sched)
+        return self._schedules[key]
+
+    # ------------------------------------------------------------------ steps
+    def _run_pipelined(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], train: bool) -> Any:
+        module = self.lightning_module
+        engine = self.engine
+        assert module is not None and engine is not None
+        batch, rest = args[0], args[1:]
+        size = batch_size_of(batch)
+        m = min(self.num_microbatches, size) if not train else self.num_microbatches
+        microbatches, sizes = split_batch(batch, m)
+        weights = [k / size for k in sizes]
+        fn = getattr(module, hook)
+        recorder = LogRecorder(module, active=engine.is_last)
+
+        def step(mb: Any) -> Any:
+            recorder.begin_microbatch(batch_size_of(mb))
+            return fn(mb, *rest, **kwargs)
+
+        with recorder:
+            results = engine.run(
+                self._schedule(train, m), microbatches, step, train=train,
+                loss_weights=weights, backward=self._backward_microbatch,
+            )
+        payload: dict[str, Any] = {}
+        if engine.is_last:
+            payload["logs"] = recorder.summary()
+            if train:
+                payload["loss"] = math.fsum(
+                    w * float(_loss_value(r)) for w, r in zip(weights, results, strict=True)
+                )
+            else:
+                payload["output"] = apply_to_collection(
+                    merge_outputs(results, sizes), Tensor, lambda t: t.detach().cpu()
+                )
+        payload = self._from_last_stage(payload)
+        replay(type(module).log.__get__(module), payload["logs"], self.root_device)
+        if train:
+            return torch.tensor(payload["loss"], device=self.root_device)
+        return apply_to_collection(payload["output"], Tensor, lambda t: t.to(self.root_device))
+
+    def _from_last_stage(self, payload: dict[str, Any]) -> dict[str, Any]:
+        if self.num_stages == 1:
+            return payload
+        box = [payload]
+        dist.broadcast_object_list(box, src=self.num_stages - 1)
+        return box[0]  # type: ignore[no-any-return]
+
+    def _backward_microbatch(self, loss: Tensor) -> None:
+        plugin = self.precision_plugin
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+            loss = plugin.scaler.scale(loss)
+        module = self.lightning_module
+        assert module is not None
+        plugin.backward(loss, module, None)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        # Lightning's closure runs training_step, then zero_grad, then backward; the engine runs
+        # the backwards inside the step, so the gradients are set aside here and put back in
+        # `backward`, and zero_grad (with its hooks) acts on nothing in between.
+        module = self.lightning_module
+        assert module is not None
+        for p in module.parameters():
+            p.grad = None
+        with self.precision_plugin.train_step_context():
+            loss = self._run_pipelined("training_step", args, kwargs, train=True)
+        self._grad_stash = [(p, p.grad) for p in module.parameters()]
+        for p in module.parameters():
+            p.grad = None
+        return loss  # type: ignore[no-any-return]
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self.precision_plugin.val_step_context():
+            return self._run_pipelined("validation_step", args, kwargs, train=False)  # type: ignore[no-any-return]
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self.precision_plugin.test_step_context():
+            return self._run_pipelined("test_step", args, kwargs, train=False)  # type: ignore[no-any-return]
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._run_pipelined("predict_step", args, kwargs, train=False)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """The engine already ran every micro-batch's backward; only the hooks are left to call."""
+        module = self.lightning_module
+        assert module is not None
+        for p, grad in self._grad_stash:
+            p.grad = grad
+        self._grad_stash = []
+        trainer = module.trainer
+        call._call_callback_hooks(trainer, "on_before_backward", closure_loss)
+        call._call_lightning_module_hook(trainer, "on_before_backward", closure_loss)
+        call._call_callback_hooks(trainer, "on_after_backward")
+        call._call_lightning_module_hook(trainer, "on_after_backward")
+        return closure_loss
+
+    def _patch_clip_grad_norm(self) -> None:
+        """Make norm clipping use the norm over *all* stages, as on one device."""
+        plugin = self.precision_plugin
+
+        def clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float) -> None:
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            local = torch.zeros((), dtype=torch.float64, device=self.root_device)
+            for p in params:
+                local += p.grad.detach().double().pow(2).sum()  # type: ignore[union-attr]
+            if self.num_stages > 1:
+                dist.all_reduce(local)
+            total = float(local.sqrt())
+            coef = min(1.0, float(clip_val) / (total + 1e-6))
+            if coef < 1.0:
+                for p in params:
+                    p.grad.detach().mul_(coef)  # type: ignore[union-attr]
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+    # ------------------------------------------------------------------ collectives
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The unpartitioned model's state dict on global rank 0 (collective; ``{}`` elsewhere)."""
+        module = self.lightning_module
+        assert module is not None
+        local = apply_to_collection(module.state_dict(), Tensor, lambda t: t.detach().cpu())
+        if self.num_stages == 1:
+            return local  # type: ignore[no-any-return]
+        gathered: list[Any] = [None] * self.world_size if self.global_rank == 0 else []
+        dist.gather_object(local, gathered if self.global_rank == 0 else None, dst=0)
+        if self.global_rank != 0:
+            return {}
+        merged: dict[str, Any] = {}
+        for part in gathered:
+            for key, value in part.items():
+                merged.setdefault(key, value)
+        return merged
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.full_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        opt = getattr(optimizer, "_optimizer", optimizer)
+        local = apply_to_collection(opt.state_dict(), Tensor, lambda t: t.detach().cpu())
+        gathered: list[Any] = [None] * self.world_size
+        if self.num_stages > 1:
+            dist.all_gather_object(gathered, local)
+        else:
+            gathered = [local]
+        assert self.partition is not None
+        return {"pipe2bw_stages": gathered, "pipe2bw_balance": list(self.partition.balance)}
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        module = self.lightning_module
+        assert module is not None
+        full = checkpoint["state_dict"]
+        local_keys = module.state_dict().keys()
+        missing = [k for k in local_keys if k not in full]
+        if missing and strict:
+            raise KeyError(
+                f"the checkpoint lacks {len(missing)} entries this stage needs, e.g. {missing[:5]}; "
+                "was it written for a different model?"
+            )
+        module.load_state_dict({k: full[k] for k in local_keys if k in full}, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self.partition is not None
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            if "pipe2bw_stages" not in state:
+                raise ValueError(
+                    "this checkpoint's optimizer state was not written by pipe2bw; resume it with "
+                    "the strategy that wrote it, or load only the weights"
+                )
+            if list(state["pipe2bw_balance"]) != list(self.partition.balance):
+                raise ValueError(
+                    f"the checkpoint's optimizer state was written for balance="
+                    f"{state['pipe2bw_balance']} but this run uses balance="
+                    f"{list(self.partition.balance)}; resume with the same balance"
+                )
+            optimizer.load_state_dict(state["pipe2bw_stages"][self.stage])
+
+    # ------------------------------------------------------------------ registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:  # type: ignore[override]
+        entries: list[tuple[str, str, dict[str, Any]]] = [
+            ("pipe2bw", "pipeline parallelism (default schedule)", {}),
+            ("pipe2bw_spawn", "pipeline parallelism, spawned workers", {"start_method": "spawn"}),
+        ]
+        for name in SCHEDULES:
+            entries.append((f"pipe_{name}", f"pipeline parallelism, schedule {name!r}", {"schedule": name}))
+        for name, description, init in entries:
+            strategy_registry.register(name, cls, description=description, override=True, **init)
+
+
+def _loss_value(result: Any) -> Tensor:
+    loss = result.get("loss") if isinstance(result, dict) else result
+    assert isinstance(loss, Tensor)
+    return loss.detach()

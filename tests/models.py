@@ -1,0 +1,136 @@
+"""Small models, data and the single-device reference used by the multi-process tests."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+IN, HIDDEN, OUT = 6, 12, 3
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+def make_body(num_blocks: int = 8) -> nn.Sequential:
+    layers: list[nn.Module] = [nn.Linear(IN, HIDDEN)]
+    layers += [Block(HIDDEN) for _ in range(num_blocks - 2)]
+    layers.append(nn.Linear(HIDDEN, OUT))
+    return nn.Sequential(*layers)
+
+
+def lr_lambda(step: int) -> float:
+    return 1.0 / (1.0 + 0.3 * step)
+
+
+def make_optimizer(params: Any, kind: str = "adamw") -> tuple[torch.optim.Optimizer, Any]:
+    if kind == "adamw":
+        opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
+    else:
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+
+
+class RegressionModel(LightningModule):
+    """A module written for one device: forward runs the body, training_step computes the loss."""
+
+    def __init__(self, num_blocks: int = 8, optimizer: str = "adamw") -> None:
+        super().__init__()
+        torch.manual_seed(1234)
+        self.body = make_body(num_blocks)
+        self.optimizer_kind = optimizer
+        self.seen_val: list[float] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.body(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("val_loss", loss)
+        return loss
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_loss", nn.functional.mse_loss(self(x), y))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, _ = batch
+        return self(x)
+
+    def configure_optimizers(self) -> Any:
+        opt, sched = make_optimizer(self.parameters(), self.optimizer_kind)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def dataset(n: int = 64, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, IN, generator=g)
+    y = torch.randn(n, OUT, generator=g)
+    return TensorDataset(x, y)
+
+
+def loader(batch_size: int = 8, n: int = 64) -> DataLoader[Any]:
+    return DataLoader(dataset(n), batch_size=batch_size, shuffle=False)
+
+
+def quiet_trainer(**kwargs: Any) -> Trainer:
+    defaults: dict[str, Any] = dict(
+        accelerator="cpu",
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    defaults.update(kwargs)
+    return Trainer(**defaults)
+
+
+def reference_train(
+    steps: int, microbatches: int, batch_size: int = 8, num_blocks: int = 8, optimizer: str = "adamw"
+) -> tuple[dict[str, Tensor], list[float]]:
+    """Single-device gradient accumulation over the same micro-batches: the exactness reference."""
+    model = RegressionModel(num_blocks, optimizer)
+    opt, sched = make_optimizer(model.parameters(), optimizer)
+    losses = []
+    for step, (x, y) in enumerate(loader(batch_size)):
+        if step == steps:
+            break
+        opt.zero_grad()
+        total = 0.0
+        n = x.shape[0]
+        for xs, ys in zip(torch.tensor_split(x, microbatches), torch.tensor_split(y, microbatches), strict=True):
+            loss = nn.functional.mse_loss(model(xs), ys) * (xs.shape[0] / n)
+            loss.backward()
+            total += float(loss)
+        losses.append(total)
+        opt.step()
+        sched.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def max_abs_diff(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def isclose(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6)
