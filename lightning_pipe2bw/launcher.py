@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
@@ -50,7 +50,11 @@ class PipeSpawnLauncher(_Launcher):
     broadcasts them, so rank 0 returns them).
     """
 
-    def __init__(self, strategy: Pipe2BWStrategy, start_method: str = "spawn") -> None:
+    def __init__(
+        self,
+        strategy: Pipe2BWStrategy,
+        start_method: Literal["spawn", "fork", "forkserver"] = "spawn",
+    ) -> None:
         self._inner = _GatheringLauncher(strategy, start_method=start_method)
 
     @property
@@ -59,7 +63,9 @@ class PipeSpawnLauncher(_Launcher):
         return self._inner.is_interactive_compatible
 
     @override
-    def launch(self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+    def launch(
+        self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any
+    ) -> Any:
         return self._inner.launch(function, *args, trainer=trainer, **kwargs)
 
     @override

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -22,9 +22,9 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
@@ -33,6 +33,7 @@ from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
+from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from typing_extensions import override
@@ -95,9 +96,13 @@ class Pipe2BWStrategy(ParallelStrategy):
             if isinstance(balance, (str, bytes)) or not all(
                 isinstance(b, int) and not isinstance(b, bool) for b in balance
             ):
-                raise TypeError(f"balance must be a list of block counts per stage, got {balance!r}")
+                raise TypeError(
+                    f"balance must be a list of block counts per stage, got {balance!r}"
+                )
             if any(b <= 0 for b in balance):
-                raise ValueError(f"every stage needs at least one block, but balance={list(balance)}")
+                raise ValueError(
+                    f"every stage needs at least one block, but balance={list(balance)}"
+                )
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(
                 f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}"
@@ -161,8 +166,12 @@ class Pipe2BWStrategy(ParallelStrategy):
         ``DistributedSampler`` with one replica, seeded with the run's seed."""
         if isinstance(dataloader, DataLoader) and isinstance(dataloader.sampler, RandomSampler):
             seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-            sampler = DistributedSampler(
-                dataloader.dataset, num_replicas=1, rank=0, shuffle=True, seed=seed  # type: ignore[arg-type]
+            sampler: DistributedSampler[Any] = DistributedSampler(
+                dataloader.dataset,
+                num_replicas=1,
+                rank=0,
+                shuffle=True,
+                seed=seed,  # type: ignore[arg-type]
             )
             return _update_dataloader(dataloader, sampler)
         return dataloader
@@ -192,9 +201,11 @@ class Pipe2BWStrategy(ParallelStrategy):
         _set_num_threads_if_needed(num_processes=max(self.num_processes, 1))
         reset_seed()
         assert self.cluster_environment is not None
-        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        self.cluster_environment.set_global_rank(
+            self.node_rank * self.num_processes + self.local_rank
+        )
         self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         if self._process_group_backend is None:
             self._process_group_backend = _get_default_process_group_backend_for_device(
                 self.root_device
@@ -271,7 +282,7 @@ class Pipe2BWStrategy(ParallelStrategy):
                 )
             self._setup_engine()
             return
-        blocks = list(current)
+        blocks = list(current.children())
         partition = make_partition(len(blocks), self.num_stages, self.balance)
         owned = partition.blocks_of(self.stage)
         stage_body = StageBody(
@@ -284,7 +295,11 @@ class Pipe2BWStrategy(ParallelStrategy):
         self.partition = partition
         log.info(
             "pipe2bw: rank %d runs stage %d/%d with blocks %s of %r",
-            self.global_rank, self.stage, self.num_stages, list(owned), ref.path,
+            self.global_rank,
+            self.stage,
+            self.num_stages,
+            list(owned),
+            ref.path,
         )
         self._setup_engine()
 
@@ -347,7 +362,9 @@ class Pipe2BWStrategy(ParallelStrategy):
         return self._schedules[key]
 
     # ------------------------------------------------------------------ steps
-    def _run_pipelined(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], train: bool) -> Any:
+    def _run_pipelined(
+        self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], train: bool
+    ) -> Any:
         module = self.lightning_module
         engine = self.engine
         assert module is not None and engine is not None
@@ -365,8 +382,12 @@ class Pipe2BWStrategy(ParallelStrategy):
 
         with recorder:
             results = engine.run(
-                self._schedule(train, m), microbatches, step, train=train,
-                loss_weights=weights, backward=self._backward_microbatch,
+                self._schedule(train, m),
+                microbatches,
+                step,
+                train=train,
+                loss_weights=weights,
+                backward=self._backward_microbatch,
             )
         payload: dict[str, Any] = {}
         if engine.is_last:
@@ -432,7 +453,9 @@ class Pipe2BWStrategy(ParallelStrategy):
             return self._run_pipelined("predict_step", args, kwargs, train=False)
 
     @override
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+    def backward(
+        self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> Tensor:
         """The engine already ran every micro-batch's backward; only the hooks are left to call."""
         module = self.lightning_module
         assert module is not None
@@ -563,13 +586,15 @@ class Pipe2BWStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ registry
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:  # type: ignore[override]
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         entries: list[tuple[str, str, dict[str, Any]]] = [
             ("pipe2bw", "pipeline parallelism (default schedule)", {}),
             ("pipe2bw_spawn", "pipeline parallelism, spawned workers", {"start_method": "spawn"}),
         ]
         for name in SCHEDULES:
-            entries.append((f"pipe_{name}", f"pipeline parallelism, schedule {name!r}", {"schedule": name}))
+            entries.append(
+                (f"pipe_{name}", f"pipeline parallelism, schedule {name!r}", {"schedule": name})
+            )
         for name, description, init in entries:
             strategy_registry.register(name, cls, description=description, override=True, **init)
 

@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from dist_pool import DistPool  # noqa: E402
+from dist_pool import DistPool
 
 torch.set_num_threads(1)
 

@@ -86,7 +86,9 @@ class DistPool:
         for p in self._procs:
             p.start()
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 240, **kwargs: Any) -> list[Any]:
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout: float = 240, **kwargs: Any
+    ) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
         if not self._procs or not all(p.is_alive() for p in self._procs):
             self.close()

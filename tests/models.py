@@ -105,7 +105,11 @@ def quiet_trainer(**kwargs: Any) -> Trainer:
 
 
 def reference_train(
-    steps: int, microbatches: int, batch_size: int = 8, num_blocks: int = 8, optimizer: str = "adamw"
+    steps: int,
+    microbatches: int,
+    batch_size: int = 8,
+    num_blocks: int = 8,
+    optimizer: str = "adamw",
 ) -> tuple[dict[str, Tensor], list[float]]:
     """Single-device gradient accumulation over the same micro-batches: the exactness reference."""
     model = RegressionModel(num_blocks, optimizer)
@@ -117,7 +121,9 @@ def reference_train(
         opt.zero_grad()
         total = 0.0
         n = x.shape[0]
-        for xs, ys in zip(torch.tensor_split(x, microbatches), torch.tensor_split(y, microbatches), strict=True):
+        for xs, ys in zip(
+            torch.tensor_split(x, microbatches), torch.tensor_split(y, microbatches), strict=True
+        ):
             loss = nn.functional.mse_loss(model(xs), ys) * (xs.shape[0] / n)
             loss.backward()
             total += float(loss)

@@ -31,7 +31,9 @@ def _resolve(root: nn.Module, path: str) -> BodyRef:
     for name in heads:
         child = getattr(parent, name, None)
         if not isinstance(child, nn.Module):
-            raise ValueError(f"body path {path!r}: {name!r} is not a submodule of {type(parent).__name__}")
+            raise ValueError(
+                f"body path {path!r}: {name!r} is not a submodule of {type(parent).__name__}"
+            )
         parent = child
     body = getattr(parent, attr, None)
     if not isinstance(body, (nn.Sequential, StageBody)):
@@ -62,7 +64,9 @@ def find_body(module: nn.Module, name: str | None = None) -> BodyRef:
     candidates = [
         path
         for path, sub in module.named_modules()
-        if path and isinstance(sub, (nn.Sequential, StageBody)) and any(True for _ in sub.parameters())
+        if path
+        and isinstance(sub, (nn.Sequential, StageBody))
+        and any(True for _ in sub.parameters())
     ]
     # keep only the outermost Sequentials (a Sequential inside a block is part of that block)
     top = [p for p in candidates if not any(p.startswith(q + ".") for q in candidates if q != p)]
@@ -119,13 +123,17 @@ def make_partition(num_blocks: int, num_stages: int, balance: Sequence[int] | No
     if any(not isinstance(b, int) or isinstance(b, bool) for b in values):
         raise TypeError(f"balance must be a list of ints (block counts per stage), got {values}")
     if len(values) != num_stages:
-        problems.append(f"balance has {len(values)} entries but the pipeline has {num_stages} stages")
+        problems.append(
+            f"balance has {len(values)} entries but the pipeline has {num_stages} stages"
+        )
     if sum(values) != num_blocks:
         problems.append(
             f"module has {num_blocks} blocks but balance sums to {sum(values)} (balance={values})"
         )
     if any(b <= 0 for b in values):
-        problems.append(f"every stage needs at least one block, but balance={values} has {min(values)}")
+        problems.append(
+            f"every stage needs at least one block, but balance={values} has {min(values)}"
+        )
     if problems:
         raise ValueError("invalid balance: " + "; ".join(problems))
     return Partition(tuple(values))

@@ -58,9 +58,7 @@ class EngineStats:
 
 
 def _grad_leaves(payload: Any) -> list[Tensor]:
-    return [
-        x for x in pytree.tree_leaves(payload) if isinstance(x, Tensor) and x.requires_grad
-    ]
+    return [x for x in pytree.tree_leaves(payload) if isinstance(x, Tensor) and x.requires_grad]
 
 
 def _loss_of(result: Any, microbatch: int) -> Tensor:

@@ -80,9 +80,13 @@ def merge_outputs(outputs: Sequence[Any], sizes: Sequence[int]) -> Any:
     merged: list[Any] = []
     for column in zip(*(leaves for leaves, _ in flat), strict=True):
         first = column[0]
-        if isinstance(first, torch.Tensor) and first.ndim >= 1 and all(
-            isinstance(c, torch.Tensor) and c.ndim >= 1 and c.shape[0] == k
-            for c, k in zip(column, sizes, strict=True)
+        if (
+            isinstance(first, torch.Tensor)
+            and first.ndim >= 1
+            and all(
+                isinstance(c, torch.Tensor) and c.ndim >= 1 and c.shape[0] == k
+                for c, k in zip(column, sizes, strict=True)
+            )
         ):
             merged.append(torch.cat(list(column), dim=0))
         elif isinstance(first, torch.Tensor) and first.ndim == 0:

@@ -26,7 +26,9 @@ class StageBody(nn.Module):
     stage), or return the received activation run through the local blocks (last stage).
     """
 
-    def __init__(self, blocks: Iterable[tuple[int, nn.Module]], stage: int, num_stages: int) -> None:
+    def __init__(
+        self, blocks: Iterable[tuple[int, nn.Module]], stage: int, num_stages: int
+    ) -> None:
         super().__init__()
         self.stage = stage
         self.num_stages = num_stages

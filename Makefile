@@ -1,0 +1,36 @@
+# Two commands do all the set-up on a fresh machine (Python 3.11, no GPU):
+#   make train   runs the example job (2 CPU processes)
+#   make test    runs lint, type check and the whole test suite
+# Both create .venv on first use and install the pinned CPU torch build before anything that
+# depends on torch, so no CUDA wheels are pulled. Override TORCH_SPEC on a GPU machine.
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: setup train test lint typecheck clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+train: setup
+	$(PY) examples/train.py
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+typecheck: setup
+	$(VENV)/bin/mypy
+
+test: lint typecheck
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) outputs lightning_logs
