@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import os
 import tempfile
 from typing import TYPE_CHECKING, Any, Literal
 
+import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import (
@@ -39,7 +41,11 @@ class _GatheringLauncher(_MultiProcessingLauncher):
             weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
             self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
         extra = self.get_extra_results(trainer)
-        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)
+        # results (predictions) travel as bytes: tensors put on a multiprocessing queue are shared
+        # through file descriptors that vanish when the worker exits before the parent reads them
+        buffer = io.BytesIO()
+        torch.save(results, buffer)
+        return _WorkerOutput(best_model_path, weights_path, trainer.state, buffer.getvalue(), extra)
 
 
 class PipeSpawnLauncher(_Launcher):
@@ -66,7 +72,11 @@ class PipeSpawnLauncher(_Launcher):
     def launch(
         self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any
     ) -> Any:
-        return self._inner.launch(function, *args, trainer=trainer, **kwargs)
+        results = self._inner.launch(function, *args, trainer=trainer, **kwargs)
+        if trainer is None:
+            return results
+        # written by this package's own worker a moment ago (see _collect_rank_zero_results)
+        return torch.load(io.BytesIO(results), weights_only=False)
 
     @override
     def kill(self, signum: Any) -> None:
