@@ -93,9 +93,16 @@ class Pipe2BWStrategy(ParallelStrategy):
         ):
             raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
         if balance is not None:
-            if isinstance(balance, (str, bytes)) or not all(
-                isinstance(b, int) and not isinstance(b, bool) for b in balance
-            ):
+            if isinstance(balance, (str, bytes)):
+                raise TypeError(
+                    f"balance must be a list of block counts per stage, got {balance!r}"
+                )
+            balance = list(balance)
+            if not balance:
+                raise ValueError(
+                    "balance=[] lists no stage; give one block count per stage, or None for an even split"
+                )
+            if not all(isinstance(b, int) and not isinstance(b, bool) for b in balance):
                 raise TypeError(
                     f"balance must be a list of block counts per stage, got {balance!r}"
                 )

@@ -10,12 +10,7 @@ from models import isclose, max_abs_diff, reference_train
 STEPS = 5
 TOL = 1e-5
 
-CASES = [
-    (schedule, p, m)
-    for schedule in ("gpipe", "1f1b")
-    for p in (2, 4)
-    for m in (1, p, 2 * p)
-]
+CASES = [(schedule, p, m) for schedule in ("gpipe", "1f1b") for p in (2, 4) for m in (1, p, 2 * p)]
 
 
 @pytest.mark.parametrize(("schedule", "p", "m"), CASES, ids=[f"{s}-p{p}-m{m}" for s, p, m in CASES])

@@ -13,7 +13,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from models import RegressionModel, loader, max_abs_diff, quiet_trainer, reference_train
 from torch import nn
 
-import lightning_pipe2bw  # noqa: F401  (registers the strategy names)
+import lightning_pipe2bw
 
 
 class SaveAtEnd(Callback):

@@ -51,3 +51,70 @@ def fit(
         ),
         "blocks": list(model.body.indices),
     }
+
+
+class LateBuiltModel(RegressionModel):
+    """Builds its body in ``configure_model`` (Lightning's hook for large models)."""
+
+    def __init__(self, width: int, num_blocks: int) -> None:
+        super().__init__()
+        del self.body
+        self.body: Any = None
+        self.width = width
+        self.num_blocks = num_blocks
+        self.built_on_meta: bool | None = None
+
+    def configure_model(self) -> None:
+        if self.body is not None:
+            return
+        w = self.width
+        self.body = torch.nn.Sequential(*[torch.nn.Linear(w, w) for _ in range(self.num_blocks)])
+        self.built_on_meta = all(p.is_meta for p in self.body.parameters())
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x = batch[0]
+        return self(x).pow(2).mean()
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+class PeakAtFitStart(Callback):
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self.peak_kib = _status_kib("VmHWM")
+        self.state = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+
+
+def fit_late_built(width: int, num_blocks: int) -> dict[str, Any]:
+    from lightning.pytorch import seed_everything
+    from torch.utils.data import DataLoader, TensorDataset
+
+    seed_everything(42, verbose=False)
+    world = dist.get_world_size()
+    model = LateBuiltModel(width, num_blocks)
+    data = DataLoader(TensorDataset(torch.randn(8, width)), batch_size=4)
+    peak = PeakAtFitStart()
+    trainer = quiet_trainer(
+        devices=world,
+        strategy=Pipe2BWStrategy(microbatches=2),
+        max_steps=1,
+        callbacks=[peak],
+    )
+    # reset the peak resident set size so that VmHWM measures set-up alone
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_kib("VmRSS")
+    trainer.fit(model, data)
+    return {
+        "built_on_meta": model.built_on_meta,
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "meta_left": any(p.is_meta for p in model.parameters()),
+        "peak_increase_bytes": (peak.peak_kib - before) * 1024,
+        "initial_state": peak.state,
+        "blocks": list(model.body.indices),
+    }

@@ -36,6 +36,10 @@ def _resolve(root: nn.Module, path: str) -> BodyRef:
             )
         parent = child
     body = getattr(parent, attr, None)
+    if body is None:
+        raise ValueError(
+            f"body path {path!r}: {type(parent).__name__} has no attribute {attr!r}; pass the name of the nn.Sequential attribute that holds the blocks"
+        )
     if not isinstance(body, (nn.Sequential, StageBody)):
         raise TypeError(
             f"the pipeline body {path!r} must be an nn.Sequential of blocks, got {type(body).__name__}; "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +53,9 @@ def flatten_payload(obj: Any) -> tuple[list[torch.Tensor], bytes]:
         else:
             header_leaves.append(leaf)
     try:
-        header = pickle.dumps((spec, header_leaves, metas), protocol=pickle.HIGHEST_PROTOCOL)
+        with warnings.catch_warnings():  # torch 2.13 warns when its own LeafSpec is pickled
+            warnings.simplefilter("ignore", FutureWarning)
+            header = pickle.dumps((spec, header_leaves, metas), protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, TypeError, AttributeError) as err:
         raise TypeError(
             "a pipeline stage output must be a tensor or a tuple/list/dict of tensors and picklable "
@@ -61,8 +64,14 @@ def flatten_payload(obj: Any) -> tuple[list[torch.Tensor], bytes]:
     return tensors, header
 
 
+def _load_header(header: bytes) -> tuple[Any, list[Any], list[TensorMeta]]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return pickle.loads(header)  # type: ignore[no-any-return]
+
+
 def _unflatten_payload(header: bytes, tensors: list[torch.Tensor]) -> Any:
-    spec, header_leaves, _ = pickle.loads(header)
+    spec, header_leaves, _ = _load_header(header)
     leaves = [tensors[x.index] if isinstance(x, _TensorSlot) else x for x in header_leaves]
     return pytree.tree_unflatten(leaves, spec)
 
@@ -119,12 +128,13 @@ class P2PTransport:
         length = torch.empty(1, dtype=torch.int64, device=self.device)
         dist.recv(length, src=peer, group=self.group)
         n = int(length.item())
+        self.bytes_received += length.element_size() + n
         if n > 0:
             raw = torch.empty(n, dtype=torch.uint8, device=self.device)
             dist.recv(raw, src=peer, group=self.group)
             self._recv_header[src] = raw.cpu().numpy().tobytes()
         header = self._recv_header[src]
-        _, _, metas = pickle.loads(header)
+        _, _, metas = _load_header(header)
         tensors: list[torch.Tensor] = []
         for meta in metas:
             t = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)

@@ -1,0 +1,500 @@
+"""Bad input gets a clear ValueError/TypeError that names the value and the fix, on every rank,
+before any rank can block in a collective or a receive.
+
+Errors from a constructor or pure function are checked in this process. Errors that arise in
+``trainer.fit`` are checked on real ranks of the session's gloo pool: ``_on_rank_fit`` catches
+the exception on each rank and returns its type and message, so the test sees every rank's error
+and the pool stays usable (a task that fails in the pool tears it down, which costs a restart).
+Errors in the user's step are checked on a 1-rank pool, where the one stage is both first and
+last: on several ranks they are raised on one stage only (see the module notes in the report).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule
+from models import (
+    HIDDEN,
+    IN,
+    OUT,
+    RegressionModel,
+    isclose,
+    loader,
+    make_body,
+    max_abs_diff,
+    quiet_trainer,
+    reference_train,
+)
+from torch import Tensor, nn
+
+from lightning_pipe2bw import Pipe2BWStrategy
+from lightning_pipe2bw.partition import make_partition
+from lightning_pipe2bw.schedule import SCHEDULES
+
+TIMEOUT = 60  # seconds; a rank that hangs fails the test instead of stalling the session
+
+
+# ----------------------------------------------------------------------------- models
+
+
+class SmallBase(LightningModule):
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class OneBlock(SmallBase):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(IN, OUT))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.body(x)  # type: ignore[no-any-return]
+
+
+class ListLayers(SmallBase):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(IN, HIDDEN), nn.Linear(HIDDEN, OUT)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class TwoBodies(SmallBase):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(IN, HIDDEN), nn.Linear(HIDDEN, HIDDEN))
+        self.decoder = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, OUT))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.decoder(self.encoder(x))  # type: ignore[no-any-return]
+
+
+class StrayHead(RegressionModel):
+    """A layer with parameters next to the body, used in training_step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(OUT, OUT)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.head(self(x)), y)
+
+
+class StrayParameter(RegressionModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature = nn.Parameter(torch.ones(()))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x) / self.temperature, y)
+
+
+class NestedBody(RegressionModel):
+    """RegressionModel's weights, but the body lives at ``trunk.layers``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.body
+        torch.manual_seed(1234)  # as RegressionModel does: the same initial weights
+        self.trunk = nn.Module()
+        self.trunk.layers = make_body()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.trunk.layers(x)  # type: ignore[no-any-return]
+
+
+class HookBody(RegressionModel):
+    """RegressionModel's weights, with the body named by ``pipeline_body()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.body
+        torch.manual_seed(1234)
+        self.layers = make_body()
+
+    def pipeline_body(self) -> nn.Sequential:
+        return self.layers
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layers(x)  # type: ignore[no-any-return]
+
+
+class ManualOptimization(RegressionModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        opt = self.optimizers()
+        loss = nn.functional.mse_loss(self(x), y)
+        opt.zero_grad()  # type: ignore[union-attr]
+        self.manual_backward(loss)
+        opt.step()  # type: ignore[union-attr]
+        return loss
+
+
+class SkipsBody(RegressionModel):
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        _, y = batch
+        return (y**2).mean()
+
+
+class CallsBodyTwice(RegressionModel):
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y) + nn.functional.mse_loss(self(x), y)
+
+
+class ReturnsNone(RegressionModel):
+    def training_step(self, batch: Any, batch_idx: int) -> None:  # type: ignore[override]
+        x, y = batch
+        self.log("train_loss", nn.functional.mse_loss(self(x), y))
+
+
+MODELS: dict[str, Callable[[], LightningModule]] = {
+    "regression": RegressionModel,
+    "one_block": OneBlock,
+    "list_layers": ListLayers,
+    "two_bodies": TwoBodies,
+    "stray_head": StrayHead,
+    "stray_parameter": StrayParameter,
+    "nested_body": NestedBody,
+    "hook_body": HookBody,
+    "manual_optimization": ManualOptimization,
+    "skips_body": SkipsBody,
+    "calls_body_twice": CallsBodyTwice,
+    "returns_none": ReturnsNone,
+}
+
+
+# ----------------------------------------------------------------------------- rank function
+
+
+class RecordLoss(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+
+def _on_rank_fit(
+    model: str,
+    strategy_kwargs: dict[str, Any],
+    trainer_kwargs: dict[str, Any] | None = None,
+    batch_size: int = 8,
+    n: int = 64,
+    steps: int = 2,
+) -> dict[str, Any]:
+    """Fit on every rank; return the error each rank raised, or the trained weights."""
+    module = MODELS[model]()
+    strategy = Pipe2BWStrategy(**strategy_kwargs)
+    record = RecordLoss()
+    trainer = quiet_trainer(
+        devices=dist.get_world_size(),
+        strategy=strategy,
+        max_steps=steps,
+        max_epochs=1,
+        callbacks=[record],
+        **(trainer_kwargs or {}),
+    )
+    try:
+        trainer.fit(module, loader(batch_size, n))
+    except Exception as err:
+        return {"error": type(err).__name__, "message": str(err), "steps": trainer.global_step}
+    state = strategy.full_state_dict()
+    return {
+        "error": None,
+        "state": state if dist.get_rank() == 0 else None,
+        "losses": record.losses,
+        "steps": trainer.global_step,
+    }
+
+
+def fit_error(pool: Any, model: str, strategy_kwargs: dict[str, Any], **kwargs: Any) -> str:
+    """Run ``_on_rank_fit`` and check that every rank raised the same error; return its
+    ``"Type: message"`` (the message of the last rank)."""
+    results = pool.run(_on_rank_fit, model, strategy_kwargs, timeout=TIMEOUT, **kwargs)
+    errors = [(r["error"], r["message"]) for r in results if r["error"] is not None]
+    assert len(errors) == len(results), (
+        f"only {len(errors)} of {len(results)} ranks raised: {results}"
+    )
+    assert len({e for e, _ in errors}) == 1, errors
+    kind, message = errors[-1]
+    return f"{kind}: {message}"
+
+
+def fit_ok(pool: Any, model: str, strategy_kwargs: dict[str, Any], **kwargs: Any) -> list[Any]:
+    results = pool.run(_on_rank_fit, model, strategy_kwargs, timeout=TIMEOUT, **kwargs)
+    for r in results:
+        assert r["error"] is None, r
+    return results  # type: ignore[no-any-return]
+
+
+# ----------------------------------------------------------------------------- constructor checks
+
+
+@pytest.mark.parametrize("schedule", ["zb", "1F1B", "", "pipedream"])
+def test_unknown_schedule(schedule: str) -> None:
+    with pytest.raises(ValueError) as info:
+        Pipe2BWStrategy(schedule=schedule)
+    message = str(info.value)
+    assert f"unknown schedule {schedule!r}" in message
+    for name in SCHEDULES:
+        assert repr(name) in message
+
+
+@pytest.mark.parametrize("microbatches", [0, -2, 2.0, "4", True])
+def test_bad_microbatches(microbatches: Any) -> None:
+    with pytest.raises(ValueError) as info:
+        Pipe2BWStrategy(microbatches=microbatches)
+    assert str(info.value) == f"microbatches must be a positive int, got {microbatches!r}"
+
+
+@pytest.mark.parametrize("start_method", ["thread", "Spawn", ""])
+def test_bad_start_method(start_method: str) -> None:
+    with pytest.raises(ValueError) as info:
+        Pipe2BWStrategy(start_method=start_method)  # type: ignore[arg-type]
+    message = str(info.value)
+    assert repr(start_method) in message
+    for valid in ("popen", "spawn", "fork", "forkserver"):
+        assert repr(valid) in message
+
+
+@pytest.mark.parametrize("balance", [[4, 0, 4], [5, -1, 4], [0]])
+def test_balance_with_empty_stage(balance: list[int]) -> None:
+    with pytest.raises(ValueError) as info:
+        Pipe2BWStrategy(balance=balance)
+    message = str(info.value)
+    assert "at least one block" in message
+    assert str(balance) in message
+
+
+@pytest.mark.parametrize("balance", [[4.0, 4.0], [4, "4"], "44", [True, 7], [4, None]])
+def test_balance_with_non_int_entries(balance: Any) -> None:
+    with pytest.raises(TypeError) as info:
+        Pipe2BWStrategy(balance=balance)
+    message = str(info.value)
+    assert "balance must be a list of block counts per stage" in message
+    assert repr(balance) in message
+
+
+@pytest.mark.parametrize(
+    ("blocks", "stages", "balance", "texts"),
+    [
+        (8, 2, [3, 3], ["module has 8 blocks but balance sums to 6"]),
+        (8, 2, [5, 5], ["module has 8 blocks but balance sums to 10"]),
+        (8, 3, [4, 4], ["balance has 2 entries but the pipeline has 3 stages"]),
+        (
+            8,
+            2,
+            [1, 2, 0],
+            ["3 entries", "sums to 3", "at least one block", "has 0"],
+        ),
+    ],
+)
+def test_make_partition_lists_every_problem(
+    blocks: int, stages: int, balance: list[int], texts: list[str]
+) -> None:
+    with pytest.raises(ValueError) as info:
+        make_partition(blocks, stages, balance)
+    message = str(info.value)
+    assert message.startswith("invalid balance: ")
+    for text in texts:
+        assert text in message
+
+
+def test_make_partition_more_stages_than_blocks() -> None:
+    with pytest.raises(ValueError) as info:
+        make_partition(3, 4, None)
+    message = str(info.value)
+    assert "the body has 3 blocks but the pipeline has 4 stages" in message
+    assert "use at most 3 devices/stages" in message
+
+
+# ----------------------------------------------------------------------------- set-up errors (2 ranks)
+
+
+def test_more_stages_than_blocks(pools: Any) -> None:
+    message = fit_error(pools(2), "one_block", {})
+    assert message.startswith("ValueError: the body has 1 blocks but the pipeline has 2 stages")
+    assert "use at most 1 devices/stages or split the body into more blocks" in message
+
+
+@pytest.mark.parametrize("balance", [[3, 3], [4, 5]])
+def test_balance_not_summing_to_block_count(pools: Any, balance: list[int]) -> None:
+    message = fit_error(pools(2), "regression", {"balance": balance})
+    assert message.startswith("ValueError: invalid balance: ")
+    assert f"module has 8 blocks but balance sums to {sum(balance)} (balance={balance})" in message
+
+
+def test_balance_entries_not_dividing_device_count(pools: Any) -> None:
+    message = fit_error(pools(2), "regression", {"balance": [2, 3, 3]})
+    assert message == (
+        "ValueError: 2 devices cannot be split into pipelines of 3 stages (balance=[2, 3, 3]); "
+        "use a device count divisible by 3"
+    )
+
+
+def test_balance_fewer_stages_than_devices(pools: Any) -> None:
+    message = fit_error(pools(2), "regression", {"balance": [8]})
+    assert message.startswith("ValueError: balance=[8] describes 1 stages but 2 devices were given")
+    assert "use devices=1" in message
+
+
+def test_empty_balance() -> None:
+    for empty in ([], (), iter([])):
+        with pytest.raises(ValueError, match=r"balance=\[\] lists no stage; give one block count"):
+            Pipe2BWStrategy(balance=empty)
+
+
+def test_accumulate_grad_batches(pools: Any) -> None:
+    message = fit_error(pools(2), "regression", {}, trainer_kwargs={"accumulate_grad_batches": 2})
+    assert message.startswith(
+        "ValueError: Trainer(accumulate_grad_batches=2) is not supported by pipe2bw"
+    )
+    assert "Use a 2x larger batch (and more micro-batches) instead" in message
+
+
+def test_manual_optimization(pools: Any) -> None:
+    message = fit_error(pools(2), "manual_optimization", {})
+    assert message.startswith("ValueError: pipe2bw drives forward and backward itself")
+    assert "remove `self.automatic_optimization = False`" in message
+
+
+def test_layers_in_module_list_without_hook(pools: Any) -> None:
+    message = fit_error(pools(2), "list_layers", {})
+    assert message.startswith(
+        "TypeError: ListLayers has no nn.Sequential attribute to split into pipeline stages"
+    )
+    assert "pipeline_body(self) -> nn.Sequential" in message
+    assert "Pipe2BWStrategy(body='<attribute name>')" in message
+
+
+def test_two_sequential_attributes(pools: Any) -> None:
+    message = fit_error(pools(2), "two_bodies", {})
+    assert message.startswith(
+        "ValueError: TwoBodies has several nn.Sequential attributes with parameters: "
+        "['encoder', 'decoder']"
+    )
+    assert "Pipe2BWStrategy(body=...)" in message
+    assert "pipeline_body()" in message
+
+
+def test_body_name_that_is_not_an_attribute(pools: Any) -> None:
+    message = fit_error(pools(2), "regression", {"body": "bdy"})
+    assert message.startswith("TypeError: the pipeline body 'bdy' must be an nn.Sequential")
+
+
+@pytest.mark.parametrize(
+    ("model", "names"),
+    [("stray_head", "['head.weight', 'head.bias']"), ("stray_parameter", "['temperature']")],
+)
+def test_parameters_outside_the_body(pools: Any, model: str, names: str) -> None:
+    message = fit_error(pools(2), model, {})
+    assert message.startswith(f"ValueError: parameters outside the pipeline body 'body': {names}")
+    assert "move these layers into the body" in message
+
+
+# ----------------------------------------------------------------------------- naming the body
+
+
+@pytest.mark.parametrize(
+    ("model", "strategy_kwargs", "prefix"),
+    [
+        ("nested_body", {"body": "trunk.layers"}, "trunk.layers."),
+        ("hook_body", {}, "layers."),
+    ],
+    ids=["body_name", "pipeline_body_hook"],
+)
+def test_named_body_trains_like_one_device(
+    pools: Any, model: str, strategy_kwargs: dict[str, Any], prefix: str
+) -> None:
+    rank0, rank1 = fit_ok(pools(2), model, strategy_kwargs, steps=2)
+    assert rank0["steps"] == rank1["steps"] == 2
+    state = {"body." + k.removeprefix(prefix): v for k, v in rank0["state"].items()}
+    assert all(k.startswith(prefix) for k in rank0["state"])
+    ref_state, ref_losses = reference_train(2, microbatches=2)
+    assert max_abs_diff(state, ref_state) < 1e-5
+    for got, want in zip(rank0["losses"], ref_losses, strict=True):
+        assert isclose(got, want), (rank0["losses"], ref_losses)
+    assert rank0["losses"] == rank1["losses"]
+
+
+# ----------------------------------------------------------------------------- uneven batches
+
+
+@pytest.mark.parametrize(("schedule", "microbatches"), [("1f1b", 2), ("gpipe", 3)])
+def test_batch_not_divisible_by_microbatches(pools: Any, schedule: str, microbatches: int) -> None:
+    """Batches of 7 in 2 (4+3) or 3 (3+2+2) micro-batches: the same weights as one device that
+    weights each micro-batch's mean loss by its share of the batch."""
+    steps = 3
+    rank0, _ = fit_ok(
+        pools(2),
+        "regression",
+        {"schedule": schedule, "microbatches": microbatches},
+        batch_size=7,
+        steps=steps,
+    )
+    ref_state, ref_losses = reference_train(steps, microbatches, batch_size=7)
+    assert max_abs_diff(rank0["state"], ref_state) < 1e-5
+    assert len(rank0["losses"]) == steps
+    for got, want in zip(rank0["losses"], ref_losses, strict=True):
+        assert isclose(got, want), (rank0["losses"], ref_losses)
+
+
+def test_batch_smaller_than_microbatches(pools: Any) -> None:
+    """64 samples in batches of 3 end with a batch of 1, which 2 micro-batches cannot split;
+    every rank stops there with the same error, after the 21 full batches trained."""
+    results = pools(2).run(
+        _on_rank_fit, "regression", {"microbatches": 2}, batch_size=3, steps=-1, timeout=TIMEOUT
+    )
+    for r in results:
+        assert r["error"] == "ValueError"
+        assert r["message"] == (
+            "a batch of 1 samples cannot be split into microbatches=2; use a batch size of at "
+            "least 2 or fewer micro-batches"
+        )
+        assert r["steps"] == 21
+
+
+# ----------------------------------------------------------------------------- the user's step (1 rank)
+# On one rank the stage is both first and last, so these errors are raised on every rank. With
+# several stages each is raised on one stage only and the others wait in a receive.
+
+
+def test_training_step_does_not_call_body(pools: Any) -> None:
+    message = fit_error(pools(1), "skips_body", {})
+    assert message.startswith(
+        "RuntimeError: the step of micro-batch 0 returned without calling the pipeline body"
+    )
+    assert "exactly once" in message
+
+
+def test_training_step_calls_body_twice(pools: Any) -> None:
+    message = fit_error(pools(1), "calls_body_twice", {})
+    assert message.startswith("RuntimeError: the pipeline body was called twice in one step")
+    assert "call self.body(x) / self(x) exactly once in each step" in message
+
+
+def test_training_step_returns_none(pools: Any) -> None:
+    message = fit_error(pools(1), "returns_none", {})
+    assert message.startswith("TypeError: with pipe2bw, training_step must return the loss tensor")
+    assert "micro-batch 0 returned NoneType" in message
