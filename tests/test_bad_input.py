@@ -400,7 +400,9 @@ def test_two_sequential_attributes(pools: Any) -> None:
 
 def test_body_name_that_is_not_an_attribute(pools: Any) -> None:
     message = fit_error(pools(2), "regression", {"body": "bdy"})
-    assert message.startswith("TypeError: the pipeline body 'bdy' must be an nn.Sequential")
+    assert message.startswith(
+        "ValueError: body path 'bdy': RegressionModel has no attribute 'bdy'; pass the name of the nn.Sequential attribute"
+    )
 
 
 @pytest.mark.parametrize(
