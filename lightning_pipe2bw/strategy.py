@@ -291,6 +291,7 @@ class Pipe2BWStrategy(ParallelStrategy):
             return
         blocks = list(current.children())
         partition = make_partition(len(blocks), self.num_stages, self.balance)
+        _check_no_tied_parameters(blocks, partition, ref.path)
         owned = partition.blocks_of(self.stage)
         stage_body = StageBody(
             ((i, blocks[i]) for i in owned), stage=self.stage, num_stages=self.num_stages
@@ -604,6 +605,27 @@ class Pipe2BWStrategy(ParallelStrategy):
             )
         for name, description, init in entries:
             strategy_registry.register(name, cls, description=description, override=True, **init)
+
+
+def _check_no_tied_parameters(blocks: list[nn.Module], partition: Partition, body: str) -> None:
+    """A parameter shared by blocks on different stages would be trained as two copies."""
+    owner: dict[int, tuple[int, int, str]] = {}
+    problems = []
+    for stage in range(partition.num_stages):
+        for index in partition.blocks_of(stage):
+            for name, param in blocks[index].named_parameters(remove_duplicate=False):
+                first = owner.setdefault(id(param), (stage, index, name))
+                if first[0] != stage:
+                    problems.append(
+                        f"{body}.{first[1]}.{first[2]} (stage {first[0]}) is "
+                        f"{body}.{index}.{name} (stage {stage})"
+                    )
+    if problems:
+        raise ValueError(
+            f"parameters shared between blocks on different stages: {problems}. Each stage "
+            "would train its own copy; untie them, or choose a balance that puts the blocks that "
+            "share a parameter on one stage"
+        )
 
 
 def _loss_value(result: Any) -> Tensor:

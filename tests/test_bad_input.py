@@ -500,3 +500,36 @@ def test_training_step_returns_none(pools: Any) -> None:
     message = fit_error(pools(1), "returns_none", {})
     assert message.startswith("TypeError: with pipe2bw, training_step must return the loss tensor")
     assert "micro-batch 0 returned NoneType" in message
+
+
+class _TiedModel(RegressionModel):
+    """First and last block share one weight (an embedding/head tie in miniature)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Linear(IN, IN, bias=False),
+            *[torch.nn.Linear(IN, IN) for _ in range(2)],
+            torch.nn.Linear(IN, IN, bias=False),
+        )
+        self.body[3].weight = self.body[0].weight
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return self(batch[0]).pow(2).mean()
+
+
+def _on_rank_fit_tied() -> str:
+    from lightning_pipe2bw import Pipe2BWStrategy as Strategy
+
+    trainer = quiet_trainer(devices=2, strategy=Strategy(), max_steps=1)
+    try:
+        trainer.fit(_TiedModel(), loader(8))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_parameter_tied_across_stages(pools: Any) -> None:
+    for message in pools(2).run(_on_rank_fit_tied, timeout=TIMEOUT):
+        assert message.startswith("parameters shared between blocks on different stages: ")
+        assert "body.0.weight (stage 0) is body.3.weight (stage 1)" in message
