@@ -14,7 +14,7 @@ import argparse
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -69,6 +69,18 @@ class Classifier(LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class ReportStages(Callback):
+    """Prints what each rank runs: its stage, its blocks and its intra-op threads."""
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        body = pl_module.body
+        print(
+            f"rank {trainer.global_rank}: stage {body.stage} of {body.num_stages}, "
+            f"blocks {body.indices}, threads {torch.get_num_threads()}",
+            flush=True,
+        )
+
+
 def make_data(n: int, features: int = 32, classes: int = 10, seed: int = 0) -> TensorDataset:
     """A learnable synthetic task: the label is the arg-max of a fixed random projection."""
     g = torch.Generator().manual_seed(seed)
@@ -104,6 +116,7 @@ def main() -> None:
         log_every_n_steps=10,
         logger=False,
         enable_checkpointing=False,
+        callbacks=[ReportStages()],
     )
     train = DataLoader(make_data(8192), batch_size=args.batch_size, shuffle=True)
     val = DataLoader(make_data(1024, seed=1), batch_size=args.batch_size)

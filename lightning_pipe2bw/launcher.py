@@ -8,6 +8,7 @@ import tempfile
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import (
@@ -34,6 +35,11 @@ class _GatheringLauncher(_MultiProcessingLauncher):
         callback = trainer.checkpoint_callback
         best_model_path = getattr(callback, "best_model_path", None) if callback else None
         state_dict = self._strategy.full_state_dict()  # collective: every rank takes part
+        # these workers end right after this; tear the process group down while every rank is
+        # still alive (gloo threads torn down at interpreter exit can abort the process)
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
         if self._strategy.global_rank != 0:
             return None
         weights_path = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
@@ -217,9 +218,12 @@ class Pipe2BWStrategy(ParallelStrategy):
             self._process_group_backend = _get_default_process_group_backend_for_device(
                 self.root_device
             )
+        created = not _distributed_is_initialized()
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout
         )
+        if created:
+            atexit.register(_destroy_process_group)
         self._check_world()
 
     def _check_world(self) -> None:
@@ -605,6 +609,13 @@ class Pipe2BWStrategy(ParallelStrategy):
             )
         for name, description, init in entries:
             strategy_registry.register(name, cls, description=description, override=True, **init)
+
+
+def _destroy_process_group() -> None:
+    """Tear down a process group this strategy created while the interpreter is still intact
+    (gloo's threads torn down during interpreter shutdown can abort the process)."""
+    if _distributed_is_initialized():
+        dist.destroy_process_group()
 
 
 def _check_no_tied_parameters(blocks: list[nn.Module], partition: Partition, body: str) -> None:
