@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Callback, LightningModule
+from lightning.pytorch import LightningModule
 from models import (
     HIDDEN,
     IN,
@@ -31,6 +31,7 @@ from models import (
     reference_train,
 )
 from torch import Tensor, nn
+from workers import RecordLoss
 
 from lightning_pipe2bw import Pipe2BWStrategy
 from lightning_pipe2bw.partition import make_partition
@@ -183,16 +184,6 @@ MODELS: dict[str, Callable[[], LightningModule]] = {
 
 
 # ----------------------------------------------------------------------------- rank function
-
-
-class RecordLoss(Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(
-        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        self.losses.append(float(trainer.callback_metrics["train_loss"]))
 
 
 def _on_rank_fit(
