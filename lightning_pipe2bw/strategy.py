@@ -291,7 +291,7 @@ class Pipe2BWStrategy(ParallelStrategy):
                     f"this module was partitioned for stage {current.stage} of {current.num_stages}"
                     f" and cannot be re-used as stage {self.stage} of {self.num_stages}"
                 )
-            self._setup_engine()
+            self._setup_engine(current)
             return
         blocks = list(current.children())
         partition = make_partition(len(blocks), self.num_stages, self.balance)
@@ -313,7 +313,7 @@ class Pipe2BWStrategy(ParallelStrategy):
             list(owned),
             ref.path,
         )
-        self._setup_engine()
+        self._setup_engine(stage_body)
 
     @staticmethod
     def _check_params_outside_body(module: nn.Module, body_path: str) -> None:
@@ -343,17 +343,19 @@ class Pipe2BWStrategy(ParallelStrategy):
                     reset = getattr(sub, "reset_parameters", None)
                     if callable(reset):
                         reset()
-        if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-            module.to_empty(device=self.root_device)
+        # modules outside the body built on meta (parameter-free ones, or buffers): allocate
+        # only what is still on meta, never re-allocating the blocks initialised above
+        for sub in module.modules():
+            own = (*sub.parameters(recurse=False), *sub.buffers(recurse=False))
+            if any(t.is_meta for t in own):
+                sub.to_empty(device=self.root_device, recurse=False)
+                reset = getattr(sub, "reset_parameters", None)
+                if callable(reset):
+                    reset()
 
-    def _setup_engine(self) -> None:
+    def _setup_engine(self, body: StageBody) -> None:
         stage = self.stage
-        group = None  # the whole world is one pipeline
-        transport = P2PTransport(group, self.root_device)
-        module = self.lightning_module
-        assert module is not None
-        body = find_body(module, self.body_name).module
-        assert isinstance(body, StageBody)
+        transport = P2PTransport(None, self.root_device)  # the whole world is one pipeline
         self.engine = PipelineEngine(
             body,
             stage=stage,
@@ -413,7 +415,7 @@ class Pipe2BWStrategy(ParallelStrategy):
                     merge_outputs(results, sizes), Tensor, lambda t: t.detach().cpu()
                 )
         payload = self._from_last_stage(payload)
-        replay(type(module).log.__get__(module), payload["logs"], self.root_device)
+        replay(module.log, payload["logs"], self.root_device)  # the recorder is gone: real log
         if train:
             return torch.tensor(payload["loss"], device=self.root_device)
         return apply_to_collection(payload["output"], Tensor, lambda t: t.to(self.root_device))
