@@ -43,6 +43,8 @@ from lightning_pipe2bw.launcher import PipeSpawnLauncher
 from lightning_pipe2bw.partition import Partition, find_body, make_partition
 from lightning_pipe2bw.runtime import P2PTransport, PipelineEngine, StageBody, merge_outputs
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, split_batch
+from lightning_pipe2bw.runtime.twobw import TwoBWDriver
+from lightning_pipe2bw.runtime.versions import TwoBWOptimizer, WeightVersions
 from lightning_pipe2bw.schedule import SCHEDULES, Schedule, add_communication, get_schedule
 from lightning_pipe2bw.schedule.generators import forward_only
 from lightning_pipe2bw.steplog import LogRecorder, replay
@@ -58,8 +60,12 @@ class Pipe2BWStrategy(ParallelStrategy):
     """Pipeline-parallel training: one stage of the model's body per process.
 
     Args:
-        schedule: the pipeline schedule, one of ``lightning_pipe2bw.schedule.SCHEDULES``
-            (``"gpipe"``, ``"1f1b"``).
+        schedule: the pipeline schedule, one of ``lightning_pipe2bw.schedule.SCHEDULES``:
+            ``"2bw"`` (PipeDream-2BW, the default: double-buffered weights, no flush between
+            batches, W(t+1) = W(t) - step(grad f(W(t-1)))), ``"1f1b"`` (PipeDream-Flush) or
+            ``"gpipe"``; the flush schedules equal single-device training exactly.
+        flush_every: with ``"2bw"``, also drain the pipeline every this many batches (it is
+            always drained before validation, before a checkpoint and at the end of fit).
         microbatches: micro-batches per batch (``m``); each batch is split along dim 0. Defaults to
             the number of stages. Uneven splits are allowed (sizes differ by at most one).
         balance: blocks per stage, e.g. ``[3, 5]``; ``None`` splits the body evenly.
@@ -76,8 +82,9 @@ class Pipe2BWStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        schedule: str = "1f1b",
+        schedule: str = "2bw",
         microbatches: int | None = None,
+        flush_every: int | None = None,
         balance: Sequence[int] | None = None,
         body: str | None = None,
         start_method: _StartMethod = "popen",
@@ -111,12 +118,19 @@ class Pipe2BWStrategy(ParallelStrategy):
                 raise ValueError(
                     f"every stage needs at least one block, but balance={list(balance)}"
                 )
+        if flush_every is not None and (
+            not isinstance(flush_every, int) or isinstance(flush_every, bool) or flush_every < 1
+        ):
+            raise ValueError(
+                f"flush_every must be a positive int (batches) or None, got {flush_every!r}"
+            )
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(
                 f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}"
             )
         self.schedule_name = schedule
         self.microbatches = microbatches
+        self.flush_every = flush_every
         self.balance = tuple(balance) if balance is not None else None
         self.body_name = body
         self._start_method: _StartMethod = start_method
@@ -127,6 +141,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         self.engine: PipelineEngine | None = None
         self._schedules: dict[tuple[str, int], Schedule] = {}
         self._grad_stash: list[tuple[nn.Parameter, Tensor | None]] = []
+        self.driver: TwoBWDriver | None = None
 
     # ------------------------------------------------------------------ topology
     @property
@@ -263,7 +278,32 @@ class Pipe2BWStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+            if self.schedule_name == "2bw":
+                self._setup_2bw()
         self._patch_clip_grad_norm()
+
+    def _setup_2bw(self) -> None:
+        engine = self.engine
+        assert engine is not None
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"schedule='2bw' double-buffers the weights of one optimizer, but configure_optimizers "
+                f"returned {len(self.optimizers)}; use one optimizer (with parameter groups if needed)"
+            )
+        if (
+            isinstance(self.precision_plugin, MixedPrecision)
+            and self.precision_plugin.scaler is not None
+        ):
+            raise ValueError(
+                "precision='16-mixed' (loss scaling) is not supported with schedule='2bw' yet; use "
+                "'bf16-mixed', or schedule='1f1b'"
+            )
+        versions = WeightVersions(list(engine.body.named_parameters()))
+        optimizer = TwoBWOptimizer(self.optimizers[0], versions)
+        optimizer.after_step = self._after_2bw_step
+        self.optimizers = [optimizer]
+        self.driver = TwoBWDriver(engine, versions, optimizer, self.num_microbatches)
+        engine.observer = lambda _: self._count_versions(len(versions.live_versions()))
 
     def _check_trainer(self, trainer: Trainer) -> None:
         module = self.lightning_module
@@ -272,6 +312,12 @@ class Pipe2BWStrategy(ParallelStrategy):
             raise ValueError(
                 "pipe2bw drives forward and backward itself and needs automatic optimization; "
                 "remove `self.automatic_optimization = False` from the LightningModule"
+            )
+        if self.schedule_name == "2bw" and self.num_microbatches < self.num_stages:
+            raise ValueError(
+                f"schedule='2bw' needs at least as many micro-batches as stages, got "
+                f"microbatches={self.num_microbatches} for {self.num_stages} stages; use "
+                f"microbatches={self.num_stages} or more"
             )
         if trainer.accumulate_grad_batches != 1:
             raise ValueError(
@@ -395,14 +441,19 @@ class Pipe2BWStrategy(ParallelStrategy):
             return fn(mb, *rest, **kwargs)
 
         with recorder:
-            results = engine.run(
-                self._schedule(train, m),
-                microbatches,
-                step,
-                train=train,
-                loss_weights=weights,
-                backward=self._backward_microbatch,
-            )
+            if train and self.driver is not None:
+                results = self.driver.train_batch(
+                    microbatches, weights, step, self._backward_microbatch
+                )
+            else:
+                results = engine.run(
+                    self._schedule(train, m),
+                    microbatches,
+                    step,
+                    train=train,
+                    loss_weights=weights,
+                    backward=self._backward_microbatch,
+                )
         payload: dict[str, Any] = {}
         if engine.is_last:
             payload["logs"] = recorder.summary()
@@ -446,10 +497,23 @@ class Pipe2BWStrategy(ParallelStrategy):
             p.grad = None
         with self.precision_plugin.train_step_context():
             loss = self._run_pipelined("training_step", args, kwargs, train=True)
-        self._grad_stash = [(p, p.grad) for p in module.parameters()]
-        for p in module.parameters():
-            p.grad = None
+        driver = self.driver
+        if driver is None:  # flush schedule: this batch's gradient is in .grad
+            self._grad_stash = [(p, p.grad) for p in module.parameters()]
+            for p in module.parameters():
+                p.grad = None
+        else:  # 2BW: the gradient of the previous batch is due now, if any
+            self._stash_due_gradient(driver, driver.due_batch())
         return loss  # type: ignore[no-any-return]
+
+    def _stash_due_gradient(self, driver: TwoBWDriver, batch: int | None) -> None:
+        optimizer = driver.optimizer
+        optimizer.due = batch
+        if batch is None:
+            self._grad_stash = []
+            return
+        grads = driver.take_gradient(batch)
+        self._grad_stash = list(zip(driver.versions.params, grads, strict=True))
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -502,6 +566,48 @@ class Pipe2BWStrategy(ParallelStrategy):
 
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
+    # ------------------------------------------------------------------ 2BW flush points
+    def flush(self) -> None:
+        """Drain a 2BW pipeline and apply the last batch's update (collective: every rank calls it
+        at the same point of Lightning's loop). A no-op for flush schedules or an empty pipeline."""
+        driver = self.driver
+        if driver is None or not driver.active:
+            return
+        module = self.lightning_module
+        assert module is not None
+        batch = driver.flush(self._backward_microbatch)
+        if batch is None:
+            return
+        optimizer = driver.optimizer
+        for p, grad in zip(driver.versions.params, driver.take_gradient(batch), strict=True):
+            p.grad = grad
+        # the hooks, and clipping over all stages, exactly as inside Lightning's own step
+        self.precision_plugin._after_closure(module, optimizer)
+        optimizer.apply(batch)
+        for p in driver.versions.params:
+            p.grad = None
+        log.debug("pipe2bw: flushed after batch %d", batch)
+
+    def _after_2bw_step(self) -> None:
+        driver = self.driver
+        if driver is not None and self.flush_every and driver.admitted % self.flush_every == 0:
+            self.flush()
+
+    def _count_versions(self, alive: int) -> None:
+        self.max_versions_alive = max(getattr(self, "max_versions_alive", 0), alive)
+        if self.version_log is not None:
+            self.version_log.append(alive)
+
+    version_log: list[int] | None = None  # set to a list to record versions alive per action
+
+    @override
+    def on_validation_start(self) -> None:
+        self.flush()
+
+    @override
+    def on_train_end(self) -> None:
+        self.flush()
+
     # ------------------------------------------------------------------ collectives
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -552,6 +658,7 @@ class Pipe2BWStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.flush()  # a checkpoint is a flush point: no micro-batch in flight, no update pending
         return self.full_state_dict()
 
     @override

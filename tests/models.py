@@ -140,3 +140,36 @@ def max_abs_diff(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
 
 def isclose(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6)
+
+
+def reference_2bw(
+    steps: int,
+    microbatches: int,
+    batch_size: int = 8,
+    num_blocks: int = 8,
+    optimizer: str = "adamw",
+) -> dict[str, Tensor]:
+    """Single-process PipeDream-2BW: batch t's gradient is computed with weight version
+    max(t - 1, 0) and applied by the optimizer to the newest weights, so
+    W(t+1) = W(t) - step(grad f(W(t-1))), W(-1) = W(0). The scheduler steps once per update,
+    so the update of batch t uses the learning rate of step t, as on one device."""
+    model = RegressionModel(num_blocks, optimizer)
+    shadow = RegressionModel(num_blocks, optimizer)  # evaluates gradients at old versions
+    opt, sched = make_optimizer(model.parameters(), optimizer)
+    history = {0: {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    for step, (x, y) in enumerate(loader(batch_size)):
+        if step == steps:
+            break
+        shadow.load_state_dict(history[max(step - 1, 0)])
+        shadow.zero_grad()
+        n = x.shape[0]
+        for xs, ys in zip(
+            torch.tensor_split(x, microbatches), torch.tensor_split(y, microbatches), strict=True
+        ):
+            (nn.functional.mse_loss(shadow(xs), ys) * (xs.shape[0] / n)).backward()
+        for p, q in zip(model.parameters(), shadow.parameters(), strict=True):
+            p.grad = q.grad.detach().clone() if q.grad is not None else None
+        opt.step()
+        sched.step()
+        history[step + 1] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return history[min(steps, len(history) - 1)]

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from lightning_pipe2bw.schedule import (
@@ -163,7 +163,9 @@ def test_parse_action_rejects_malformed(text: str) -> None:
 @given(sizes)
 def test_generated_schedules_are_valid(name: str, pm: tuple[int, int]) -> None:
     p, m = pm
+    assume(name != "2bw" or m >= p)
     schedule = get_schedule(name, p, m)
+    m = schedule.num_microbatches  # 2BW's finite form spans two batches of m
     assert not schedule.has_comm
     for s, stage in enumerate(schedule.stages):
         assert all(a.stage == s for a in stage)
@@ -189,6 +191,8 @@ def flush_bubble(p: int, m: int) -> float:
 EXPECTED: dict[str, tuple[Callable[[int, int], float], Callable[[int, int, int], int]]] = {
     "gpipe": (flush_bubble, lambda p, s, m: m),
     "1f1b": (flush_bubble, lambda p, s, m: min(p - s, m)),
+    # the finite 2BW schedule is 1F1B across two batches (2m micro-batches), flushed at the end
+    "2bw": (lambda p, m: flush_bubble(p, 2 * m), lambda p, s, m: p - s),
 }
 
 
@@ -201,10 +205,13 @@ def test_every_registered_schedule_has_expectations() -> None:
 @given(sizes)
 def test_equal_costs_bubble_and_memory(name: str, pm: tuple[int, int]) -> None:
     p, m = pm
+    assume(name != "2bw" or m >= p)
     bubble, peak = EXPECTED[name]
-    result = simulate(get_schedule(name, p, m), Costs(forward=1.0, backward=2.0, comm=0.0))
-    assert result.busy == (m * 3.0,) * p
-    assert result.step_time == pytest.approx(m * 3.0 / (1 - bubble(p, m)), abs=1e-9)
+    schedule = get_schedule(name, p, m)
+    n = schedule.num_microbatches
+    result = simulate(schedule, Costs(forward=1.0, backward=2.0, comm=0.0))
+    assert result.busy == (n * 3.0,) * p
+    assert result.step_time == pytest.approx(n * 3.0 / (1 - bubble(p, m)), abs=1e-9)
     for fraction in (*result.bubble_fraction, result.mean_bubble_fraction):
         assert abs(fraction - bubble(p, m)) < 1e-9
     assert result.peak_activations == tuple(peak(p, s, m) for s in range(p))
@@ -248,6 +255,7 @@ def test_timeline_consistent_for_random_costs(
         backward=data.draw(st.lists(cost, min_size=p, max_size=p)),
         comm=data.draw(cost),
     )
+    assume(name != "2bw" or m >= p)
     schedule = add_communication(get_schedule(name, p, m))
     result = simulate(schedule, costs)
     sends: dict[tuple[int, ActionKind, int], float] = {}

@@ -15,11 +15,16 @@ from lightning_pipe2bw import Pipe2BWStrategy
 class RecordLoss(Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.val_runs: list[float] = []
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if not trainer.sanity_checking:
+            self.val_runs.append(float(trainer.callback_metrics["val_loss"]))
 
 
 def fit(
@@ -32,10 +37,16 @@ def fit(
 ) -> dict[str, Any]:
     world = dist.get_world_size()
     model = RegressionModel(optimizer=optimizer)
+    trainer_kwargs = strategy_kwargs.pop("trainer_kwargs", {})
+    val_batches = strategy_kwargs.pop("val_batches", 0)
     strategy = Pipe2BWStrategy(schedule=schedule, microbatches=microbatches, **strategy_kwargs)
+    strategy.version_log = []
     record = RecordLoss()
-    trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=steps, callbacks=[record])
-    trainer.fit(model, loader(batch_size))
+    trainer = quiet_trainer(
+        devices=world, strategy=strategy, max_steps=steps, callbacks=[record], **trainer_kwargs
+    )
+    val = loader(batch_size, n=8 * val_batches) if val_batches else None
+    trainer.fit(model, loader(batch_size), val)
     state = strategy.full_state_dict()
     opt = trainer.optimizers[0]
     return {
@@ -50,6 +61,8 @@ def fit(
             if isinstance(t, torch.Tensor)
         ),
         "blocks": list(model.body.indices),
+        "versions": strategy.version_log,
+        "val_runs": record.val_runs,
     }
 
 

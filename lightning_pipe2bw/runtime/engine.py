@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,8 @@ class _Slot:
     grads_in: Any = None  # gradients received from the next stage
     grads_out: Any = None  # gradients of this stage's inputs, to send back
     body_calls: int = 0
+    weight: float = 0.0  # the loss weight of this micro-batch (n_i / N)
+    params: Mapping[str, Tensor] | None = None  # the weight version it computes with
 
 
 @dataclass
@@ -54,7 +57,8 @@ class EngineStats:
 
     peak_inflight: int = 0
     busy_s: float = 0.0
-    timeline: list[ActionTiming] = field(default_factory=list)
+    # the most recent actions only, so that long runs keep bounded memory
+    timeline: deque[ActionTiming] = field(default_factory=lambda: deque(maxlen=100_000))
 
 
 def _grad_leaves(payload: Any) -> list[Tensor]:
@@ -101,6 +105,10 @@ class PipelineEngine:
         self.next_rank = next_rank
         self.stats = EngineStats()
         self.record_timeline = True
+        self.slots: dict[int, _Slot] = {}  # in-flight micro-batches, by id
+        self.inflight = 0
+        # called after every action (e.g. to count weight versions alive)
+        self.observer: Callable[[Action], None] | None = None
 
     @property
     def is_first(self) -> bool:
@@ -120,58 +128,97 @@ class PipelineEngine:
         loss_weights: Sequence[float] = (),
         backward: Callable[[Tensor], None] | None = None,
     ) -> list[Any]:
-        """Execute ``schedule.stages[self.stage]`` and return the step outputs of the last stage
-        (one per micro-batch; an empty list on other stages).
+        """Execute ``schedule.stages[self.stage]`` (a flush schedule: every micro-batch starts
+        and finishes here) and return the last stage's step outputs, one per micro-batch (an
+        empty list on other stages). ``schedule`` must already carry communication actions."""
+        results = self.execute(
+            schedule.stages[self.stage],
+            dict(enumerate(microbatches)),
+            step,
+            train=train,
+            loss_weights=dict(enumerate(loss_weights)),
+            backward=backward,
+        )
+        if self.slots:
+            raise RuntimeError(
+                f"micro-batches {sorted(self.slots)} are still in flight after a flush"
+            )
+        return [results[i] for i in range(len(microbatches))] if self.is_last else []
 
-        ``schedule`` must already carry communication actions. With ``train`` the losses are
-        scaled by ``loss_weights[i]`` and back-propagated through ``backward``.
+    def execute(
+        self,
+        actions: Iterable[Action],
+        microbatches: Mapping[int, Any],
+        step: StepFn,
+        *,
+        train: bool,
+        loss_weights: Mapping[int, float],
+        backward: Callable[[Tensor], None] | None = None,
+        weights_for: Callable[[int], Mapping[str, Tensor]] | None = None,
+    ) -> dict[int, Any]:
+        """Execute ``actions`` (compute and communication) in order. Micro-batches may start in
+        one call and finish in a later one (PipeDream-2BW): their state stays in ``self.slots``.
+
+        ``weights_for(microbatch)`` gives the weight tensors a micro-batch computes with (its
+        weight version), or None for the module's own parameters. Returns the last stage's step
+        outputs of the micro-batches whose forward ran in this call.
         """
-        slots = [_Slot() for _ in microbatches]
-        inflight = 0
+        slots = self.slots
+        results: dict[int, Any] = {}
         timeline = self.stats.timeline
-        timeline.clear()
         try:
-            for action in schedule.stages[self.stage]:
+            for action in actions:
                 start = time.perf_counter()
                 i = action.microbatch
-                slot = slots[i]
+                slot = slots.setdefault(i, _Slot())
                 kind = action.kind
                 if kind is ActionKind.RECV_F:
                     slot.inputs = self.transport.recv(self._peer(self.prev_rank))
                 elif kind is ActionKind.FORWARD:
+                    slot.weight = loss_weights.get(i, 0.0)
+                    slot.params = weights_for(i) if weights_for is not None else None
                     self._forward(slot, microbatches[i], step, i)
-                    inflight += 1
-                    self.stats.peak_inflight = max(self.stats.peak_inflight, inflight)
+                    if self.is_last:
+                        results[i] = slot.result
+                    self.inflight += 1
+                    self.stats.peak_inflight = max(self.stats.peak_inflight, self.inflight)
                     if not train:
                         slot.inputs = None
+                        if self.is_last:
+                            del slots[i]
+                            self.inflight -= 1
                 elif kind is ActionKind.SEND_F:
                     # the transport sends detached copies but records requires_grad for the peer
                     self.transport.send(slot.outputs, self._peer(self.next_rank))
                     if not train:
-                        slot.outputs = None
-                        inflight -= 1
+                        del slots[i]
+                        self.inflight -= 1
                 elif kind is ActionKind.RECV_B:
                     slot.grads_in = self.transport.recv(self._peer(self.next_rank))
                 elif kind is ActionKind.BACKWARD:
                     assert backward is not None, "training needs a backward function"
-                    self._backward(slot, i, loss_weights[i], backward)
-                    inflight -= 1
+                    self._backward(slot, i, slot.weight, backward)
+                    self.inflight -= 1
+                    if self.is_first:
+                        del slots[i]
                 elif kind is ActionKind.SEND_B:
                     self.transport.send(slot.grads_out, self._peer(self.prev_rank))
-                    slot.grads_out = None
+                    del slots[i]
                 else:  # pragma: no cover - the schedule validator rejects other kinds
                     raise ValueError(f"the engine cannot run action {action}")
                 end = time.perf_counter()
                 if action.is_compute:
                     self.stats.busy_s += end - start
+                if self.observer is not None:
+                    self.observer(action)
                 if self.record_timeline:
                     timeline.append(ActionTiming(action, start, end))
-            self.transport.wait_sends()
+            # a send may be received in the peer's *next* call (2BW), so it is not awaited here;
+            # completed sends release their buffers, the rest are awaited at the next flush
+            self.transport.reap()
         finally:
             self.body.set_call(None)
-        if not self.is_last:
-            return []
-        return [slot.result for slot in slots]
+        return results
 
     @staticmethod
     def _peer(rank: int | None) -> int:
@@ -181,7 +228,7 @@ class PipelineEngine:
     def _forward(self, slot: _Slot, microbatch: Any, step: StepFn, index: int) -> None:
         body = self.body
         if not self.is_first and not self.is_last:
-            slot.outputs = body.run_blocks(slot.inputs)
+            slot.outputs = body.run_blocks(slot.inputs, slot.params)
             return
 
         def call(stage_body: StageBody, x: Any) -> Any:
@@ -192,12 +239,12 @@ class PipelineEngine:
                     "micro-batch, so call self.body(x) / self(x) exactly once in each step"
                 )
             if self.is_first:
-                out = stage_body.run_blocks(x)
+                out = stage_body.run_blocks(x, slot.params)
                 if self.is_last:
                     return out
                 slot.outputs = out
                 raise _BodyReached
-            return stage_body.run_blocks(slot.inputs)
+            return stage_body.run_blocks(slot.inputs, slot.params)
 
         body.set_call(call)
         try:
@@ -230,7 +277,7 @@ class PipelineEngine:
                 x.grad if x.grad is not None else torch.zeros_like(x)
                 for x in _grad_leaves(slot.inputs)
             ]
-        slot.inputs = slot.outputs = slot.grads_in = None
+        slot.inputs = slot.outputs = slot.grads_in = slot.params = None
 
 
 def _detach_all(payload: Any) -> Any:

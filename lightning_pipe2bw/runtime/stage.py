@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 __all__ = ["BodyCall", "StageBody"]
 
@@ -38,8 +39,22 @@ class StageBody(nn.Module):
             self.indices.append(index)
         self._call: BodyCall | None = None
 
-    def run_blocks(self, x: Any) -> Any:
-        """Apply the owned blocks in order, with ``nn.Sequential`` semantics (one input each)."""
+    def run_blocks(self, x: Any, weights: Mapping[str, Tensor] | None = None) -> Any:
+        """Apply the owned blocks in order, with ``nn.Sequential`` semantics (one input each).
+
+        ``weights`` (names as in ``self.named_parameters()``) replace the parameters for this
+        call (``torch.func.functional_call``): a weight version other than the live one.
+        """
+        if weights is None:
+            return self._apply_blocks(x)
+        saved = self._call
+        self._call = lambda body, inp: body._apply_blocks(inp)
+        try:
+            return torch.func.functional_call(self, dict(weights), (x,), strict=False)
+        finally:
+            self._call = saved
+
+    def _apply_blocks(self, x: Any) -> Any:
         for block in self.children():
             x = block(x)
         return x

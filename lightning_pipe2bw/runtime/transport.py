@@ -120,7 +120,7 @@ class P2PTransport:
             assert work is not None
             self._pending.append((work, [buf]))
             self.bytes_sent += buf.numel() * buf.element_size()
-        self._reap()
+        self.reap()
 
     def recv(self, src: int) -> Any:
         """Receive the next message from group rank ``src`` (blocking)."""
@@ -145,7 +145,8 @@ class P2PTransport:
             tensors.append(t)
         return _unflatten_payload(header, tensors)
 
-    def _reap(self) -> None:
+    def reap(self) -> None:
+        """Release the buffers of sends that have completed."""
         self._pending = [(w, b) for w, b in self._pending if not w.is_completed()]
 
     def wait_sends(self) -> None:
@@ -157,5 +158,5 @@ class P2PTransport:
     @property
     def pending_bytes(self) -> int:
         """Bytes held in send buffers that have not completed yet."""
-        self._reap()
+        self.reap()
         return sum(b.numel() * b.element_size() for _, bufs in self._pending for b in bufs)

@@ -10,7 +10,7 @@ from .action import (
     parse_actions,
     parse_stages,
 )
-from .comm import add_communication
+from .comm import add_communication, with_communication
 from .generators import (
     SCHEDULES,
     Schedule,
@@ -20,8 +20,11 @@ from .generators import (
     get_schedule,
     gpipe,
     one_f_one_b,
+    two_bw,
+    two_bw_version,
 )
 from .simulate import Costs, DeadlockError, SimResult, simulate
+from .stream import OneFOneBStream
 from .validate import ScheduleError, validate
 
 __all__ = [
@@ -30,6 +33,7 @@ __all__ = [
     "ActionKind",
     "Costs",
     "DeadlockError",
+    "OneFOneBStream",
     "Schedule",
     "ScheduleError",
     "SimResult",
@@ -45,5 +49,8 @@ __all__ = [
     "parse_actions",
     "parse_stages",
     "simulate",
+    "two_bw",
+    "two_bw_version",
     "validate",
+    "with_communication",
 ]

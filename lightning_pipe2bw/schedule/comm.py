@@ -5,10 +5,12 @@ from __future__ import annotations
 from .action import Action, ActionKind
 from .generators import Schedule
 
-__all__ = ["add_communication"]
+__all__ = ["add_communication", "with_communication"]
 
 
-def _with_comm(action: Action, s: int, num_stages: int) -> list[Action]:
+def with_communication(action: Action, num_stages: int) -> list[Action]:
+    """The communication a compute action needs, around it (the rule of :func:`add_communication`)."""
+    s = action.stage
     i, v = action.microbatch, action.version
     first, last = s == 0, s == num_stages - 1
     if action.kind is ActionKind.FORWARD:
@@ -43,6 +45,6 @@ def add_communication(schedule: Schedule) -> Schedule:
                 )
     p = schedule.num_stages
     return schedule.with_stages(
-        [comm for action in actions for comm in _with_comm(action, s, p)]
+        [comm for action in actions for comm in with_communication(action, p)]
         for s, actions in enumerate(schedule.stages)
     )

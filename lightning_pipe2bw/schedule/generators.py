@@ -6,6 +6,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, replace
 
 from .action import Action, ActionKind
+from .stream import OneFOneBStream
 
 __all__ = [
     "SCHEDULES",
@@ -16,6 +17,8 @@ __all__ = [
     "get_schedule",
     "gpipe",
     "one_f_one_b",
+    "two_bw",
+    "two_bw_version",
 ]
 
 
@@ -118,15 +121,9 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
 
 
 def _one_f_one_b_stage(stage: int, num_stages: int, num_microbatches: int) -> tuple[Action, ...]:
-    warmup = min(num_stages - stage - 1, num_microbatches)
-    actions = [_forward(stage, i) for i in range(warmup)]
-    next_f, next_b = warmup, 0
-    # Steady state: one forward, then one backward, while forwards remain.
-    while next_f < num_microbatches:
-        actions += [_forward(stage, next_f), _backward(stage, next_b)]
-        next_f, next_b = next_f + 1, next_b + 1
-    actions += [_backward(stage, i) for i in range(next_b, num_microbatches)]  # cool-down
-    return tuple(actions)
+    # the stream's warm-up is cut at m when m < p - s - 1, exactly min(p - s - 1, m) forwards
+    stream = OneFOneBStream(stage, num_stages)
+    return (*stream.window(num_microbatches), *stream.drain())
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
@@ -152,10 +149,41 @@ def forward_only(num_stages: int, num_microbatches: int) -> Schedule:
     return Schedule("forward", num_stages, num_microbatches, stages, training=False)
 
 
+def two_bw_version(microbatch: int, num_microbatches: int) -> int:
+    """PipeDream-2BW's rule: batch t = microbatch // m runs with weight version max(t - 1, 0)
+    (the weights after t - 1 updates) for its forward and its backward."""
+    return max(microbatch // num_microbatches - 1, 0)
+
+
+def two_bw(num_stages: int, num_microbatches: int, num_batches: int = 2) -> Schedule:
+    """PipeDream-2BW over ``num_batches`` batches of m micro-batches, flushed only at the end.
+
+    1F1B without a flush between batches: the warm-up happens once, then forward/backward
+    pairs run straight across batch boundaries, so the bubble after warm-up is zero. Actions
+    carry the weight version of their batch (:func:`two_bw_version`); a stage never needs more
+    than two versions. Needs m >= p so that one batch covers a stage's warm-up.
+    """
+    check_sizes(num_stages, num_microbatches)
+    if num_microbatches < num_stages:
+        raise ValueError(
+            f"2BW needs at least as many micro-batches as stages (m >= p), got m={num_microbatches} "
+            f"for p={num_stages}; use microbatches={num_stages} or more"
+        )
+    if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 1:
+        raise ValueError(f"num_batches must be a positive int, got {num_batches!r}")
+    n = num_batches * num_microbatches
+    stages = []
+    for s in range(num_stages):
+        stream = OneFOneBStream(s, num_stages, lambda k: two_bw_version(k, num_microbatches))
+        stages.append((*stream.window(n), *stream.drain()))
+    return Schedule("2bw", num_stages, n, tuple(stages))
+
+
 # Registering a new schedule is one entry here.
 SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
+    "2bw": two_bw,
 }
 
 

@@ -1,0 +1,80 @@
+"""PipeDream-2BW equals its single-process delayed-gradient reference:
+W(t+1) = W(t) - step(grad f(W(t-1))). Tolerance: max abs parameter difference <= 1e-5 (fp32,
+CPU) after 6 optimizer steps, for SGD with momentum and AdamW with an LR scheduler."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import workers
+from models import isclose, max_abs_diff, reference_2bw, reference_train
+
+STEPS = 6
+TOL = 1e-5
+
+CASES = [(p, m, opt) for p in (2, 4) for m in (p, 2 * p) for opt in ("sgd", "adamw")]
+
+
+@pytest.mark.parametrize(
+    ("p", "m", "optimizer"), CASES, ids=[f"p{p}-m{m}-{o}" for p, m, o in CASES]
+)
+def test_2bw_equals_delayed_gradient_reference(pools: Any, p: int, m: int, optimizer: str) -> None:
+    results = pools(p).run(workers.fit, "2bw", m, STEPS, optimizer)
+    ref = reference_2bw(STEPS, m, optimizer=optimizer)
+    diff = max_abs_diff(results[0]["state"], ref)
+    print(f"EXACTNESS 2bw p={p} m={m} {optimizer}: max|dW| = {diff:.3e}")
+    assert diff <= TOL
+    # and it is not single-device training: the delay is real
+    assert (
+        max_abs_diff(results[0]["state"], reference_train(STEPS, m, optimizer=optimizer)[0]) > 1e-3
+    )
+    # two weight versions at most on every stage, and both are used
+    for rank, r in enumerate(results):
+        assert max(r["versions"]) == 2, rank
+
+
+def test_2bw_flush_every(pools: Any) -> None:
+    results = pools(2).run(workers.fit, "2bw", 2, STEPS, "adamw", flush_every=2)
+    diff = max_abs_diff(results[0]["state"], reference_2bw(STEPS, 2))
+    print(f"EXACTNESS 2bw p=2 m=2 flush_every=2: max|dW| = {diff:.3e}")
+    assert diff <= TOL
+
+
+def test_2bw_across_validation(pools: Any) -> None:
+    """Flush, validate, resume: the update rule is unchanged by the flush."""
+    kwargs = {"val_batches": 2, "trainer_kwargs": {"val_check_interval": 3, "limit_val_batches": 2}}
+    results = pools(2).run(workers.fit, "2bw", 4, STEPS, "sgd", **kwargs)
+    diff = max_abs_diff(results[0]["state"], reference_2bw(STEPS, 4, optimizer="sgd"))
+    print(f"EXACTNESS 2bw p=2 m=4 validation every 3 steps: max|dW| = {diff:.3e}")
+    assert diff <= TOL
+    assert len(results[0]["val_runs"]) == 2
+
+
+def test_2bw_logged_loss_is_the_batch_loss(pools: Any) -> None:
+    """The loss logged at step t is batch t's own loss, computed with version max(t-1, 0)."""
+    import torch
+    from models import RegressionModel, loader
+    from torch import nn
+
+    results = pools(2).run(workers.fit, "2bw", 2, 4, "sgd")
+    expected = []
+    for t, (x, y) in enumerate(loader(8)):
+        if t == 4:
+            break
+        model = RegressionModel(optimizer="sgd")
+        model.load_state_dict(reference_2bw(max(t - 1, 0), 2, optimizer="sgd"))
+        with torch.no_grad():
+            expected.append(float(nn.functional.mse_loss(model(x), y)))
+    for rank, r in enumerate(results):
+        assert all(isclose(a, b) for a, b in zip(r["losses"], expected, strict=True)), (
+            rank,
+            r["losses"],
+            expected,
+        )
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_flush_schedules_keep_one_version(pools: Any, schedule: str) -> None:
+    for r in pools(2).run(workers.fit, schedule, 4, 2):
+        assert r["versions"] == []  # no version store at all: the module's weights only
