@@ -196,7 +196,8 @@ def _on_rank_fit(
 ) -> dict[str, Any]:
     """Fit on every rank; return the error each rank raised, or the trained weights."""
     module = MODELS[model]()
-    strategy = Pipe2BWStrategy(**strategy_kwargs)
+    # a flush schedule, so that runs can be compared with single-device training
+    strategy = Pipe2BWStrategy(**{"schedule": "1f1b", **strategy_kwargs})
     record = RecordLoss()
     trainer = quiet_trainer(
         devices=dist.get_world_size(),

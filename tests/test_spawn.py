@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.strategies import StrategyRegistry
-from models import RegressionModel, loader, max_abs_diff, quiet_trainer, reference_train
+from models import RegressionModel, loader, max_abs_diff, quiet_trainer, reference_2bw
 from torch import nn
 
 import lightning_pipe2bw
@@ -38,7 +38,8 @@ def test_spawn_fit_predict_and_checkpoint(tmp_path: Path) -> None:
         devices=2, strategy="pipe2bw_spawn", max_steps=steps, callbacks=[SaveAtEnd(ckpt)]
     )
     trainer.fit(model, loader(8))
-    ref_state, _ = reference_train(steps, m)  # default microbatches = number of stages = 2
+    # the default schedule is PipeDream-2BW; microbatches default to the number of stages
+    ref_state = reference_2bw(steps, m)
 
     # the module in this (launching) process holds the trained weights of every stage
     trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
