@@ -548,7 +548,8 @@ class Pipe2BWStrategy(ParallelStrategy):
         return closure_loss
 
     def _patch_clip_grad_norm(self) -> None:
-        """Make norm clipping use the norm over *all* stages, as on one device."""
+        """Make norm clipping use the norm over *all* stages, as on one device (the same point of
+        every rank's loop, so the all-reduce lines up)."""
         plugin = self.precision_plugin
 
         def clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float) -> None:
@@ -564,7 +565,14 @@ class Pipe2BWStrategy(ParallelStrategy):
                 for p in params:
                     p.grad.detach().mul_(coef)  # type: ignore[union-attr]
 
+        def clip_grad_by_value(optimizer: Optimizer, clip_val: int | float) -> None:
+            # element-wise, so stage-local; a stage may have no gradient yet (2BW's first step)
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            if params:
+                torch.nn.utils.clip_grad_value_(params, clip_val)
+
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+        plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ 2BW flush points
     def flush(self) -> None:

@@ -104,12 +104,23 @@ def quiet_trainer(**kwargs: Any) -> Trainer:
     return Trainer(**defaults)
 
 
+def _clip(params: Any, clip: tuple[str, float] | None) -> None:
+    if clip is None:
+        return
+    algorithm, value = clip
+    if algorithm == "norm":
+        torch.nn.utils.clip_grad_norm_(list(params), value)
+    else:
+        torch.nn.utils.clip_grad_value_(list(params), value)
+
+
 def reference_train(
     steps: int,
     microbatches: int,
     batch_size: int = 8,
     num_blocks: int = 8,
     optimizer: str = "adamw",
+    clip: tuple[str, float] | None = None,
 ) -> tuple[dict[str, Tensor], list[float]]:
     """Single-device gradient accumulation over the same micro-batches: the exactness reference."""
     model = RegressionModel(num_blocks, optimizer)
@@ -128,6 +139,7 @@ def reference_train(
             loss.backward()
             total += float(loss)
         losses.append(total)
+        _clip(model.parameters(), clip)
         opt.step()
         sched.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
@@ -148,6 +160,7 @@ def reference_2bw(
     batch_size: int = 8,
     num_blocks: int = 8,
     optimizer: str = "adamw",
+    clip: tuple[str, float] | None = None,
 ) -> dict[str, Tensor]:
     """Single-process PipeDream-2BW: batch t's gradient is computed with weight version
     max(t - 1, 0) and applied by the optimizer to the newest weights, so
@@ -169,6 +182,7 @@ def reference_2bw(
             (nn.functional.mse_loss(shadow(xs), ys) * (xs.shape[0] / n)).backward()
         for p, q in zip(model.parameters(), shadow.parameters(), strict=True):
             p.grad = q.grad.detach().clone() if q.grad is not None else None
+        _clip(model.parameters(), clip)
         opt.step()
         sched.step()
         history[step + 1] = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -78,3 +78,28 @@ def test_2bw_logged_loss_is_the_batch_loss(pools: Any) -> None:
 def test_flush_schedules_keep_one_version(pools: Any, schedule: str) -> None:
     for r in pools(2).run(workers.fit, schedule, 4, 2):
         assert r["versions"] == []  # no version store at all: the module's weights only
+
+
+CLIPS = [("2bw", "norm", 0.05), ("2bw", "value", 0.01), ("1f1b", "norm", 0.05)]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "algorithm", "value"), CLIPS, ids=[f"{s}-{a}" for s, a, _ in CLIPS]
+)
+def test_gradient_clipping_over_all_stages(
+    pools: Any, schedule: str, algorithm: str, value: float
+) -> None:
+    """Clipping by norm uses the norm of the same batch's gradient over every stage."""
+    trainer_kwargs = {"gradient_clip_val": value, "gradient_clip_algorithm": algorithm}
+    results = pools(2).run(workers.fit, schedule, 2, STEPS, "sgd", trainer_kwargs=trainer_kwargs)
+    clip = (algorithm, value)
+    if schedule == "2bw":
+        ref = reference_2bw(STEPS, 2, optimizer="sgd", clip=clip)
+        unclipped = reference_2bw(STEPS, 2, optimizer="sgd")
+    else:
+        ref = reference_train(STEPS, 2, optimizer="sgd", clip=clip)[0]
+        unclipped = reference_train(STEPS, 2, optimizer="sgd")[0]
+    diff = max_abs_diff(results[0]["state"], ref)
+    print(f"EXACTNESS {schedule} clip {algorithm}={value}: max|dW| = {diff:.3e}")
+    assert diff <= TOL
+    assert max_abs_diff(ref, unclipped) > 1e-3  # the clipping was active
