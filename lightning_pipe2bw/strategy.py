@@ -6,7 +6,7 @@ import atexit
 import logging
 import math
 import os
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
@@ -23,7 +23,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -290,17 +290,8 @@ class Pipe2BWStrategy(ParallelStrategy):
                 f"schedule='2bw' double-buffers the weights of one optimizer, but configure_optimizers "
                 f"returned {len(self.optimizers)}; use one optimizer (with parameter groups if needed)"
             )
-        if (
-            isinstance(self.precision_plugin, MixedPrecision)
-            and self.precision_plugin.scaler is not None
-        ):
-            raise ValueError(
-                "precision='16-mixed' (loss scaling) is not supported with schedule='2bw' yet; use "
-                "'bf16-mixed', or schedule='1f1b'"
-            )
         versions = WeightVersions(list(engine.body.named_parameters()))
         optimizer = TwoBWOptimizer(self.optimizers[0], versions)
-        optimizer.after_step = self._after_2bw_step
         self.optimizers = [optimizer]
         self.driver = TwoBWDriver(engine, versions, optimizer, self.num_microbatches)
         engine.observer = lambda _: self._count_versions(len(versions.live_versions()))
@@ -503,6 +494,7 @@ class Pipe2BWStrategy(ParallelStrategy):
             for p in module.parameters():
                 p.grad = None
         else:  # 2BW: the gradient of the previous batch is due now, if any
+            driver.optimizer.record_hyperparameters(driver.admitted - 1)
             self._stash_due_gradient(driver, driver.due_batch())
         return loss  # type: ignore[no-any-return]
 
@@ -573,6 +565,31 @@ class Pipe2BWStrategy(ParallelStrategy):
 
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
         plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+            self._agree_on_inf_checks(plugin.scaler)
+
+    def _agree_on_inf_checks(self, scaler: torch.amp.GradScaler) -> None:
+        """Make the loss scaler's inf/NaN check global: after a stage unscales its gradients,
+        the stages take the max of their found-inf flags, so a step skipped for inf/NaN is
+        skipped on every stage and every stage's scale moves alike."""
+        unscale = scaler.unscale_
+        device = self.root_device
+        # only the last stage scales a loss, but every stage unscales the (scaled) gradients it
+        # received, so every stage's scaler needs its scale: start them all alike
+        scaler.scale(torch.zeros(1, device=device))
+
+        def agreed_unscale(optimizer: Optimizer) -> None:
+            unscale(optimizer)
+            state = scaler._per_optimizer_states[id(optimizer)]
+            found = state["found_inf_per_device"]
+            flag = sum((f.to(device) for f in found.values()), torch.zeros(1, device=device))
+            if self.num_stages > 1:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            # one entry is enough for the scaler's decision (and a stage with no gradient yet,
+            # 2BW's first step, still needs one)
+            state["found_inf_per_device"] = {device: flag.clamp(max=1.0)}
+
+        scaler.unscale_ = agreed_unscale  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ 2BW flush points
     def flush(self) -> None:
@@ -589,17 +606,31 @@ class Pipe2BWStrategy(ParallelStrategy):
         optimizer = driver.optimizer
         for p, grad in zip(driver.versions.params, driver.take_gradient(batch), strict=True):
             p.grad = grad
-        # the hooks, and clipping over all stages, exactly as inside Lightning's own step
-        self.precision_plugin._after_closure(module, optimizer)
-        optimizer.apply(batch)
+        optimizer.due = batch
+        # Lightning's own step path: loss-scaler unscale and (agreed) inf check, the
+        # on_before_optimizer_step hooks, clipping over all stages, then the update
+        done = torch.zeros((), device=self.root_device)
+        self.precision_plugin.optimizer_step(optimizer, model=module, closure=lambda: done)
+        optimizer.finish_step()
         for p in driver.versions.params:
             p.grad = None
         log.debug("pipe2bw: flushed after batch %d", batch)
 
-    def _after_2bw_step(self) -> None:
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: LightningModule | nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
         driver = self.driver
-        if driver is not None and self.flush_every and driver.admitted % self.flush_every == 0:
-            self.flush()
+        if driver is not None:
+            driver.optimizer.finish_step()
+            if self.flush_every and driver.admitted % self.flush_every == 0:
+                self.flush()
+        return output
 
     def _count_versions(self, alive: int) -> None:
         self.max_versions_alive = max(getattr(self, "max_versions_alive", 0), alive)

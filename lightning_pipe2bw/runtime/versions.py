@@ -118,9 +118,7 @@ class TwoBWOptimizer(Optimizer):
         # no super().__init__: the wrapped optimizer owns the param groups and the state
         self.optimizer = optimizer
         self.versions = versions
-        self.calls = 0
         self.due: int | None = None  # batch whose gradient the next step applies
-        self.after_step: Callable[[], None] | None = None
         self._hyper: dict[int, list[dict[str, Any]]] = {}
 
     @property
@@ -141,19 +139,22 @@ class TwoBWOptimizer(Optimizer):
             for group in self.param_groups
         ]
 
+    def record_hyperparameters(self, batch: int) -> None:
+        """Remember the param groups' values (lr, weight decay, ...) for batch ``batch``'s update;
+        called when Lightning runs that batch, before its scheduler steps."""
+        self._hyper[batch] = self._snapshot()
+
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        self._hyper[self.calls] = self._snapshot()
-        self.calls += 1
         loss = closure() if closure is not None else None
         if self.due is not None:
             self.apply(self.due)
-        if self.after_step is not None:
-            self.after_step()
         return loss
 
     def apply(self, batch: int) -> None:
         """Apply batch ``batch``'s gradient (in ``.grad``) to the newest weights."""
         hyper = self._hyper.pop(batch)
+        for stale in [b for b in self._hyper if b < batch]:  # updates skipped (inf/NaN)
+            del self._hyper[stale]
         current = self._snapshot()
         for group, values in zip(self.param_groups, hyper, strict=True):
             group.update(values)
@@ -161,6 +162,16 @@ class TwoBWOptimizer(Optimizer):
         self.optimizer.step()
         for group, values in zip(self.param_groups, current, strict=True):
             group.update(values)
+        self.due = None
+
+    def finish_step(self) -> None:
+        """Close the step: if the update that was due did not run (the loss scaler skipped it for
+        inf/NaN, on every stage alike), the next version is the current weights unchanged, so
+        that version numbers keep meaning "after t updates"."""
+        if self.due is None:
+            return
+        self._hyper.pop(self.due, None)
+        self.versions.advance()
         self.due = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
