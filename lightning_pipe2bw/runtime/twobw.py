@@ -51,7 +51,11 @@ class TwoBWDriver:
         )
 
     def _weights_for(self, microbatch: int) -> Mapping[str, Tensor]:
-        return self.versions.weights_for(self.segment_start + microbatch // self.m)
+        return self.versions.weights_for(self.batch_of(microbatch))
+
+    def batch_of(self, microbatch: int) -> int:
+        """The global batch index of a micro-batch id of the current segment."""
+        return self.segment_start + microbatch // self.m
 
     def _run(
         self,

@@ -14,39 +14,44 @@ __all__ = ["TwoBWOptimizer", "WeightVersions"]
 
 
 class WeightVersions:
-    """A stage's weight versions in two buffers, and the tensors autograd sees per batch.
+    """A stage's weight versions, each in its own buffer, and the tensors autograd sees.
 
-    Version v is the weights after v updates. Batch t runs its forwards and backwards with
-    version ``max(t - 1, 0)``. The module's parameters (the ones the user's optimizer holds)
-    always alias the *newest* version's buffer; in-flight micro-batches never see the
-    parameters themselves but per-batch leaf tensors that alias their version's buffer, so:
+    Version v is the stage's weights after v updates. The module's parameters (the ones the
+    user's optimizer holds) always alias the *newest* version's buffer; in-flight micro-batches
+    never see the parameters themselves but leaf tensors that alias their version's buffer, so:
 
-    * an update is applied in place to the parameters only after they are re-pointed to the
-      buffer that no in-flight batch uses (copy newest -> free buffer, then step it), and the
-      graphs of in-flight micro-batches keep reading the buffer they started with;
-    * every batch accumulates its gradient into its own leaves, even when two batches share a
-      version (batches 0 and 1 both run with version 0).
+    * an update is applied in place to the parameters only after they are re-pointed to a
+      buffer that no in-flight micro-batch uses (copy newest -> free buffer, then step it), and
+      the graphs of in-flight micro-batches keep reading the buffer they started with;
+    * every batch accumulates its gradient into its own leaves (one set per version it ran
+      with), even when two batches share a version.
 
-    Memory: two copies of the stage's weights, never more (:meth:`advance` checks it).
+    ``max_versions`` bounds the buffers: 2 for PipeDream-2BW, p - s for weight stashing on
+    stage s; :meth:`advance` raises rather than exceed it.
     """
 
-    def __init__(self, named_parameters: list[tuple[str, nn.Parameter]]) -> None:
+    def __init__(
+        self, named_parameters: list[tuple[str, nn.Parameter]], max_versions: int = 2
+    ) -> None:
         self.names = [name for name, _ in named_parameters]
         self.params = [param for _, param in named_parameters]
+        self.max_versions = max_versions
         self._buffers: list[list[Tensor]] = [[p.data for p in self.params]]
         self._buffer_of: dict[int, int] = {0: 0}  # version -> buffer index
         self.newest = 0
-        self._leaves: dict[int, dict[str, Tensor]] = {}  # batch -> leaves
+        self._leaves: dict[tuple[int, int], dict[str, Tensor]] = {}  # (batch, version) -> leaves
 
     @staticmethod
     def version_for(batch: int) -> int:
+        """PipeDream-2BW's rule: batch t runs with version max(t - 1, 0)."""
         return max(batch - 1, 0)
 
-    def weights_for(self, batch: int) -> dict[str, Tensor]:
-        """The leaf tensors batch ``batch`` computes with (created on first use)."""
-        leaves = self._leaves.get(batch)
+    def weights_for(self, batch: int, version: int | None = None) -> dict[str, Tensor]:
+        """The leaf tensors batch ``batch`` computes with under ``version`` (default: the 2BW
+        rule), created on first use."""
+        version = self.version_for(batch) if version is None else version
+        leaves = self._leaves.get((batch, version))
         if leaves is None:
-            version = self.version_for(batch)
             if version not in self._buffer_of:
                 raise RuntimeError(
                     f"batch {batch} needs weight version {version}, but this stage holds versions "
@@ -57,51 +62,58 @@ class WeightVersions:
                 name: t.detach().requires_grad_(p.requires_grad)
                 for name, t, p in zip(self.names, buffer, self.params, strict=True)
             }
-            self._leaves[batch] = leaves
+            self._leaves[(batch, version)] = leaves
         return leaves
 
     def grads_of(self, batch: int) -> list[Tensor | None]:
-        leaves = self._leaves.get(batch, {})
-        return [leaves[name].grad if name in leaves else None for name in self.names]
+        """Batch ``batch``'s gradient: the sum over the versions its micro-batches ran with."""
+        sets = [leaves for (b, _), leaves in self._leaves.items() if b == batch]
+        out: list[Tensor | None] = []
+        for name in self.names:
+            grads = [g for leaves in sets if (g := leaves[name].grad) is not None]
+            if not grads:
+                out.append(None)
+            else:
+                out.append(grads[0] if len(grads) == 1 else torch.stack(grads).sum(0))
+        return out
 
     def release(self, batch: int) -> None:
         """Batch ``batch`` has finished every backward on this stage."""
-        self._leaves.pop(batch, None)
+        for key in [k for k in self._leaves if k[0] == batch]:
+            del self._leaves[key]
 
     def live_versions(self) -> set[int]:
-        """Versions some in-flight batch still needs, plus the newest."""
-        return {self.version_for(b) for b in self._leaves} | {self.newest}
+        """Versions some in-flight micro-batch still needs, plus the newest."""
+        return {v for _, v in self._leaves} | {self.newest}
 
     def advance(self) -> None:
-        """Make room for version ``newest + 1``: copy the newest weights into the other buffer
-        and point the parameters at it, so the optimizer's in-place step leaves every version an
-        in-flight batch uses untouched."""
-        current = self._buffer_of[self.newest]
-        free = 1 - current
-        busy = {self._buffer_of[v] for v in self.live_versions() if v in self._buffer_of}
-        if free in busy:
-            raise RuntimeError(
-                "2BW would need a third weight version: an update was applied while two batches "
-                f"with different versions were in flight (live versions {sorted(self.live_versions())})"
-            )
-        if len(self._buffers) == 1:
+        """Make room for version ``newest + 1``: copy the newest weights into a buffer no live
+        version uses and point the parameters at it, so the optimizer's in-place step leaves
+        every version an in-flight micro-batch uses untouched."""
+        live = self.live_versions()
+        busy = {self._buffer_of[v] for v in live}
+        free = next((i for i in range(len(self._buffers)) if i not in busy), None)
+        if free is None:
+            if len(self._buffers) >= self.max_versions:
+                raise RuntimeError(
+                    f"this stage would need {len(self._buffers) + 1} weight versions (live: "
+                    f"{sorted(live)}), more than its bound of {self.max_versions}"
+                )
             self._buffers.append([torch.empty_like(t) for t in self._buffers[0]])
+            free = len(self._buffers) - 1
+        current = self._buffer_of[self.newest]
         with torch.no_grad():
             for dst, src in zip(self._buffers[free], self._buffers[current], strict=True):
                 dst.copy_(src)
         for param, t in zip(self.params, self._buffers[free], strict=True):
             param.data = t
-        self._buffer_of = {self.newest: current, self.newest + 1: free}
+        self._buffer_of = {v: self._buffer_of[v] for v in live}
         self.newest += 1
+        self._buffer_of[self.newest] = free
 
-    def state(self) -> dict[str, Any]:
-        """Plain data for checkpoints: the previous version's weights (the newest are the
-        parameters), by parameter name."""
-        previous = self.newest - 1
-        if previous not in self._buffer_of:
-            return {"newest": self.newest, "previous": None}
-        buf = self._buffers[self._buffer_of[previous]]
-        return {"newest": self.newest, "previous": dict(zip(self.names, buf, strict=True))}
+    @property
+    def num_buffers(self) -> int:
+        return len(self._buffers)
 
 
 class TwoBWOptimizer(Optimizer):
