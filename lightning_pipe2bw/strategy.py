@@ -43,7 +43,7 @@ from lightning_pipe2bw.launcher import PipeSpawnLauncher
 from lightning_pipe2bw.partition import Partition, find_body, make_partition
 from lightning_pipe2bw.runtime import P2PTransport, PipelineEngine, StageBody, merge_outputs
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, split_batch
-from lightning_pipe2bw.runtime.twobw import TwoBWDriver
+from lightning_pipe2bw.runtime.twobw import PipeDreamDriver, TwoBWDriver
 from lightning_pipe2bw.runtime.versions import TwoBWOptimizer, WeightVersions
 from lightning_pipe2bw.schedule import SCHEDULES, Schedule, add_communication, get_schedule
 from lightning_pipe2bw.schedule.generators import forward_only
@@ -278,23 +278,35 @@ class Pipe2BWStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-            if self.schedule_name == "2bw":
-                self._setup_2bw()
+            if self.schedule_name in ("2bw", "pipedream"):
+                self._setup_async(trainer)
         self._patch_clip_grad_norm()
 
-    def _setup_2bw(self) -> None:
+    def _setup_async(self, trainer: Trainer) -> None:
+        """Weight versions and the driver for the schedules without a flush between batches."""
         engine = self.engine
         assert engine is not None
+        name = self.schedule_name
         if len(self.optimizers) != 1:
             raise ValueError(
-                f"schedule='2bw' double-buffers the weights of one optimizer, but configure_optimizers "
+                f"schedule={name!r} keeps versions of one optimizer's weights, but configure_optimizers "
                 f"returned {len(self.optimizers)}; use one optimizer (with parameter groups if needed)"
             )
-        versions = WeightVersions(list(engine.body.named_parameters()))
+        if name == "pipedream":
+            plugin = self.precision_plugin
+            if trainer.gradient_clip_val or (isinstance(plugin, MixedPrecision) and plugin.scaler):
+                raise ValueError(
+                    "schedule='pipedream' applies each stage's update asynchronously, when that "
+                    "stage finishes a batch, so no global gradient norm or inf check exists at update "
+                    "time; remove gradient_clip_val / 16-mixed, or use schedule='2bw'"
+                )
+        bound = 2 if name == "2bw" else self.num_stages - self.stage
+        versions = WeightVersions(list(engine.body.named_parameters()), max_versions=bound)
         optimizer = TwoBWOptimizer(self.optimizers[0], versions)
         self.optimizers = [optimizer]
-        self.driver = TwoBWDriver(engine, versions, optimizer, self.num_microbatches)
-        engine.observer = lambda _: self._count_versions(len(versions.live_versions()))
+        driver_cls = TwoBWDriver if name == "2bw" else PipeDreamDriver
+        self.driver = driver_cls(engine, versions, optimizer, self.num_microbatches)
+        self.driver.version_log = self.version_log
 
     def _check_trainer(self, trainer: Trainer) -> None:
         module = self.lightning_module
@@ -494,7 +506,6 @@ class Pipe2BWStrategy(ParallelStrategy):
             for p in module.parameters():
                 p.grad = None
         else:  # 2BW: the gradient of the previous batch is due now, if any
-            driver.optimizer.record_hyperparameters(driver.admitted - 1)
             self._stash_due_gradient(driver, driver.due_batch())
         return loss  # type: ignore[no-any-return]
 
@@ -632,12 +643,8 @@ class Pipe2BWStrategy(ParallelStrategy):
                 self.flush()
         return output
 
-    def _count_versions(self, alive: int) -> None:
-        self.max_versions_alive = max(getattr(self, "max_versions_alive", 0), alive)
-        if self.version_log is not None:
-            self.version_log.append(alive)
-
-    version_log: list[int] | None = None  # set to a list to record versions alive per action
+    # set to a list before fit to record the weight versions alive after every action (tests)
+    version_log: list[int] | None = None
 
     @override
     def on_validation_start(self) -> None:

@@ -187,3 +187,60 @@ def reference_2bw(
         sched.step()
         history[step + 1] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return history[min(steps, len(history) - 1)]
+
+
+def reference_pipedream(
+    steps: int, microbatches: int, balance: list[int], optimizer: str = "adamw", batch_size: int = 8
+) -> dict[str, Tensor]:
+    """Single-process PipeDream with weight stashing, stage by stage.
+
+    Stage s (warm-up w = p - s - 1) runs micro-batch k's forward after the backward of
+    micro-batch k - w - 1, so it has applied floor((k - w) / m) updates by then (none during
+    warm-up): the forward and the backward of k on stage s use that version of the stage's
+    weights. A stage applies batch t's update as soon as its own last backward of t is done,
+    with the learning rate of step t; each stage has its own optimizer state."""
+    p = len(balance)
+    model = RegressionModel(optimizer=optimizer)
+    blocks = list(model.body.children())
+    bounds = [sum(balance[:s]) for s in range(p + 1)]
+    stage_params = [
+        [
+            (f"body.{i}.{n}", q)
+            for i in range(bounds[s], bounds[s + 1])
+            for n, q in blocks[i].named_parameters()
+        ]
+        for s in range(p)
+    ]
+    opts = [make_optimizer([q for _, q in params], optimizer)[0] for params in stage_params]
+    base_lr = opts[0].param_groups[0]["lr"]
+    history = [[{n: q.detach().clone() for n, q in params}] for params in stage_params]
+    m = microbatches
+    for t, (x, y) in enumerate(loader(batch_size)):
+        if t == steps:
+            break
+        acc: list[dict[str, Tensor]] = [{} for _ in range(p)]
+        for j, (xs, ys) in enumerate(
+            zip(torch.tensor_split(x, m), torch.tensor_split(y, m), strict=True)
+        ):
+            k = t * m + j
+            weights: dict[str, Tensor] = {}
+            for s in range(p):
+                w = p - s - 1
+                version = 0 if k < w else (k - w) // m
+                for name, value in history[s][version].items():
+                    weights[name] = value.clone().requires_grad_(True)
+            out = torch.func.functional_call(model, weights, (xs,))
+            loss = nn.functional.mse_loss(out, ys) * (xs.shape[0] / x.shape[0])
+            loss.backward()
+            for s in range(p):
+                for name, _ in stage_params[s]:
+                    g = weights[name].grad
+                    acc[s][name] = acc[s].get(name, torch.zeros_like(g)) + g
+        for s in range(p):
+            for group in opts[s].param_groups:
+                group["lr"] = base_lr * lr_lambda(t)
+            for name, q in stage_params[s]:
+                q.grad = acc[s][name]
+            opts[s].step()
+            history[s].append({n: q.detach().clone() for n, q in stage_params[s]})
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -243,7 +243,7 @@ def fit_ok(pool: Any, model: str, strategy_kwargs: dict[str, Any], **kwargs: Any
 # ----------------------------------------------------------------------------- constructor checks
 
 
-@pytest.mark.parametrize("schedule", ["zb", "1F1B", "", "pipedream"])
+@pytest.mark.parametrize("schedule", ["zb", "1F1B", "", "pipe_dream"])
 def test_unknown_schedule(schedule: str) -> None:
     with pytest.raises(ValueError) as info:
         Pipe2BWStrategy(schedule=schedule)

@@ -165,7 +165,7 @@ def test_generated_schedules_are_valid(name: str, pm: tuple[int, int]) -> None:
     p, m = pm
     assume(name != "2bw" or m >= p)
     schedule = get_schedule(name, p, m)
-    m = schedule.num_microbatches  # 2BW's finite form spans two batches of m
+    m = schedule.num_microbatches  # 2BW's and PipeDream's finite forms span two batches of m
     assert not schedule.has_comm
     for s, stage in enumerate(schedule.stages):
         assert all(a.stage == s for a in stage)
@@ -193,6 +193,7 @@ EXPECTED: dict[str, tuple[Callable[[int, int], float], Callable[[int, int, int],
     "1f1b": (flush_bubble, lambda p, s, m: min(p - s, m)),
     # the finite 2BW schedule is 1F1B across two batches (2m micro-batches), flushed at the end
     "2bw": (lambda p, m: flush_bubble(p, 2 * m), lambda p, s, m: p - s),
+    "pipedream": (lambda p, m: flush_bubble(p, 2 * m), lambda p, s, m: min(p - s, 2 * m)),
 }
 
 

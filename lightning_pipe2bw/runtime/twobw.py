@@ -9,9 +9,9 @@ from torch import Tensor
 
 from lightning_pipe2bw.runtime.engine import PipelineEngine, StepFn
 from lightning_pipe2bw.runtime.versions import TwoBWOptimizer, WeightVersions
-from lightning_pipe2bw.schedule import Action, OneFOneBStream, with_communication
+from lightning_pipe2bw.schedule import Action, ActionKind, OneFOneBStream, with_communication
 
-__all__ = ["TwoBWDriver"]
+__all__ = ["PipeDreamDriver", "TwoBWDriver"]
 
 
 class TwoBWDriver:
@@ -41,6 +41,13 @@ class TwoBWDriver:
         self.segment_start = 0  # first batch since the last flush
         self.next_update = 0  # the oldest batch whose update has not been applied
         self.stream = self._new_stream()
+        self.version_log: list[int] | None = None  # versions alive after every action, if set
+        engine.observer = self.observe
+
+    def observe(self, action: Action) -> None:
+        """Called by the engine after every action."""
+        if self.version_log is not None:
+            self.version_log.append(len(self.versions.live_versions()))
 
     def _new_stream(self) -> OneFOneBStream:
         seg, m = self.segment_start, self.m
@@ -85,6 +92,9 @@ class TwoBWDriver:
     ) -> list[Any]:
         """Admit the next batch and run this stage's window; return the last stage's step
         outputs for that batch (every forward of a batch runs in its own call)."""
+        # the update of this batch uses the param groups' values of this step (lr, ...), even
+        # when a stage applies it during a later call
+        self.optimizer.record_hyperparameters(self.admitted)
         local = self.admitted - self.segment_start
         first = local * self.m
         ids = range(first, first + len(microbatches))
@@ -137,3 +147,38 @@ class TwoBWDriver:
 
 def _no_step(_: Any) -> Any:  # pragma: no cover - a drain runs backwards only
     raise RuntimeError("a pipeline drain ran a forward")
+
+
+class PipeDreamDriver(TwoBWDriver):
+    """PipeDream with weight stashing: asynchronous 1F1B across batches.
+
+    A micro-batch's forward on a stage uses the newest weights that stage has, and its backward
+    uses the same (stashed) version. A stage applies a batch's update as soon as it has run the
+    batch's last backward, without waiting for the other stages: stage s is therefore at most
+    ``ceil((p - s - 1) / m)`` updates behind the last stage (which is never behind), and keeps
+    at most p - s weight versions.
+    """
+
+    def _weights_for(self, microbatch: int) -> Mapping[str, Tensor]:
+        return self.versions.weights_for(self.batch_of(microbatch), self.versions.newest)
+
+    def _new_stream(self) -> OneFOneBStream:
+        return OneFOneBStream(self.engine.stage, self.engine.num_stages)
+
+    def observe(self, action: Action) -> None:
+        if action.kind is ActionKind.BACKWARD and (action.microbatch + 1) % self.m == 0:
+            batch = self.batch_of(action.microbatch)
+            grads = self.take_gradient(batch)
+            for param, grad in zip(self.versions.params, grads, strict=True):
+                param.grad = grad
+            self.optimizer.apply(batch)
+            for param in self.versions.params:
+                param.grad = None
+        super().observe(action)
+
+    def due_batch(self) -> int | None:
+        return None  # every update is applied inside the pipeline, as soon as it is complete
+
+    def flush(self, backward: Callable[[Tensor], None]) -> int | None:
+        super().flush(backward)  # the drained backwards apply the last updates
+        return None

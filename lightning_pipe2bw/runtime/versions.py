@@ -90,6 +90,14 @@ class WeightVersions:
         """Make room for version ``newest + 1``: copy the newest weights into a buffer no live
         version uses and point the parameters at it, so the optimizer's in-place step leaves
         every version an in-flight micro-batch uses untouched."""
+        in_use = {v for _, v in self._leaves}
+        if self.newest not in in_use:
+            # no in-flight micro-batch reads the newest weights: update them in place
+            buffer = self._buffer_of[self.newest]
+            self._buffer_of = {v: self._buffer_of[v] for v in in_use}
+            self.newest += 1
+            self._buffer_of[self.newest] = buffer
+            return
         live = self.live_versions()
         busy = {self._buffer_of[v] for v in live}
         free = next((i for i in range(len(self._buffers)) if i not in busy), None)

@@ -20,6 +20,7 @@ from .generators import (
     get_schedule,
     gpipe,
     one_f_one_b,
+    pipedream,
     two_bw,
     two_bw_version,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "parse_action",
     "parse_actions",
     "parse_stages",
+    "pipedream",
     "simulate",
     "two_bw",
     "two_bw_version",

@@ -17,6 +17,7 @@ __all__ = [
     "get_schedule",
     "gpipe",
     "one_f_one_b",
+    "pipedream",
     "two_bw",
     "two_bw_version",
 ]
@@ -179,11 +180,27 @@ def two_bw(num_stages: int, num_microbatches: int, num_batches: int = 2) -> Sche
     return Schedule("2bw", num_stages, n, tuple(stages))
 
 
+def pipedream(num_stages: int, num_microbatches: int, num_batches: int = 2) -> Schedule:
+    """PipeDream (weight stashing) over ``num_batches`` batches, flushed only at the end: the
+    same 1F1B stream as 2BW; the versions are decided at run time (a forward takes the newest
+    weights of its stage, its backward the same), so actions carry none."""
+    check_sizes(num_stages, num_microbatches)
+    if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 1:
+        raise ValueError(f"num_batches must be a positive int, got {num_batches!r}")
+    n = num_batches * num_microbatches
+    stages = []
+    for s in range(num_stages):
+        stream = OneFOneBStream(s, num_stages)
+        stages.append((*stream.window(n), *stream.drain()))
+    return Schedule("pipedream", num_stages, n, tuple(stages))
+
+
 # Registering a new schedule is one entry here.
 SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "2bw": two_bw,
+    "pipedream": pipedream,
 }
 
 
