@@ -43,6 +43,11 @@ class TwoBWDriver:
         self.stream = self._new_stream()
         self.version_log: list[int] | None = None  # versions alive after every action, if set
         engine.observer = self.observe
+        versions.reserved = self.reserved_versions
+
+    def reserved_versions(self) -> set[int]:
+        """The version the next batch will run with must survive the updates before it."""
+        return {WeightVersions.version_for(self.admitted)}
 
     def observe(self, action: Action) -> None:
         """Called by the engine after every action."""
@@ -161,6 +166,9 @@ class PipeDreamDriver(TwoBWDriver):
 
     def _weights_for(self, microbatch: int) -> Mapping[str, Tensor]:
         return self.versions.weights_for(self.batch_of(microbatch), self.versions.newest)
+
+    def reserved_versions(self) -> set[int]:
+        return set()  # a forward always takes the newest weights
 
     def _new_stream(self) -> OneFOneBStream:
         return OneFOneBStream(self.engine.stage, self.engine.num_stages)

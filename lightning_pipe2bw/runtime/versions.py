@@ -40,6 +40,8 @@ class WeightVersions:
         self._buffer_of: dict[int, int] = {0: 0}  # version -> buffer index
         self.newest = 0
         self._leaves: dict[tuple[int, int], dict[str, Tensor]] = {}  # (batch, version) -> leaves
+        # versions that batches not admitted yet will need (2BW: the next batch's)
+        self.reserved: Callable[[], set[int]] = set
 
     @staticmethod
     def version_for(batch: int) -> int:
@@ -83,14 +85,19 @@ class WeightVersions:
             del self._leaves[key]
 
     def live_versions(self) -> set[int]:
-        """Versions some in-flight micro-batch still needs, plus the newest."""
-        return {v for _, v in self._leaves} | {self.newest}
+        """Versions some in-flight micro-batch, or a batch not admitted yet (``reserved``),
+        still needs, plus the newest."""
+        return {v for _, v in self._leaves} | self._reserved() | {self.newest}
+
+    def _reserved(self) -> set[int]:
+        # a reserved version may not exist yet (it is the one the coming update creates)
+        return {v for v in self.reserved() if v in self._buffer_of}
 
     def advance(self) -> None:
         """Make room for version ``newest + 1``: copy the newest weights into a buffer no live
         version uses and point the parameters at it, so the optimizer's in-place step leaves
         every version an in-flight micro-batch uses untouched."""
-        in_use = {v for _, v in self._leaves}
+        in_use = {v for _, v in self._leaves} | self._reserved()
         if self.newest not in in_use:
             # no in-flight micro-batch reads the newest weights: update them in place
             buffer = self._buffer_of[self.newest]
