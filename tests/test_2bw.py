@@ -103,3 +103,30 @@ def test_gradient_clipping_over_all_stages(
     print(f"EXACTNESS {schedule} clip {algorithm}={value}: max|dW| = {diff:.3e}")
     assert diff <= TOL
     assert max_abs_diff(ref, unclipped) > 1e-3  # the clipping was active
+
+
+def _peak_activation_bytes(schedule: str, m: int) -> tuple[int, int]:
+    import torch.distributed as dist
+    from models import RegressionModel, loader, quiet_trainer
+
+    from lightning_pipe2bw import Pipe2BWStrategy
+
+    strategy = Pipe2BWStrategy(schedule=schedule, microbatches=m)
+    trainer = quiet_trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=3)
+    trainer.fit(RegressionModel(), loader(8))
+    assert strategy.engine is not None
+    stats = strategy.engine.stats
+    return stats.peak_activation_bytes, stats.peak_inflight
+
+
+def test_stashed_activations_follow_the_schedule(pools: Any) -> None:
+    """Counted through saved_tensors_hooks: GPipe stashes all m micro-batches on every stage,
+    1F1B and 2BW at most p - s; in-flight counts match the simulator's bounds."""
+    m = 4
+    gpipe = pools(2).run(_peak_activation_bytes, "gpipe", m)
+    for schedule in ("1f1b", "2bw"):
+        got = pools(2).run(_peak_activation_bytes, schedule, m)
+        for stage, ((g_bytes, g_n), (b, n)) in enumerate(zip(gpipe, got, strict=True)):
+            assert g_n == m and n == 2 - stage, (schedule, stage, n)
+            # equal micro-batches save equal bytes: the peak scales with the count in flight
+            assert b * g_n == g_bytes * n, (schedule, stage, b, g_bytes)

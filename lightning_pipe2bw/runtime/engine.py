@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +49,7 @@ class _Slot:
     grads_out: Any = None  # gradients of this stage's inputs, to send back
     body_calls: int = 0
     weight: float = 0.0  # the loss weight of this micro-batch (n_i / N)
+    saved_bytes: int = 0  # bytes autograd saved for this micro-batch's backward
     params: Mapping[str, Tensor] | None = None  # the weight version it computes with
 
 
@@ -57,6 +59,10 @@ class EngineStats:
 
     peak_inflight: int = 0
     busy_s: float = 0.0
+    # bytes autograd saved for backward in this stage's forwards (storage de-duplicated, weights
+    # excluded), counted through saved_tensors_hooks: live now, and the peak
+    activation_bytes: int = 0
+    peak_activation_bytes: int = 0
     # the most recent actions only, so that long runs keep bounded memory
     timeline: deque[ActionTiming] = field(default_factory=lambda: deque(maxlen=100_000))
 
@@ -177,7 +183,11 @@ class PipelineEngine:
                 elif kind is ActionKind.FORWARD:
                     slot.weight = loss_weights.get(i, 0.0)
                     slot.params = weights_for(i) if weights_for is not None else None
-                    self._forward(slot, microbatches[i], step, i)
+                    if train:
+                        with self._count_saved(slot):
+                            self._forward(slot, microbatches[i], step, i)
+                    else:
+                        self._forward(slot, microbatches[i], step, i)
                     if self.is_last:
                         results[i] = slot.result
                     self.inflight += 1
@@ -199,6 +209,7 @@ class PipelineEngine:
                     assert backward is not None, "training needs a backward function"
                     self._backward(slot, i, slot.weight, backward)
                     self.inflight -= 1
+                    self.stats.activation_bytes -= slot.saved_bytes
                     if self.is_first:
                         del slots[i]
                 elif kind is ActionKind.SEND_B:
@@ -224,6 +235,27 @@ class PipelineEngine:
     def _peer(rank: int | None) -> int:
         assert rank is not None, "the schedule asked a stage to talk past the end of the pipeline"
         return rank
+
+    @contextmanager
+    def _count_saved(self, slot: _Slot) -> Iterator[None]:
+        """Count the bytes autograd saves for backward while ``slot``'s forward runs."""
+        weights = [*self.body.parameters(), *(slot.params or {}).values()]
+        skip = {t.untyped_storage().data_ptr() for t in weights}
+        storages: dict[int, int] = {}
+
+        def pack(t: Tensor) -> Tensor:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in skip and ptr not in storages:
+                storages[ptr] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        slot.saved_bytes = sum(storages.values())
+        stats = self.stats
+        stats.activation_bytes += slot.saved_bytes
+        stats.peak_activation_bytes = max(stats.peak_activation_bytes, stats.activation_bytes)
 
     def _forward(self, slot: _Slot, microbatch: Any, step: StepFn, index: int) -> None:
         body = self.body
