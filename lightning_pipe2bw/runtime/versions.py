@@ -132,10 +132,13 @@ class WeightVersions:
 
 
 class TwoBWOptimizer(Optimizer):
-    """Wraps the user's optimizer for PipeDream-2BW; Lightning steps it once per batch.
+    """Wraps the user's optimizer for the schedules without flushes (``2bw``, ``pipedream``);
+    Lightning steps it once per batch, and it owns when and with which hyper-parameters each
+    delayed update lands.
 
-    In the step for batch t, the gradient in the parameters' ``.grad`` is batch t-1's (the
-    strategy puts it there: it is complete on every stage at the end of call t), and it is
+    With 2BW, in the step for batch t the gradient in the parameters' ``.grad`` is batch t-1's
+    (the strategy puts it there: it is complete on every stage at the end of call t); with
+    PipeDream the driver calls :meth:`apply` inside the pipeline. Either way an update is
     applied with the hyper-parameters (learning rate, weight decay, ...) the param groups had
     when Lightning stepped for batch t-1, so a scheduler gives every update the value a
     single-device run uses for it although the update lands one step later.
