@@ -32,6 +32,7 @@ def test_2bw_equals_delayed_gradient_reference(pools: Any, p: int, m: int, optim
     # two weight versions at most on every stage, and both are used
     for rank, r in enumerate(results):
         assert max(r["versions"]) == 2, rank
+        assert 1 <= r["engine_versions"] <= 2, rank
 
 
 def test_2bw_flush_every(pools: Any) -> None:
@@ -78,6 +79,7 @@ def test_2bw_logged_loss_is_the_batch_loss(pools: Any) -> None:
 def test_flush_schedules_keep_one_version(pools: Any, schedule: str) -> None:
     for r in pools(2).run(workers.fit, schedule, 4, 2):
         assert r["versions"] == []  # no version store at all: the module's weights only
+        assert r["engine_versions"] == 1  # every action referenced one set of weights
 
 
 CLIPS = [("2bw", "norm", 0.05), ("2bw", "value", 0.01), ("1f1b", "norm", 0.05)]
@@ -130,3 +132,27 @@ def test_stashed_activations_follow_the_schedule(pools: Any) -> None:
             assert g_n == m and n == 2 - stage, (schedule, stage, n)
             # equal micro-batches save equal bytes: the peak scales with the count in flight
             assert b * g_n == g_bytes * n, (schedule, stage, b, g_bytes)
+
+
+def _fit_2bw_too_few_microbatches() -> str:
+    import torch.distributed as dist
+    from models import RegressionModel, loader, quiet_trainer
+
+    from lightning_pipe2bw import Pipe2BWStrategy
+
+    trainer = quiet_trainer(
+        devices=dist.get_world_size(), strategy=Pipe2BWStrategy(microbatches=1), max_steps=1
+    )
+    try:
+        trainer.fit(RegressionModel(), loader(8))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_2bw_needs_a_microbatch_per_stage(pools: Any) -> None:
+    for message in pools(2).run(_fit_2bw_too_few_microbatches):
+        assert message == (
+            "schedule='2bw' needs at least as many micro-batches as stages, got microbatches=1 "
+            "for 2 stages; use microbatches=2 or more"
+        )

@@ -29,5 +29,6 @@ def test_pipedream_equals_stashing_reference(pools: Any, p: int, m: int, optimiz
         peak = max(r["versions"])
         print(f"VERSIONS pipedream p={p} m={m} stage {stage}: at most {peak} (bound {p - stage})")
         assert peak <= p - stage
+        assert r["engine_versions"] <= p - stage
         if m == 1:  # one micro-batch per update: every in-flight micro-batch has its own version
             assert peak == p - stage

@@ -62,6 +62,7 @@ def fit(
         ),
         "blocks": list(model.body.indices),
         "versions": strategy.version_log,
+        "engine_versions": strategy.engine.stats.max_weight_versions if strategy.engine else 0,
         "val_runs": record.val_runs,
     }
 

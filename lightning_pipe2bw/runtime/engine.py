@@ -63,6 +63,9 @@ class EngineStats:
     # excluded), counted through saved_tensors_hooks: live now, and the peak
     activation_bytes: int = 0
     peak_activation_bytes: int = 0
+    # distinct weight buffers the stage's parameters and in-flight micro-batches reference,
+    # checked after every action: 1 for flush schedules, <= 2 for 2BW, <= p - s for stashing
+    max_weight_versions: int = 0
     # the most recent actions only, so that long runs keep bounded memory
     timeline: deque[ActionTiming] = field(default_factory=lambda: deque(maxlen=100_000))
 
@@ -220,6 +223,9 @@ class PipelineEngine:
                 end = time.perf_counter()
                 if action.is_compute:
                     self.stats.busy_s += end - start
+                    self.stats.max_weight_versions = max(
+                        self.stats.max_weight_versions, self.weight_versions_referenced()
+                    )
                 if self.observer is not None:
                     self.observer(action)
                 if self.record_timeline:
@@ -235,6 +241,16 @@ class PipelineEngine:
     def _peer(rank: int | None) -> int:
         assert rank is not None, "the schedule asked a stage to talk past the end of the pipeline"
         return rank
+
+    def weight_versions_referenced(self) -> int:
+        """How many distinct weight buffers are in use: the live parameters' and those the
+        in-flight micro-batches compute with (identified by their first tensor's storage)."""
+        first = next(self.body.parameters(), None)
+        ptrs = {first.untyped_storage().data_ptr()} if first is not None else set()
+        for slot in self.slots.values():
+            if slot.params:
+                ptrs.add(next(iter(slot.params.values())).untyped_storage().data_ptr())
+        return len(ptrs)
 
     @contextmanager
     def _count_saved(self, slot: _Slot) -> Iterator[None]:
