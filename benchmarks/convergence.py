@@ -202,7 +202,9 @@ def main() -> None:
         )
     command = shlex.join(["python", *sys.argv])
     print(f"command: {command}", flush=True)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads in the launcher", flush=True)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads in the launcher", flush=True
+    )
 
     start = time.perf_counter()
     results: dict[str, dict[str, Any]] = {}

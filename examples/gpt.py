@@ -241,7 +241,9 @@ class GPT(LightningModule):
         optimizer = torch.optim.AdamW(
             [g for g in groups if g["params"]], lr=hp.lr, betas=(0.9, 0.95)
         )
-        total = hp.max_steps if hp.max_steps is not None else self.trainer.estimated_stepping_batches
+        total = (
+            hp.max_steps if hp.max_steps is not None else self.trainer.estimated_stepping_batches
+        )
         total, warmup, ratio = int(total), int(hp.warmup_steps), float(hp.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: warmup_cosine(step, warmup, total, ratio)
@@ -275,7 +277,9 @@ class RandomWindows(Dataset[Batch]):
         generator = torch.Generator().manual_seed(seed)
         self.data = data
         self.block_size = block_size
-        self.offsets = torch.randint(0, data.numel() - block_size - 1, (length,), generator=generator)
+        self.offsets = torch.randint(
+            0, data.numel() - block_size - 1, (length,), generator=generator
+        )
 
     def __len__(self) -> int:
         return self.offsets.numel()

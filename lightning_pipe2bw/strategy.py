@@ -39,8 +39,15 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from typing_extensions import override
 
+from lightning_pipe2bw.agreement import agree_on_inf_checks, make_clipping_global
+from lightning_pipe2bw.checkpoint import (
+    gather_optimizer_state,
+    gather_state_dict,
+    load_stage_optimizer_state,
+    load_stage_state_dict,
+)
 from lightning_pipe2bw.launcher import PipeSpawnLauncher
-from lightning_pipe2bw.partition import Partition, find_body, make_partition
+from lightning_pipe2bw.partition import Partition, build_stage, find_body
 from lightning_pipe2bw.runtime import P2PTransport, PipelineEngine, StageBody, merge_outputs
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, split_batch
 from lightning_pipe2bw.runtime.twobw import PipeDreamDriver, TwoBWDriver
@@ -280,7 +287,7 @@ class Pipe2BWStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
             if self.schedule_name in ("2bw", "pipedream"):
                 self._setup_async(trainer)
-        self._patch_clip_grad_norm()
+        self._agree_across_stages()
 
     def _setup_async(self, trainer: Trainer) -> None:
         """Weight versions and the driver for the schedules without a flush between batches."""
@@ -333,74 +340,14 @@ class Pipe2BWStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         ref = find_body(module, self.body_name)
-        current = ref.module
-        if isinstance(current, StageBody):  # already partitioned by an earlier trainer call
-            if current.num_stages != self.num_stages or current.stage != self.stage:
-                raise ValueError(
-                    f"this module was partitioned for stage {current.stage} of {current.num_stages}"
-                    f" and cannot be re-used as stage {self.stage} of {self.num_stages}"
-                )
-            self._setup_engine(current)
-            return
-        blocks = list(current.children())
-        partition = make_partition(len(blocks), self.num_stages, self.balance)
-        _check_no_tied_parameters(blocks, partition, ref.path)
-        owned = partition.blocks_of(self.stage)
-        stage_body = StageBody(
-            ((i, blocks[i]) for i in owned), stage=self.stage, num_stages=self.num_stages
+        body, self.partition = build_stage(
+            module, ref, self.stage, self.num_stages, self.balance, self.root_device
         )
-        setattr(ref.parent, ref.attr, stage_body)  # the other stages' blocks are released here
-        del blocks, current
-        self._check_params_outside_body(module, ref.path)
-        self._materialize(module, ref.path, owned)
-        self.partition = partition
         log.info(
             "pipe2bw: rank %d runs stage %d/%d with blocks %s of %r",
-            self.global_rank,
-            self.stage,
-            self.num_stages,
-            list(owned),
-            ref.path,
-        )
-        self._setup_engine(stage_body)
-
-    @staticmethod
-    def _check_params_outside_body(module: nn.Module, body_path: str) -> None:
-        stray = [
-            name for name, _ in module.named_parameters() if not name.startswith(body_path + ".")
-        ]
-        if stray:
-            raise ValueError(
-                f"parameters outside the pipeline body {body_path!r}: {stray}. Every layer with "
-                "parameters must be a block of the body so that exactly one stage owns it; move "
-                "these layers into the body (e.g. an embedding as its first block, a head as its last)"
-            )
-
-    def _materialize(self, module: nn.Module, body_path: str, owned: range) -> None:
-        """Allocate meta tensors (from ``configure_model``) on this rank's device. Each owned
-        block is initialised with ``reset_parameters()`` under a seed derived from its index, so
-        a block's initial weights do not depend on the partition."""
-        if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-            return
-        base_seed = torch.initial_seed()
-        stage_body = module.get_submodule(body_path)
-        for index, block in zip(owned, stage_body.children(), strict=True):
-            block.to_empty(device=self.root_device)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(base_seed + index)
-                for sub in block.modules():
-                    reset = getattr(sub, "reset_parameters", None)
-                    if callable(reset):
-                        reset()
-        # modules outside the body built on meta (parameter-free ones, or buffers): allocate
-        # only what is still on meta, never re-allocating the blocks initialised above
-        for sub in module.modules():
-            own = (*sub.parameters(recurse=False), *sub.buffers(recurse=False))
-            if any(t.is_meta for t in own):
-                sub.to_empty(device=self.root_device, recurse=False)
-                reset = getattr(sub, "reset_parameters", None)
-                if callable(reset):
-                    reset()
+            self.global_rank, self.stage, self.num_stages, body.indices, ref.path,
+        )  # fmt: skip
+        self._setup_engine(body)
 
     def _setup_engine(self, body: StageBody) -> None:
         stage = self.stage
@@ -550,57 +497,12 @@ class Pipe2BWStrategy(ParallelStrategy):
         call._call_lightning_module_hook(trainer, "on_after_backward")
         return closure_loss
 
-    def _patch_clip_grad_norm(self) -> None:
-        """Make norm clipping use the norm over *all* stages, as on one device (the same point of
-        every rank's loop, so the all-reduce lines up)."""
+    def _agree_across_stages(self) -> None:
+        group = None  # the whole world is one pipeline
+        make_clipping_global(self.precision_plugin, self.root_device, group, self.num_stages)
         plugin = self.precision_plugin
-
-        def clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float) -> None:
-            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            local = torch.zeros((), dtype=torch.float64, device=self.root_device)
-            for p in params:
-                local += p.grad.detach().double().pow(2).sum()  # type: ignore[union-attr]
-            if self.num_stages > 1:
-                dist.all_reduce(local)
-            total = float(local.sqrt())
-            coef = min(1.0, float(clip_val) / (total + 1e-6))
-            if coef < 1.0:
-                for p in params:
-                    p.grad.detach().mul_(coef)  # type: ignore[union-attr]
-
-        def clip_grad_by_value(optimizer: Optimizer, clip_val: int | float) -> None:
-            # element-wise, so stage-local; a stage may have no gradient yet (2BW's first step)
-            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            if params:
-                torch.nn.utils.clip_grad_value_(params, clip_val)
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
-        plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
         if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
-            self._agree_on_inf_checks(plugin.scaler)
-
-    def _agree_on_inf_checks(self, scaler: torch.amp.GradScaler) -> None:
-        """Make the loss scaler's inf/NaN check global: after a stage unscales its gradients,
-        the stages take the max of their found-inf flags, so a step skipped for inf/NaN is
-        skipped on every stage and every stage's scale moves alike."""
-        unscale = scaler.unscale_
-        device = self.root_device
-        # only the last stage scales a loss, but every stage unscales the (scaled) gradients it
-        # received, so every stage's scaler needs its scale: start them all alike
-        scaler.scale(torch.zeros(1, device=device))
-
-        def agreed_unscale(optimizer: Optimizer) -> None:
-            unscale(optimizer)
-            state = scaler._per_optimizer_states[id(optimizer)]
-            found = state["found_inf_per_device"]
-            flag = sum((f.to(device) for f in found.values()), torch.zeros(1, device=device))
-            if self.num_stages > 1:
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            # one entry is enough for the scaler's decision (and a stage with no gradient yet,
-            # 2BW's first step, still needs one)
-            state["found_inf_per_device"] = {device: flag.clamp(max=1.0)}
-
-        scaler.unscale_ = agreed_unscale  # type: ignore[method-assign]
+            agree_on_inf_checks(plugin.scaler, self.root_device, group, self.num_stages)
 
     # ------------------------------------------------------------------ 2BW flush points
     def flush(self) -> None:
@@ -689,18 +591,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         """The unpartitioned model's state dict on global rank 0 (collective; ``{}`` elsewhere)."""
         module = self.lightning_module
         assert module is not None
-        local = apply_to_collection(module.state_dict(), Tensor, lambda t: t.detach().cpu())
-        if self.num_stages == 1:
-            return local  # type: ignore[no-any-return]
-        gathered: list[Any] = [None] * self.world_size if self.global_rank == 0 else []
-        dist.gather_object(local, gathered if self.global_rank == 0 else None, dst=0)
-        if self.global_rank != 0:
-            return {}
-        merged: dict[str, Any] = {}
-        for part in gathered:
-            for key, value in part.items():
-                merged.setdefault(key, value)
-        return merged
+        return gather_state_dict(module, self.global_rank, self.world_size)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -709,46 +600,21 @@ class Pipe2BWStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        opt = getattr(optimizer, "_optimizer", optimizer)
-        local = apply_to_collection(opt.state_dict(), Tensor, lambda t: t.detach().cpu())
-        gathered: list[Any] = [None] * self.world_size
-        if self.num_stages > 1:
-            dist.all_gather_object(gathered, local)
-        else:
-            gathered = [local]
         assert self.partition is not None
-        return {"pipe2bw_stages": gathered, "pipe2bw_balance": list(self.partition.balance)}
+        opt = getattr(optimizer, "_optimizer", optimizer)
+        return gather_optimizer_state(opt, self.world_size, self.partition.balance)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         module = self.lightning_module
         assert module is not None
-        full = checkpoint["state_dict"]
-        local_keys = module.state_dict().keys()
-        missing = [k for k in local_keys if k not in full]
-        if missing and strict:
-            raise KeyError(
-                f"the checkpoint lacks {len(missing)} entries this stage needs, e.g. {missing[:5]}; "
-                "was it written for a different model?"
-            )
-        module.load_state_dict({k: full[k] for k in local_keys if k in full}, strict=strict)
+        load_stage_state_dict(module, checkpoint["state_dict"], strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.partition is not None
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
-            if "pipe2bw_stages" not in state:
-                raise ValueError(
-                    "this checkpoint's optimizer state was not written by pipe2bw; resume it with "
-                    "the strategy that wrote it, or load only the weights"
-                )
-            if list(state["pipe2bw_balance"]) != list(self.partition.balance):
-                raise ValueError(
-                    f"the checkpoint's optimizer state was written for balance="
-                    f"{state['pipe2bw_balance']} but this run uses balance="
-                    f"{list(self.partition.balance)}; resume with the same balance"
-                )
-            optimizer.load_state_dict(state["pipe2bw_stages"][self.stage])
+            load_stage_optimizer_state(optimizer, state, self.stage, self.partition.balance)
 
     # ------------------------------------------------------------------ registry
     @classmethod
@@ -771,27 +637,6 @@ def _destroy_process_group() -> None:
     (gloo's threads torn down during interpreter shutdown can abort the process)."""
     if _distributed_is_initialized():
         dist.destroy_process_group()
-
-
-def _check_no_tied_parameters(blocks: list[nn.Module], partition: Partition, body: str) -> None:
-    """A parameter shared by blocks on different stages would be trained as two copies."""
-    owner: dict[int, tuple[int, int, str]] = {}
-    problems = []
-    for stage in range(partition.num_stages):
-        for index in partition.blocks_of(stage):
-            for name, param in blocks[index].named_parameters(remove_duplicate=False):
-                first = owner.setdefault(id(param), (stage, index, name))
-                if first[0] != stage:
-                    problems.append(
-                        f"{body}.{first[1]}.{first[2]} (stage {first[0]}) is "
-                        f"{body}.{index}.{name} (stage {stage})"
-                    )
-    if problems:
-        raise ValueError(
-            f"parameters shared between blocks on different stages: {problems}. Each stage "
-            "would train its own copy; untie them, or choose a balance that puts the blocks that "
-            "share a parameter on one stage"
-        )
 
 
 def _loss_value(result: Any) -> Tensor:

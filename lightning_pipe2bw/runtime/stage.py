@@ -28,11 +28,16 @@ class StageBody(nn.Module):
     """
 
     def __init__(
-        self, blocks: Iterable[tuple[int, nn.Module]], stage: int, num_stages: int
+        self,
+        blocks: Iterable[tuple[int, nn.Module]],
+        stage: int,
+        num_stages: int,
+        balance: tuple[int, ...] = (),
     ) -> None:
         super().__init__()
         self.stage = stage
         self.num_stages = num_stages
+        self.balance = balance  # blocks per stage of the whole pipeline
         self.indices: list[int] = []
         for index, block in blocks:
             self.add_module(str(index), block)

@@ -1,0 +1,811 @@
+"""Throughput, bubble and memory of the pipeline schedules on CPU, against simple baselines.
+
+One run measures, on the same model (``BLOCKS`` equal residual MLP blocks), the same data and
+fp32 with AdamW:
+
+* ``Pipe2BWStrategy`` with each schedule (gpipe, 1f1b, 2bw, pipedream) on p ranks and m
+  micro-batches per batch, for every p in ``--ranks`` and m in {p, 4p} (``--mb-factors``). Each
+  rank is a process with one intra-op thread that runs a real Lightning ``Trainer`` (the ranks
+  look like ``torchrun`` workers, so Lightning launches nothing). A callback times the timed
+  steps and reads the engine's counters: compute time (busy), the action timeline, the peak
+  bytes saved for backward and the weight buffers.
+* baselines: one process training the whole model with one thread (the 1x reference: the
+  pipeline's limit is p times its throughput) and with all cores, both with the same micro-batch
+  accumulation;
+* peers: the same stages under ``torch.distributed.pipelining`` (ScheduleGPipe, Schedule1F1B
+  and the multi-stage schedules that work on this machine).
+
+It prints one table and writes the same data as JSON. Run from the repository root::
+
+    python benchmarks/schedules.py                 # defaults: about 4-5 minutes on 2 cores
+    python benchmarks/schedules.py --ranks 2 --steps 10 --skip-peer
+
+See ``benchmarks/README.md`` for how to read the table. Nothing here is asserted by tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import platform
+import queue
+import socket
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch import Tensor, nn
+
+# --------------------------------------------------------------------------- the workload
+
+BLOCKS = 8
+WIDTH = 256
+HIDDEN = 1024
+LR = 1e-3
+SEED = 1234
+OUR_SCHEDULES = ("gpipe", "1f1b", "2bw", "pipedream")
+# torch.distributed.pipelining classes, without the "Schedule" prefix; the first two run one
+# stage per rank, the others two (looped/interleaved: stages r and r + p; "V": r and 2p - 1 - r)
+PEER_SCHEDULES = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
+_SINGLE_STAGE_PEERS = {"GPipe", "1F1B"}
+_V_SHAPED_PEERS = {"ZBVZeroBubble", "DualPipeV"}
+# a peer schedule that deadlocks must not eat the whole time budget
+PEER_TIMEOUT_S = 60.0
+OURS_TIMEOUT_S = 180.0
+PG_TIMEOUT_S = 90.0
+
+
+class ResidualBlock(nn.Module):
+    """x + Linear(HIDDEN -> WIDTH)(GELU(Linear(WIDTH -> HIDDEN)(x)))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(WIDTH, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, WIDTH)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.fc2(nn.functional.gelu(self.fc1(x)))
+
+
+def make_body() -> nn.Sequential:
+    """The whole model, with the same initial weights in every process."""
+    torch.manual_seed(SEED)
+    return nn.Sequential(*[ResidualBlock() for _ in range(BLOCKS)])
+
+
+def make_data(batch_size: int, num_batches: int) -> tuple[Tensor, Tensor]:
+    """Inputs and regression targets for ``num_batches`` batches (the same in every process)."""
+    g = torch.Generator().manual_seed(0)
+    n = batch_size * num_batches
+    return torch.randn(n, WIDTH, generator=g), torch.randn(n, WIDTH, generator=g)
+
+
+def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+    return nn.functional.mse_loss(output, target)
+
+
+def param_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _lightning_module() -> Any:
+    """The LightningModule (built lazily: Lightning is imported only where it is used)."""
+    from lightning.pytorch import LightningModule
+
+    class BenchModel(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = make_body()
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.body(x)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+            x, y = batch
+            loss = loss_fn(self(x), y)
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=LR)
+
+    return BenchModel()
+
+
+def _quiet() -> None:
+    warnings.filterwarnings("ignore")
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "torch.distributed"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+# --------------------------------------------------------------------------- rank pool
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(rank: int, world: int, port: int, tasks: Any, results: Any) -> None:
+    """A worker that looks like a ``torchrun`` rank: env vars, one thread, a gloo group."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        GROUP_RANK="0",
+        TORCHELASTIC_RUN_ID="bench",
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    _quiet()
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    while (task := tasks.get()) is not None:
+        fn, args = task
+        try:
+            results.put((rank, True, fn(*args)))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class TaskFailed(RuntimeError):
+    """A task failed or timed out on some rank; ``reason`` is one line."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}\n{detail}")
+        self.reason = reason
+
+
+def _last_error_line(tb: str) -> str:
+    lines = [line.strip() for line in tb.strip().splitlines() if line.strip()]
+    return lines[-1][:200] if lines else "unknown error"
+
+
+class RankPool:
+    """``world`` spawned gloo ranks that run module-level functions; restarted after a failure."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self._procs: list[Any] = []
+        self._tasks: list[Any] = []
+        self._results: Any = None
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world)]
+        with _env(OMP_NUM_THREADS="1"):
+            self._procs = [
+                ctx.Process(
+                    target=_rank_main,
+                    args=(r, self.world, port, self._tasks[r], self._results),
+                    daemon=True,
+                )
+                for r in range(self.world)
+            ]
+            for proc in self._procs:
+                proc.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float) -> list[Any]:
+        """``fn(*args)`` on every rank; the results in rank order, or :class:`TaskFailed`."""
+        if not self._procs or not all(proc.is_alive() for proc in self._procs):
+            self.close()
+            self._start()
+        for q in self._tasks:
+            q.put((fn, args))
+        out: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while len(out) + len(errors) < self.world:
+            try:
+                rank, ok, value = self._results.get(timeout=max(deadline - time.monotonic(), 0.1))
+            except queue.Empty:
+                break
+            (out if ok else errors)[rank] = value
+            if errors:  # the other ranks may now wait forever for the failed one
+                deadline = min(deadline, time.monotonic() + 10)
+        if errors or len(out) < self.world:
+            self.close()
+            detail = "".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            if errors:
+                reason = _last_error_line(errors[min(errors)])
+            else:
+                reason = f"timed out after {timeout:.0f} s (deadlock?)"
+            raise TaskFailed(reason, detail)
+        return [out[r] for r in range(self.world)]
+
+    def close(self) -> None:
+        for q, proc in zip(self._tasks, self._procs, strict=False):
+            if proc.is_alive():
+                try:
+                    q.put(None)
+                except (OSError, ValueError):
+                    pass
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self._procs = []
+        self._tasks = []
+
+
+@contextmanager
+def _env(**values: str) -> Iterator[None]:
+    """Set environment variables while child processes start (they inherit them)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# --------------------------------------------------------------------------- our strategy
+
+
+def _make_timer(warmup: int, steps: int) -> Any:
+    from lightning.pytorch import Callback
+
+    class WindowTimer(Callback):
+        """Wall clock and engine counters at the start and end of the timed steps."""
+
+        def __init__(self) -> None:
+            self.step_start = 0.0
+            self.step_s: list[float] = []
+            self.t0 = self.t1 = 0.0
+            self.busy0 = self.busy1 = 0.0
+            self.loss = float("nan")
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
+            self.step_start = time.perf_counter()
+            if idx == warmup:
+                self.t0 = self.step_start
+                self.busy0 = trainer.strategy.engine.stats.busy_s
+
+        def on_train_batch_end(
+            self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int
+        ) -> None:
+            now = time.perf_counter()
+            if idx >= warmup:
+                self.step_s.append(now - self.step_start)
+            if idx == warmup + steps - 1:
+                self.t1 = now
+                self.busy1 = trainer.strategy.engine.stats.busy_s
+                self.loss = float(trainer.callback_metrics.get("train_loss", float("nan")))
+
+    return WindowTimer()
+
+
+def _timeline_split(timeline: Sequence[Any], t0: float, t1: float) -> dict[str, float]:
+    """Seconds of compute, receive (waiting for a peer) and send actions inside [t0, t1]."""
+    out = {"compute_s": 0.0, "recv_s": 0.0, "send_s": 0.0}
+    for entry in timeline:
+        if entry.start < t0 or entry.end > t1:
+            continue
+        kind = entry.action.kind.value
+        key = "compute_s" if entry.action.is_compute else (
+            "recv_s" if kind.startswith("RECV") else "send_s"
+        )
+        out[key] += entry.end - entry.start
+    return out
+
+
+def run_ours(schedule: str, m: int, batch_size: int, warmup: int, steps: int) -> dict[str, Any]:
+    """Runs on every rank: fit a Trainer with ``Pipe2BWStrategy`` and read its counters."""
+    import torch.distributed as dist
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_pipe2bw import Pipe2BWStrategy
+
+    x, y = make_data(batch_size, warmup + steps)
+    loader = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+    strategy = Pipe2BWStrategy(schedule=schedule, microbatches=m)
+    timer = _make_timer(warmup, steps)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        strategy=strategy,
+        max_steps=warmup + steps,
+        callbacks=[timer],
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    model = _lightning_module()
+    trainer.fit(model, loader)
+    stats = strategy.engine.stats
+    driver = strategy.driver
+    return {
+        "rank": dist.get_rank(),
+        "threads": torch.get_num_threads(),
+        "wall_s": timer.t1 - timer.t0,
+        "busy_s": timer.busy1 - timer.busy0,
+        **_timeline_split(stats.timeline, timer.t0, timer.t1),
+        "step_s": timer.step_s,
+        "param_bytes": param_bytes(model),
+        "num_buffers": driver.versions.num_buffers if driver is not None else 1,
+        "peak_activation_bytes": stats.peak_activation_bytes,
+        "peak_inflight": stats.peak_inflight,
+        "final_loss": timer.loss,
+    }
+
+
+# --------------------------------------------------------------------------- torch pipelining
+
+
+def _peer_stage_ids(name: str, rank: int, world: int) -> tuple[list[int], int]:
+    """The stage indices this rank holds and the total number of stages."""
+    if name in _SINGLE_STAGE_PEERS:
+        return [rank], world
+    if name in _V_SHAPED_PEERS:
+        return [rank, 2 * world - 1 - rank], 2 * world
+    return [rank, rank + world], 2 * world
+
+
+def run_peer(name: str, m: int, batch_size: int, warmup: int, steps: int) -> dict[str, Any]:
+    """Runs on every rank: the same model under ``torch.distributed.pipelining``."""
+    import torch.distributed as dist
+    import torch.distributed.pipelining as pipelining
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ids, num_stages = _peer_stage_ids(name, rank, world)
+    if BLOCKS % num_stages:
+        raise ValueError(f"{BLOCKS} blocks do not split into {num_stages} equal stages")
+    blocks = list(make_body())
+    per = BLOCKS // num_stages
+    submodules = [nn.Sequential(*blocks[i * per : (i + 1) * per]) for i in ids]
+    del blocks
+    device = torch.device("cpu")
+    stages = [
+        pipelining.PipelineStage(sub, i, num_stages, device)
+        for sub, i in zip(submodules, ids, strict=True)
+    ]
+    cls = getattr(pipelining, f"Schedule{name}")
+    arg = stages[0] if name in _SINGLE_STAGE_PEERS else stages
+    schedule = cls(arg, n_microbatches=m, loss_fn=loss_fn)
+    params = [p for sub in submodules for p in sub.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=LR)
+    has_input, has_target = 0 in ids, num_stages - 1 in ids
+    x, y = make_data(batch_size, warmup + steps)
+    step_s: list[float] = []
+    t0 = 0.0
+    losses: list[Tensor] = []
+    for step in range(warmup + steps):
+        start = time.perf_counter()
+        if step == warmup:
+            t0 = start
+        rows = slice(step * batch_size, (step + 1) * batch_size)
+        optimizer.zero_grad()
+        args = (x[rows],) if has_input else ()
+        losses = []
+        kwargs: dict[str, Any] = {"target": y[rows], "losses": losses} if has_target else {}
+        schedule.step(*args, **kwargs)
+        optimizer.step()
+        if step >= warmup:
+            step_s.append(time.perf_counter() - start)
+    wall = time.perf_counter() - t0
+    final_loss = float(torch.stack(losses).mean()) if losses else float("nan")
+    return {
+        "rank": rank,
+        "threads": torch.get_num_threads(),
+        "wall_s": wall,
+        "step_s": step_s,
+        "param_bytes": sum(param_bytes(sub) for sub in submodules),
+        "final_loss": final_loss,
+    }
+
+
+# --------------------------------------------------------------------------- single process
+
+
+def run_single(threads: int, m: int, batch_size: int, warmup: int, steps: int) -> dict[str, Any]:
+    """One process, the whole model, a plain loop with gradient accumulation over m chunks."""
+    torch.set_num_threads(threads)
+    model = make_body()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    x, y = make_data(batch_size, warmup + steps)
+    step_s: list[float] = []
+    t0 = 0.0
+    loss_value = 0.0
+    for step in range(warmup + steps):
+        start = time.perf_counter()
+        if step == warmup:
+            t0 = start
+        rows = slice(step * batch_size, (step + 1) * batch_size)
+        optimizer.zero_grad()
+        loss_value = 0.0
+        for xs, ys in zip(x[rows].tensor_split(m), y[rows].tensor_split(m), strict=True):
+            loss = loss_fn(model(xs), ys) * (xs.shape[0] / batch_size)
+            loss.backward()
+            loss_value += float(loss)
+        optimizer.step()
+        if step >= warmup:
+            step_s.append(time.perf_counter() - start)
+    return {
+        "threads": torch.get_num_threads(),
+        "wall_s": time.perf_counter() - t0,
+        "step_s": step_s,
+        "param_bytes": param_bytes(model),
+        "final_loss": loss_value,
+    }
+
+
+def measure_baselines(
+    threads: int, ms: Sequence[int], batch_size: int, warmup: int, steps: int
+) -> dict[int, dict[str, Any]]:
+    """``run_single`` for every m in a fresh process started with ``threads`` OpenMP threads."""
+    with _env(OMP_NUM_THREADS=str(threads)):
+        with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+            return {
+                m: pool.submit(run_single, threads, m, batch_size, warmup, steps).result()
+                for m in ms
+            }
+
+
+# --------------------------------------------------------------------------- summaries
+
+
+@dataclass
+class Row:
+    """One line of the table (and one record of the JSON)."""
+
+    kind: str  # "single", "ours", "torch"
+    name: str
+    p: int
+    m: int
+    samples_per_s: float
+    bubble_mean: float | None = None
+    bubble_max: float | None = None
+    weight_bytes: list[int] | None = None
+    activation_bytes: list[int] | None = None
+    speedup: float | None = None  # samples/s over the 1-thread process at the same m
+    efficiency: float | None = None  # speedup / p
+    vs_our_1f1b: float | None = None
+    vs_our_same: float | None = None
+    ranks: list[dict[str, Any]] | None = None
+
+
+def _samples_per_s(walls: Sequence[float], batch_size: int, steps: int) -> float:
+    return steps * batch_size / max(walls)
+
+
+def summarize_ours(
+    name: str, m: int, ranks: list[dict[str, Any]], batch_size: int, steps: int
+) -> Row:
+    bubbles = [(r["wall_s"] - r["busy_s"]) / r["wall_s"] for r in ranks]
+    return Row(
+        kind="ours",
+        name=name,
+        p=len(ranks),
+        m=m,
+        samples_per_s=_samples_per_s([r["wall_s"] for r in ranks], batch_size, steps),
+        bubble_mean=sum(bubbles) / len(bubbles),
+        bubble_max=max(bubbles),
+        weight_bytes=[r["num_buffers"] * r["param_bytes"] for r in ranks],
+        activation_bytes=[r["peak_activation_bytes"] for r in ranks],
+        ranks=ranks,
+    )
+
+
+def summarize_peer(
+    name: str, m: int, ranks: list[dict[str, Any]], batch_size: int, steps: int
+) -> Row:
+    return Row(
+        kind="torch",
+        name=name,
+        p=len(ranks),
+        m=m,
+        samples_per_s=_samples_per_s([r["wall_s"] for r in ranks], batch_size, steps),
+        weight_bytes=[r["param_bytes"] for r in ranks],
+        ranks=ranks,
+    )
+
+
+def add_ratios(rows: list[Row], reference: dict[int, float]) -> None:
+    """Speed-up over the 1-thread process, efficiency, and ratios to our schedules."""
+    ours = {(r.name, r.p, r.m): r.samples_per_s for r in rows if r.kind == "ours"}
+    same = {"GPipe": "gpipe", "1F1B": "1f1b"}
+    for row in rows:
+        ref = reference.get(row.m)
+        if ref:
+            row.speedup = row.samples_per_s / ref
+            if row.kind != "single":
+                row.efficiency = row.speedup / row.p
+        if row.kind == "single":
+            continue
+        base = ours.get(("1f1b", row.p, row.m))
+        if base:
+            row.vs_our_1f1b = row.samples_per_s / base
+        if row.kind == "torch" and row.name in same:
+            mine = ours.get((same[row.name], row.p, row.m))
+            if mine:
+                row.vs_our_same = row.samples_per_s / mine
+
+
+# --------------------------------------------------------------------------- printing
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _mib(values: list[int] | None) -> str:
+    if not values:
+        return "-"
+    return " ".join(f"{v / 2**20:.1f}" for v in values)
+
+
+COLUMNS = (
+    "p",
+    "m",
+    "run",
+    "samples/s",
+    "x 1thr",
+    "eff",
+    "bubble mean",
+    "bubble max",
+    "weights MiB/stage",
+    "peak act MiB/stage",
+    "/ our 1f1b",
+    "/ our same",
+)
+_RIGHT = {0, 1, 3, 4, 5, 6, 7, 10, 11}
+
+
+def _cells(row: Row) -> list[str]:
+    label = {"single": "1 process", "ours": "ours", "torch": "torch"}[row.kind]
+    return [
+        str(row.p),
+        str(row.m),
+        f"{label} {row.name}",
+        f"{row.samples_per_s:.0f}",
+        _fmt(row.speedup, ".2f"),
+        _fmt(row.efficiency, ".2f"),
+        _fmt(row.bubble_mean, ".2f"),
+        _fmt(row.bubble_max, ".2f"),
+        _mib(row.weight_bytes),
+        _mib(row.activation_bytes),
+        _fmt(row.vs_our_1f1b, ".2f"),
+        _fmt(row.vs_our_same, ".2f"),
+    ]
+
+
+def print_table(title: str, groups: list[list[Row]], footnotes: list[str]) -> None:
+    """A rich table if rich is installed, else plain aligned text."""
+    cells = [[_cells(r) for r in group] for group in groups]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        flat = [list(COLUMNS)] + [c for group in cells for c in group]
+        widths = [max(len(line[i]) for line in flat) for i in range(len(COLUMNS))]
+
+        def line(values: list[str]) -> str:
+            return "  ".join(
+                v.rjust(w) if i in _RIGHT else v.ljust(w)
+                for i, (v, w) in enumerate(zip(values, widths, strict=True))
+            )
+
+        print(title)
+        print(line(list(COLUMNS)))
+        for group in cells:
+            print("-" * (sum(widths) + 2 * (len(widths) - 1)))
+            for values in group:
+                print(line(values))
+        for note in footnotes:
+            print(note)
+        return
+    table = Table(title=title, title_justify="left", caption_justify="left")
+    for i, col in enumerate(COLUMNS):
+        table.add_column(col, justify="right" if i in _RIGHT else "left")
+    for group in cells:
+        for j, values in enumerate(group):
+            table.add_row(*values, end_section=j == len(group) - 1)
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    console.print(table)
+    for note in footnotes:
+        console.print(note, highlight=False, soft_wrap=True)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _csv(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--ranks", default="2,4", help="pipeline sizes p, comma separated")
+    parser.add_argument(
+        "--mb-factors", default="1,4", help="micro-batches per batch as multiples of p"
+    )
+    parser.add_argument("--schedules", default=",".join(OUR_SCHEDULES))
+    parser.add_argument(
+        "--peer-schedules",
+        default=",".join(PEER_SCHEDULES),
+        help="torch.distributed.pipelining classes without the 'Schedule' prefix",
+    )
+    parser.add_argument("--skip-peer", action="store_true", help="skip torch.distributed.pipelining")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/schedules.json"))
+    args = parser.parse_args(argv)
+    args.ranks = [int(r) for r in _csv(args.ranks)]
+    args.mb_factors = [int(f) for f in _csv(args.mb_factors)]
+    args.schedules = _csv(args.schedules)
+    args.peer_schedules = [] if args.skip_peer else _csv(args.peer_schedules)
+    for p in args.ranks:
+        for f in args.mb_factors:
+            if args.batch_size % (p * f):
+                parser.error(f"--batch-size {args.batch_size} is not divisible by m = {p * f}")
+    unknown = set(args.schedules) - set(OUR_SCHEDULES)
+    if unknown:
+        parser.error(f"unknown schedules {sorted(unknown)}; choose from {OUR_SCHEDULES}")
+    return args
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    configs = [(p, f * p) for p in args.ranks for f in args.mb_factors]
+    ms = sorted({m for _, m in configs})
+    bench = dict(batch_size=args.batch_size, warmup=args.warmup, steps=args.steps)
+    run_args = (args.batch_size, args.warmup, args.steps)
+
+    _log(f"baselines: 1 process, m in {ms}")
+    single = {t: measure_baselines(t, ms, **bench) for t in (1, len(os.sched_getaffinity(0)))}
+    reference = {m: _samples_per_s([r["wall_s"]], args.batch_size, args.steps) for m, r in single[1].items()}
+
+    rows: list[Row] = []
+    failures: list[dict[str, Any]] = []
+    for p in args.ranks:
+        pool = RankPool(p)
+        try:
+            for m in (m for q, m in configs if q == p):
+                for name in args.schedules:
+                    _log(f"ours {name} p={p} m={m}")
+                    try:
+                        ranks = pool.run(run_ours, name, m, *run_args, timeout=OURS_TIMEOUT_S)
+                        rows.append(summarize_ours(name, m, ranks, args.batch_size, args.steps))
+                    except TaskFailed as err:
+                        _log(f"  FAILED: {err}")
+                        failures.append(dict(kind="ours", name=name, p=p, m=m, reason=err.reason))
+                for name in args.peer_schedules:
+                    _log(f"torch {name} p={p} m={m}")
+                    try:
+                        ranks = pool.run(run_peer, name, m, *run_args, timeout=PEER_TIMEOUT_S)
+                        rows.append(summarize_peer(name, m, ranks, args.batch_size, args.steps))
+                    except TaskFailed as err:
+                        _log(f"  failed: {err.reason}")
+                        failures.append(dict(kind="torch", name=name, p=p, m=m, reason=err.reason))
+        finally:
+            pool.close()
+
+    groups: list[list[Row]] = []
+    for p, m in configs:
+        group = [
+            Row(
+                kind="single",
+                name=f"{t} thread{'s' if t > 1 else ''}",
+                p=1,
+                m=m,
+                samples_per_s=_samples_per_s([single[t][m]["wall_s"]], args.batch_size, args.steps),
+                weight_bytes=[single[t][m]["param_bytes"]],
+                ranks=[single[t][m]],
+            )
+            for t in sorted(single)
+        ]
+        group += [r for r in rows if (r.p, r.m) == (p, m)]
+        add_ratios(group, reference)
+        groups.append(group)
+    runtime = time.perf_counter() - started
+
+    cores = len(os.sched_getaffinity(0))
+    import lightning
+
+    title = (
+        f"{cores} cores ({platform.machine()}, {_cpu_model()}), torch {torch.__version__}, "
+        f"lightning {lightning.__version__}, 1 intra-op thread per rank; model {BLOCKS} x "
+        f"[Linear({WIDTH},{HIDDEN}) GELU Linear({HIDDEN},{WIDTH}) + residual] fp32 AdamW, "
+        f"batch {args.batch_size}, {args.warmup} warm-up + {args.steps} timed steps"
+    )
+    footnotes = [
+        "x 1thr = samples/s / (1-thread process, same m); eff = x 1thr / p: the pipeline's limit "
+        "here is p times one single-threaded process. bubble = (wall - compute) / wall per rank "
+        "over the timed steps. weights = weight buffers x stage parameter bytes.",
+        f"Note: {max(args.ranks)} ranks on {cores} cores are oversubscribed, so figures with "
+        f"p > {cores} measure scheduling overhead more than speed-up.",
+    ]
+    failed_peers = [f for f in failures if f["kind"] == "torch"]
+    if failed_peers:
+        footnotes.append(
+            "torch schedules that failed: "
+            + "; ".join(f"{f['name']} (p={f['p']}, m={f['m']}): {f['reason']}" for f in failed_peers)
+        )
+    failed_ours = [f for f in failures if f["kind"] == "ours"]
+    if failed_ours:
+        footnotes.append(
+            "OUR RUNS THAT FAILED: "
+            + "; ".join(f"{f['name']} (p={f['p']}, m={f['m']}): {f['reason']}" for f in failed_ours)
+        )
+    footnotes.append(f"total runtime {runtime:.0f} s; JSON: {args.out}")
+    print_table(title, groups, footnotes)
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "meta": {
+            "title": title,
+            "cores": cores,
+            "cpu": _cpu_model(),
+            "torch": torch.__version__,
+            "lightning": lightning.__version__,
+            "python": platform.python_version(),
+            "threads_per_rank": 1,
+            "model": {"blocks": BLOCKS, "width": WIDTH, "hidden": HIDDEN, "dtype": "float32"},
+            "optimizer": f"AdamW(lr={LR})",
+            "runtime_s": runtime,
+            **bench,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        },
+        "reference_samples_per_s": reference,
+        "groups": [[r.__dict__ for r in group] for group in groups],
+        "failures": failures,
+    }
+    args.out.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+if __name__ == "__main__":
+    main()

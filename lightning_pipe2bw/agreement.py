@@ -1,0 +1,80 @@
+"""Decisions every stage must take alike: the gradient norm to clip by, and skipping a step."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import Precision
+from torch.optim import Optimizer
+
+__all__ = ["agree_on_inf_checks", "make_clipping_global"]
+
+
+def _grads(optimizer: Optimizer) -> list[torch.Tensor]:
+    return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+
+def _params_with_grad(optimizer: Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+
+def make_clipping_global(
+    plugin: Precision, device: torch.device, group: dist.ProcessGroup | None, num_stages: int
+) -> None:
+    """Make ``plugin``'s gradient clipping behave as on one device.
+
+    By norm: the norm is taken over every stage's gradient (squared norms summed with one
+    all-reduce, in float64) and the coefficient is ``torch.nn.utils.clip_grad_norm_``'s,
+    ``max_norm / (norm + 1e-6)`` capped at 1. Every rank clips at the same point of Lightning's
+    loop, so the all-reduce lines up. By value: element-wise, so stage-local; it tolerates a
+    stage without gradients (2BW's first step).
+    """
+
+    def clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float) -> None:
+        grads = _grads(optimizer)
+        squares = torch.zeros((), dtype=torch.float64, device=device)
+        for g in grads:
+            squares += g.detach().double().pow(2).sum()
+        if num_stages > 1:
+            dist.all_reduce(squares, group=group)
+        coef = min(1.0, float(clip_val) / (float(squares.sqrt()) + 1e-6))
+        if coef < 1.0:
+            for g in grads:
+                g.detach().mul_(coef)
+
+    def clip_grad_by_value(optimizer: Optimizer, clip_val: int | float) -> None:
+        params = _params_with_grad(optimizer)
+        if params:
+            torch.nn.utils.clip_grad_value_(params, clip_val)
+
+    plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+    plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
+
+
+def agree_on_inf_checks(
+    scaler: torch.amp.GradScaler,
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+    num_stages: int,
+) -> None:
+    """Make the loss scaler's inf/NaN check global.
+
+    Only the last stage scales a loss, but every stage unscales the scaled gradients it holds,
+    so every stage's scaler starts with the same scale. After a stage unscales, the stages take
+    the max of their found-inf flags: a step skipped for inf/NaN is skipped on every stage, and
+    every stage's scale then moves alike.
+    """
+    unscale = scaler.unscale_
+    scaler.scale(torch.zeros(1, device=device))  # initialises the scale on every stage
+
+    def agreed_unscale(optimizer: Optimizer) -> None:
+        unscale(optimizer)
+        state = scaler._per_optimizer_states[id(optimizer)]
+        found = state["found_inf_per_device"]
+        flag = sum((f.to(device) for f in found.values()), torch.zeros(1, device=device))
+        if num_stages > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        # one entry decides the scaler's step (a stage without gradients still needs one)
+        state["found_inf_per_device"] = {device: flag.clamp(max=1.0)}
+
+    scaler.unscale_ = agreed_unscale  # type: ignore[method-assign]
