@@ -17,7 +17,7 @@ fp32 with AdamW:
 
 It prints one table and writes the same data as JSON. Run from the repository root::
 
-    python benchmarks/schedules.py                 # defaults: about 4-5 minutes on 2 cores
+    python benchmarks/schedules.py                 # defaults: about 3 minutes on 2 quiet cores
     python benchmarks/schedules.py --ranks 2 --steps 10 --skip-peer
 
 See ``benchmarks/README.md`` for how to read the table. Nothing here is asserted by tests.
@@ -40,7 +40,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +58,8 @@ SEED = 1234
 OUR_SCHEDULES = ("gpipe", "1f1b", "2bw", "pipedream")
 # torch.distributed.pipelining classes, without the "Schedule" prefix; the first two run one
 # stage per rank, the others two (looped/interleaved: stages r and r + p; "V": r and 2p - 1 - r)
-PEER_SCHEDULES = (
-    "GPipe",
-    "1F1B",
+PEER_SCHEDULES = ("GPipe", "1F1B")
+PEER_CANDIDATES = (
     "Interleaved1F1B",
     "LoopedBFS",
     "InterleavedZeroBubble",
@@ -184,7 +183,7 @@ class TaskFailed(RuntimeError):
 
 def _last_error_line(tb: str) -> str:
     lines = [line.strip() for line in tb.strip().splitlines() if line.strip()]
-    return lines[-1][:200] if lines else "unknown error"
+    return lines[-1][:200].rstrip(".") if lines else "unknown error"
 
 
 class RankPool:
@@ -315,8 +314,10 @@ def _timeline_split(timeline: Sequence[Any], t0: float, t1: float) -> dict[str, 
         if entry.start < t0 or entry.end > t1:
             continue
         kind = entry.action.kind.value
-        key = "compute_s" if entry.action.is_compute else (
-            "recv_s" if kind.startswith("RECV") else "send_s"
+        key = (
+            "compute_s"
+            if entry.action.is_compute
+            else ("recv_s" if kind.startswith("RECV") else "send_s")
         )
         out[key] += entry.end - entry.start
     return out
@@ -330,6 +331,7 @@ def run_ours(schedule: str, m: int, batch_size: int, warmup: int, steps: int) ->
 
     from lightning_pipe2bw import Pipe2BWStrategy
 
+    _quiet()  # Lightning sets its loggers' levels when imported
     x, y = make_data(batch_size, warmup + steps)
     loader = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
     strategy = Pipe2BWStrategy(schedule=schedule, microbatches=m)
@@ -355,6 +357,7 @@ def run_ours(schedule: str, m: int, batch_size: int, warmup: int, steps: int) ->
         "rank": dist.get_rank(),
         "threads": torch.get_num_threads(),
         "wall_s": timer.t1 - timer.t0,
+        "steps": len(timer.step_s),
         "busy_s": timer.busy1 - timer.busy0,
         **_timeline_split(stats.timeline, timer.t0, timer.t1),
         "step_s": timer.step_s,
@@ -425,6 +428,7 @@ def run_peer(name: str, m: int, batch_size: int, warmup: int, steps: int) -> dic
         "rank": rank,
         "threads": torch.get_num_threads(),
         "wall_s": wall,
+        "steps": len(step_s),
         "step_s": step_s,
         "param_bytes": sum(param_bytes(sub) for sub in submodules),
         "final_loss": final_loss,
@@ -434,18 +438,25 @@ def run_peer(name: str, m: int, batch_size: int, warmup: int, steps: int) -> dic
 # --------------------------------------------------------------------------- single process
 
 
-def run_single(threads: int, m: int, batch_size: int, warmup: int, steps: int) -> dict[str, Any]:
-    """One process, the whole model, a plain loop with gradient accumulation over m chunks."""
+def run_single(
+    threads: int, m: int, batch_size: int, warmup: int, steps: int, max_s: float = 15.0
+) -> dict[str, Any]:
+    """One process, the whole model, a plain loop with gradient accumulation over m chunks.
+
+    Cuts the warm-up after ``max_s / 3`` seconds and the timed steps after ``max_s`` (at least
+    2): with more threads than free cores, OpenMP's barriers can make a step take seconds."""
     torch.set_num_threads(threads)
     model = make_body()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     x, y = make_data(batch_size, warmup + steps)
     step_s: list[float] = []
+    begin = time.perf_counter()
     t0 = 0.0
     loss_value = 0.0
     for step in range(warmup + steps):
         start = time.perf_counter()
-        if step == warmup:
+        timed = step >= warmup or start - begin > max_s / 3
+        if timed and not step_s:
             t0 = start
         rows = slice(step * batch_size, (step + 1) * batch_size)
         optimizer.zero_grad()
@@ -453,13 +464,16 @@ def run_single(threads: int, m: int, batch_size: int, warmup: int, steps: int) -
         for xs, ys in zip(x[rows].tensor_split(m), y[rows].tensor_split(m), strict=True):
             loss = loss_fn(model(xs), ys) * (xs.shape[0] / batch_size)
             loss.backward()
-            loss_value += float(loss)
+            loss_value += float(loss.detach())
         optimizer.step()
-        if step >= warmup:
+        if timed:
             step_s.append(time.perf_counter() - start)
+            if len(step_s) == steps or (len(step_s) >= 2 and time.perf_counter() - t0 > max_s):
+                break
     return {
         "threads": torch.get_num_threads(),
         "wall_s": time.perf_counter() - t0,
+        "steps": len(step_s),
         "step_s": step_s,
         "param_bytes": param_bytes(model),
         "final_loss": loss_value,
@@ -492,6 +506,8 @@ class Row:
     samples_per_s: float
     bubble_mean: float | None = None
     bubble_max: float | None = None
+    recv_mean: float | None = None  # share of wall time blocked in receives (waiting for a peer)
+    outside_mean: float | None = None  # share spent outside the engine (optimizer, Lightning)
     weight_bytes: list[int] | None = None
     activation_bytes: list[int] | None = None
     speedup: float | None = None  # samples/s over the 1-thread process at the same m
@@ -501,37 +517,45 @@ class Row:
     ranks: list[dict[str, Any]] | None = None
 
 
-def _samples_per_s(walls: Sequence[float], batch_size: int, steps: int) -> float:
-    return steps * batch_size / max(walls)
+def _samples_per_s(ranks: Sequence[dict[str, Any]], batch_size: int) -> float:
+    """Timed samples over the slowest rank's wall time."""
+    return min(r["steps"] * batch_size / r["wall_s"] for r in ranks)
 
 
-def summarize_ours(
-    name: str, m: int, ranks: list[dict[str, Any]], batch_size: int, steps: int
-) -> Row:
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+def summarize_ours(name: str, m: int, ranks: list[dict[str, Any]], batch_size: int) -> Row:
     bubbles = [(r["wall_s"] - r["busy_s"]) / r["wall_s"] for r in ranks]
     return Row(
         kind="ours",
         name=name,
         p=len(ranks),
         m=m,
-        samples_per_s=_samples_per_s([r["wall_s"] for r in ranks], batch_size, steps),
+        samples_per_s=_samples_per_s(ranks, batch_size),
         bubble_mean=sum(bubbles) / len(bubbles),
         bubble_max=max(bubbles),
+        recv_mean=_mean([r["recv_s"] / r["wall_s"] for r in ranks]),
+        outside_mean=_mean(
+            [
+                (r["wall_s"] - r["compute_s"] - r["recv_s"] - r["send_s"]) / r["wall_s"]
+                for r in ranks
+            ]
+        ),
         weight_bytes=[r["num_buffers"] * r["param_bytes"] for r in ranks],
         activation_bytes=[r["peak_activation_bytes"] for r in ranks],
         ranks=ranks,
     )
 
 
-def summarize_peer(
-    name: str, m: int, ranks: list[dict[str, Any]], batch_size: int, steps: int
-) -> Row:
+def summarize_peer(name: str, m: int, ranks: list[dict[str, Any]], batch_size: int) -> Row:
     return Row(
         kind="torch",
         name=name,
         p=len(ranks),
         m=m,
-        samples_per_s=_samples_per_s([r["wall_s"] for r in ranks], batch_size, steps),
+        samples_per_s=_samples_per_s(ranks, batch_size),
         weight_bytes=[r["param_bytes"] for r in ranks],
         ranks=ranks,
     )
@@ -580,12 +604,14 @@ COLUMNS = (
     "eff",
     "bubble mean",
     "bubble max",
+    "recv",
+    "outside",
     "weights MiB/stage",
     "peak act MiB/stage",
     "/ our 1f1b",
     "/ our same",
 )
-_RIGHT = {0, 1, 3, 4, 5, 6, 7, 10, 11}
+_RIGHT = {0, 1, 3, 4, 5, 6, 7, 8, 9, 12, 13}
 
 
 def _cells(row: Row) -> list[str]:
@@ -599,6 +625,8 @@ def _cells(row: Row) -> list[str]:
         _fmt(row.efficiency, ".2f"),
         _fmt(row.bubble_mean, ".2f"),
         _fmt(row.bubble_max, ".2f"),
+        _fmt(row.recv_mean, ".2f"),
+        _fmt(row.outside_mean, ".2f"),
         _mib(row.weight_bytes),
         _mib(row.activation_bytes),
         _fmt(row.vs_our_1f1b, ".2f"),
@@ -663,15 +691,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--peer-schedules",
         default=",".join(PEER_SCHEDULES),
-        help="torch.distributed.pipelining classes without the 'Schedule' prefix",
+        help="torch.distributed.pipelining classes (without 'Schedule') always measured",
     )
-    parser.add_argument("--skip-peer", action="store_true", help="skip torch.distributed.pipelining")
+    parser.add_argument(
+        "--peer-candidates",
+        default=",".join(PEER_CANDIDATES),
+        help="further classes tried for --trial-steps steps; the fastest is measured in full",
+    )
+    parser.add_argument("--trial-steps", type=int, default=4)
+    parser.add_argument(
+        "--skip-peer", action="store_true", help="skip torch.distributed.pipelining"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/schedules.json"))
     args = parser.parse_args(argv)
     args.ranks = [int(r) for r in _csv(args.ranks)]
     args.mb_factors = [int(f) for f in _csv(args.mb_factors)]
     args.schedules = _csv(args.schedules)
     args.peer_schedules = [] if args.skip_peer else _csv(args.peer_schedules)
+    args.peer_candidates = [] if args.skip_peer else _csv(args.peer_candidates)
     for p in args.ranks:
         for f in args.mb_factors:
             if args.batch_size % (p * f):
@@ -682,47 +719,156 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+_T0 = time.perf_counter()
+
+
 def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    print(f"[{time.perf_counter() - _T0:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+
+def _machine_load() -> dict[str, float | None]:
+    """1-minute load average and the share of time some task waited for a CPU (PSI, 60 s)."""
+    pressure = None
+    try:
+        with open("/proc/pressure/cpu") as f:
+            pressure = float(f.readline().split("avg60=")[1].split()[0]) / 100
+    except (OSError, IndexError, ValueError):
+        pass
+    return {"loadavg_1m": os.getloadavg()[0], "cpu_pressure_60s": pressure}
+
+
+def _load_note(before: dict[str, float | None]) -> str:
+    """One line on the load before the run (during it, this run's own ranks add to it)."""
+    psi = before["cpu_pressure_60s"]
+    note = f"load average before the run {before['loadavg_1m']:.2f}"
+    if psi is not None:
+        note += f", CPU pressure {psi:.0%}"
+    if (before["loadavg_1m"] or 0.0) > 0.5:
+        note += ": other processes were competing for the cores, so the figures are noisy"
+    return note + "."
+
+
+@dataclass
+class Bench:
+    """What every measurement shares."""
+
+    batch_size: int
+    warmup: int
+    steps: int
+    rows: list[Row]
+    failures: list[dict[str, Any]]
+    trials: list[dict[str, Any]]
+
+    def fail(self, kind: str, name: str, p: int, m: int, err: TaskFailed) -> None:
+        _log(f"  failed: {err.reason}")
+        self.failures.append(dict(kind=kind, name=name, p=p, m=m, reason=err.reason))
+
+
+def measure_ours(pool: RankPool, bench: Bench, schedules: Sequence[str], m: int) -> None:
+    """Our strategy with each schedule on the pool's ranks."""
+    for name in schedules:
+        _log(f"ours {name} p={pool.world} m={m}")
+        try:
+            ranks = pool.run(
+                run_ours,
+                name,
+                m,
+                bench.batch_size,
+                bench.warmup,
+                bench.steps,
+                timeout=OURS_TIMEOUT_S,
+            )
+        except TaskFailed as err:
+            bench.fail("ours", name, pool.world, m, err)
+            _log(str(err))
+            continue
+        bench.rows.append(summarize_ours(name, m, ranks, bench.batch_size))
+
+
+def measure_peer(pool: RankPool, bench: Bench, name: str, m: int, steps: int) -> Row | None:
+    """One torch.distributed.pipelining schedule; None (and a recorded failure) if it fails."""
+    _log(f"torch {name} p={pool.world} m={m}" + (" (trial)" if steps < bench.steps else ""))
+    warmup = bench.warmup if steps == bench.steps else 1
+    try:
+        ranks = pool.run(run_peer, name, m, bench.batch_size, warmup, steps, timeout=PEER_TIMEOUT_S)
+    except TaskFailed as err:
+        bench.fail("torch", name, pool.world, m, err)
+        return None
+    return summarize_peer(name, m, ranks, bench.batch_size)
+
+
+def measure_peers(
+    pool: RankPool,
+    bench: Bench,
+    schedules: Sequence[str],
+    candidates: Sequence[str],
+    m: int,
+    trial_steps: int,
+) -> None:
+    """The listed peer schedules in full, then the fastest of ``candidates`` in a short trial."""
+    for name in schedules:
+        row = measure_peer(pool, bench, name, m, bench.steps)
+        if row is not None:
+            bench.rows.append(row)
+    trials = [measure_peer(pool, bench, name, m, trial_steps) for name in candidates]
+    done = [row for row in trials if row is not None]
+    for row in done:
+        bench.trials.append(
+            dict(
+                name=row.name, p=row.p, m=row.m, steps=trial_steps, samples_per_s=row.samples_per_s
+            )
+        )
+    if done:
+        best = max(done, key=lambda row: row.samples_per_s)
+        row = measure_peer(pool, bench, best.name, m, bench.steps)
+        if row is not None:
+            bench.rows.append(row)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     started = time.perf_counter()
+    load_before = _machine_load()
     configs = [(p, f * p) for p in args.ranks for f in args.mb_factors]
     ms = sorted({m for _, m in configs})
-    bench = dict(batch_size=args.batch_size, warmup=args.warmup, steps=args.steps)
-    run_args = (args.batch_size, args.warmup, args.steps)
+    bench = Bench(args.batch_size, args.warmup, args.steps, rows=[], failures=[], trials=[])
 
     _log(f"baselines: 1 process, m in {ms}")
-    single = {t: measure_baselines(t, ms, **bench) for t in (1, len(os.sched_getaffinity(0)))}
-    reference = {m: _samples_per_s([r["wall_s"]], args.batch_size, args.steps) for m, r in single[1].items()}
+    single = {
+        t: measure_baselines(t, ms, args.batch_size, args.warmup, args.steps)
+        for t in (1, len(os.sched_getaffinity(0)))
+    }
+    reference = {m: _samples_per_s([r], args.batch_size) for m, r in single[1].items()}
 
-    rows: list[Row] = []
-    failures: list[dict[str, Any]] = []
     for p in args.ranks:
         pool = RankPool(p)
         try:
             for m in (m for q, m in configs if q == p):
-                for name in args.schedules:
-                    _log(f"ours {name} p={p} m={m}")
-                    try:
-                        ranks = pool.run(run_ours, name, m, *run_args, timeout=OURS_TIMEOUT_S)
-                        rows.append(summarize_ours(name, m, ranks, args.batch_size, args.steps))
-                    except TaskFailed as err:
-                        _log(f"  FAILED: {err}")
-                        failures.append(dict(kind="ours", name=name, p=p, m=m, reason=err.reason))
-                for name in args.peer_schedules:
-                    _log(f"torch {name} p={p} m={m}")
-                    try:
-                        ranks = pool.run(run_peer, name, m, *run_args, timeout=PEER_TIMEOUT_S)
-                        rows.append(summarize_peer(name, m, ranks, args.batch_size, args.steps))
-                    except TaskFailed as err:
-                        _log(f"  failed: {err.reason}")
-                        failures.append(dict(kind="torch", name=name, p=p, m=m, reason=err.reason))
+                measure_ours(pool, bench, args.schedules, m)
+                measure_peers(
+                    pool, bench, args.peer_schedules, args.peer_candidates, m, args.trial_steps
+                )
         finally:
             pool.close()
+    runtime = time.perf_counter() - started
+    load_after = _machine_load()
 
+    groups = build_groups(configs, single, reference, bench)
+    title = header(args)
+    notes = footnotes(args, bench)
+    notes.append(_load_note(load_before))
+    notes.append(f"total runtime {runtime:.0f} s; JSON: {args.out}")
+    print_table(title, groups, notes)
+    write_json(args.out, title, groups, reference, bench, runtime, load_before, load_after)
+
+
+def build_groups(
+    configs: Sequence[tuple[int, int]],
+    single: dict[int, dict[int, dict[str, Any]]],
+    reference: dict[int, float],
+    bench: Bench,
+) -> list[list[Row]]:
+    """One group of rows per (p, m): the single-process baselines, ours, then the peers."""
     groups: list[list[Row]] = []
     for p, m in configs:
         group = [
@@ -731,53 +877,82 @@ def main(argv: Sequence[str] | None = None) -> None:
                 name=f"{t} thread{'s' if t > 1 else ''}",
                 p=1,
                 m=m,
-                samples_per_s=_samples_per_s([single[t][m]["wall_s"]], args.batch_size, args.steps),
+                samples_per_s=_samples_per_s([single[t][m]], bench.batch_size),
                 weight_bytes=[single[t][m]["param_bytes"]],
                 ranks=[single[t][m]],
             )
             for t in sorted(single)
         ]
-        group += [r for r in rows if (r.p, r.m) == (p, m)]
+        group += [r for r in bench.rows if (r.p, r.m) == (p, m)]
         add_ratios(group, reference)
         groups.append(group)
-    runtime = time.perf_counter() - started
+    return groups
 
-    cores = len(os.sched_getaffinity(0))
+
+def header(args: argparse.Namespace) -> str:
     import lightning
 
-    title = (
-        f"{cores} cores ({platform.machine()}, {_cpu_model()}), torch {torch.__version__}, "
-        f"lightning {lightning.__version__}, 1 intra-op thread per rank; model {BLOCKS} x "
-        f"[Linear({WIDTH},{HIDDEN}) GELU Linear({HIDDEN},{WIDTH}) + residual] fp32 AdamW, "
-        f"batch {args.batch_size}, {args.warmup} warm-up + {args.steps} timed steps"
+    return (
+        f"{len(os.sched_getaffinity(0))} cores ({platform.machine()}, {_cpu_model()}), "
+        f"torch {torch.__version__}, lightning {lightning.__version__}, 1 intra-op thread per "
+        f"rank; model {BLOCKS} x [Linear({WIDTH},{HIDDEN}) GELU Linear({HIDDEN},{WIDTH}) + "
+        f"residual] fp32 AdamW, batch {args.batch_size}, {args.warmup} warm-up + {args.steps} "
+        "timed steps"
     )
-    footnotes = [
+
+
+def footnotes(args: argparse.Namespace, bench: Bench) -> list[str]:
+    cores = len(os.sched_getaffinity(0))
+    notes = [
         "x 1thr = samples/s / (1-thread process, same m); eff = x 1thr / p: the pipeline's limit "
         "here is p times one single-threaded process. bubble = (wall - compute) / wall per rank "
-        "over the timed steps. weights = weight buffers x stage parameter bytes.",
-        f"Note: {max(args.ranks)} ranks on {cores} cores are oversubscribed, so figures with "
-        f"p > {cores} measure scheduling overhead more than speed-up.",
+        "over the timed steps; recv = blocked in receives, outside = outside the engine "
+        "(optimizer, Lightning), both shares of wall time, means over ranks. "
+        "weights = weight buffers x stage parameter bytes.",
     ]
-    failed_peers = [f for f in failures if f["kind"] == "torch"]
-    if failed_peers:
-        footnotes.append(
-            "torch schedules that failed: "
-            + "; ".join(f"{f['name']} (p={f['p']}, m={f['m']}): {f['reason']}" for f in failed_peers)
+    if max(args.ranks) > cores:
+        notes.append(
+            f"Note: {max(args.ranks)} ranks on {cores} cores are oversubscribed, so figures "
+            f"with p > {cores} measure scheduling overhead more than speed-up."
         )
-    failed_ours = [f for f in failures if f["kind"] == "ours"]
-    if failed_ours:
-        footnotes.append(
-            "OUR RUNS THAT FAILED: "
-            + "; ".join(f"{f['name']} (p={f['p']}, m={f['m']}): {f['reason']}" for f in failed_ours)
+    if bench.trials:
+        by_config: dict[tuple[int, int], list[str]] = {}
+        for t in bench.trials:
+            by_config.setdefault((t["p"], t["m"]), []).append(
+                f"{t['name']} {t['samples_per_s']:.0f}"
+            )
+        notes.append(
+            f"torch candidates ({args.trial_steps}-step trial, samples/s; the fastest is "
+            "measured in full): "
+            + "; ".join(f"p={p} m={m}: " + ", ".join(v) for (p, m), v in by_config.items())
         )
-    footnotes.append(f"total runtime {runtime:.0f} s; JSON: {args.out}")
-    print_table(title, groups, footnotes)
+    for kind, label in (("torch", "torch schedules that failed"), ("ours", "OUR RUNS FAILED")):
+        failed = [f for f in bench.failures if f["kind"] == kind]
+        if failed:
+            notes.append(
+                f"{label}: "
+                + "; ".join(f"{f['name']} (p={f['p']}, m={f['m']}): {f['reason']}" for f in failed)
+            )
+    return notes
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+def write_json(
+    out: Path,
+    title: str,
+    groups: list[list[Row]],
+    reference: dict[int, float],
+    bench: Bench,
+    runtime: float,
+    load_before: dict[str, float | None],
+    load_after: dict[str, float | None],
+) -> None:
+    import lightning
+
+    out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "meta": {
             "title": title,
-            "cores": cores,
+            "cores": len(os.sched_getaffinity(0)),
             "cpu": _cpu_model(),
             "torch": torch.__version__,
             "lightning": lightning.__version__,
@@ -785,15 +960,20 @@ def main(argv: Sequence[str] | None = None) -> None:
             "threads_per_rank": 1,
             "model": {"blocks": BLOCKS, "width": WIDTH, "hidden": HIDDEN, "dtype": "float32"},
             "optimizer": f"AdamW(lr={LR})",
+            "batch_size": bench.batch_size,
+            "warmup": bench.warmup,
+            "steps": bench.steps,
             "runtime_s": runtime,
-            **bench,
+            "load_before": load_before,
+            "load_after": load_after,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         },
         "reference_samples_per_s": reference,
-        "groups": [[r.__dict__ for r in group] for group in groups],
-        "failures": failures,
+        "groups": [[asdict(r) for r in group] for group in groups],
+        "failures": bench.failures,
+        "peer_trials": bench.trials,
     }
-    args.out.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    out.write_text(json.dumps(payload, indent=1, default=str) + "\n")
 
 
 def _cpu_model() -> str:

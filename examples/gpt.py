@@ -73,7 +73,8 @@ class Embeddings(nn.Module):
         if t > self.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size={self.block_size}")
         pos = torch.arange(t, device=idx.device)
-        return self.drop(self.token(idx) + self.position(pos))
+        out: Tensor = self.drop(self.token(idx) + self.position(pos))
+        return out
 
 
 class CausalSelfAttention(nn.Module):
@@ -98,7 +99,8 @@ class CausalSelfAttention(nn.Module):
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
         y = y.transpose(1, 2).contiguous().view(b, t, c)
-        return self.resid_drop(self.proj(y))
+        out: Tensor = self.resid_drop(self.proj(y))
+        return out
 
 
 class MLP(nn.Module):
@@ -111,7 +113,8 @@ class MLP(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.drop(self.proj(F.gelu(self.fc(x))))
+        out: Tensor = self.drop(self.proj(F.gelu(self.fc(x))))
+        return out
 
 
 class Block(nn.Module):
@@ -126,7 +129,8 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        out: Tensor = x + self.mlp(self.ln_2(x))
+        return out
 
 
 class LMHead(nn.Module):
@@ -138,7 +142,8 @@ class LMHead(nn.Module):
         self.proj = nn.Linear(n_embd, vocab_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.proj(self.ln_f(x))
+        out: Tensor = self.proj(self.ln_f(x))
+        return out
 
 
 def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_ratio: float = 0.1) -> float:
@@ -187,6 +192,11 @@ class GPT(LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.vocab_size = vocab_size
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.warmup_steps = warmup_steps
+        self.max_steps = max_steps
+        self.min_lr_ratio = min_lr_ratio
         # the pipeline body: every layer with parameters, in order
         self.body = nn.Sequential(
             Embeddings(vocab_size, block_size, n_embd, dropout),
@@ -210,7 +220,8 @@ class GPT(LightningModule):
 
     def forward(self, idx: Tensor) -> Tensor:
         """``(B, T)`` token ids -> ``(B, T, vocab_size)`` logits."""
-        return self.body(idx)
+        logits: Tensor = self.body(idx)
+        return logits
 
     def _loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
@@ -231,20 +242,18 @@ class GPT(LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-        hp = self.hparams
         # under a pipeline strategy this sees only the parameters of this rank's stage
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": hp.weight_decay},
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": self.weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
         optimizer = torch.optim.AdamW(
-            [g for g in groups if g["params"]], lr=hp.lr, betas=(0.9, 0.95)
+            [g for g in groups if g["params"]], lr=self.lr, betas=(0.9, 0.95)
         )
-        total = (
-            hp.max_steps if hp.max_steps is not None else self.trainer.estimated_stepping_batches
-        )
-        total, warmup, ratio = int(total), int(hp.warmup_steps), float(hp.min_lr_ratio)
+        steps = self.max_steps
+        total = int(steps if steps is not None else self.trainer.estimated_stepping_batches)
+        warmup, ratio = self.warmup_steps, self.min_lr_ratio
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: warmup_cosine(step, warmup, total, ratio)
         )
