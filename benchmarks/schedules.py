@@ -48,6 +48,8 @@ import torch
 import torch.multiprocessing as mp
 from torch import Tensor, nn
 
+from lightning_pipe2bw.launcher import torchrun_environment
+
 # --------------------------------------------------------------------------- the workload
 
 BLOCKS = 8
@@ -148,17 +150,7 @@ def _free_port() -> int:
 
 def _rank_main(rank: int, world: int, port: int, tasks: Any, results: Any) -> None:
     """A worker that looks like a ``torchrun`` rank: env vars, one thread, a gloo group."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        GROUP_RANK="0",
-        TORCHELASTIC_RUN_ID="bench",
-        OMP_NUM_THREADS="1",
-    )
+    os.environ.update(torchrun_environment(rank, world, port, "bench"))
     torch.set_num_threads(1)
     _quiet()
     import torch.distributed as dist

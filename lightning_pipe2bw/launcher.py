@@ -21,7 +21,24 @@ from typing_extensions import override
 if TYPE_CHECKING:
     from lightning_pipe2bw.strategy import Pipe2BWStrategy
 
-__all__ = ["PipeSpawnLauncher"]
+__all__ = ["PipeSpawnLauncher", "torchrun_environment"]
+
+
+def torchrun_environment(rank: int, world_size: int, port: int, run_id: str) -> dict[str, str]:
+    """The environment that makes a process look like a ``torchrun`` rank on one machine, one
+    intra-op thread. Lightning then launches nothing and joins the process group the process
+    initialises itself; process pools for tests and benchmarks start their workers with it."""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(world_size),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",
+        "TORCHELASTIC_RUN_ID": run_id,
+        "OMP_NUM_THREADS": "1",
+    }
 
 
 class _GatheringLauncher(_MultiProcessingLauncher):

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from lightning_pipe2bw.launcher import torchrun_environment
+
 __all__ = ["DistPool", "TaskError"]
 
 
@@ -32,17 +34,7 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        WORLD_SIZE=str(world_size),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        GROUP_RANK="0",
-        TORCHELASTIC_RUN_ID="pipe2bw-tests",
-        OMP_NUM_THREADS="1",
-    )
+    os.environ.update(torchrun_environment(rank, world_size, port, "pipe2bw-tests"))
     torch.set_num_threads(1)
     import datetime
 
