@@ -31,13 +31,10 @@ import json
 import logging
 import os
 import platform
-import queue
-import socket
 import sys
 import time
-import traceback
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -48,7 +45,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import Tensor, nn
 
-from lightning_pipe2bw.launcher import torchrun_environment
+from lightning_pipe2bw.pool import RankPool, TaskError
 
 # --------------------------------------------------------------------------- the workload
 
@@ -140,112 +137,6 @@ def _quiet() -> None:
 
 
 # --------------------------------------------------------------------------- rank pool
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _rank_main(rank: int, world: int, port: int, tasks: Any, results: Any) -> None:
-    """A worker that looks like a ``torchrun`` rank: env vars, one thread, a gloo group."""
-    os.environ.update(torchrun_environment(rank, world, port, "bench"))
-    torch.set_num_threads(1)
-    _quiet()
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
-    while (task := tasks.get()) is not None:
-        fn, args = task
-        try:
-            results.put((rank, True, fn(*args)))
-        except BaseException:
-            results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
-
-
-class TaskFailed(RuntimeError):
-    """A task failed or timed out on some rank; ``reason`` is one line."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}\n{detail}")
-        self.reason = reason
-
-
-def _last_error_line(tb: str) -> str:
-    lines = [line.strip() for line in tb.strip().splitlines() if line.strip()]
-    return lines[-1][:200].rstrip(".") if lines else "unknown error"
-
-
-class RankPool:
-    """``world`` spawned gloo ranks that run module-level functions; restarted after a failure."""
-
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self._procs: list[Any] = []
-        self._tasks: list[Any] = []
-        self._results: Any = None
-
-    def _start(self) -> None:
-        ctx = mp.get_context("spawn")
-        port = _free_port()
-        self._results = ctx.Queue()
-        self._tasks = [ctx.Queue() for _ in range(self.world)]
-        with _env(OMP_NUM_THREADS="1"):
-            self._procs = [
-                ctx.Process(
-                    target=_rank_main,
-                    args=(r, self.world, port, self._tasks[r], self._results),
-                    daemon=True,
-                )
-                for r in range(self.world)
-            ]
-            for proc in self._procs:
-                proc.start()
-
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float) -> list[Any]:
-        """``fn(*args)`` on every rank; the results in rank order, or :class:`TaskFailed`."""
-        if not self._procs or not all(proc.is_alive() for proc in self._procs):
-            self.close()
-            self._start()
-        for q in self._tasks:
-            q.put((fn, args))
-        out: dict[int, Any] = {}
-        errors: dict[int, str] = {}
-        deadline = time.monotonic() + timeout
-        while len(out) + len(errors) < self.world:
-            try:
-                rank, ok, value = self._results.get(timeout=max(deadline - time.monotonic(), 0.1))
-            except queue.Empty:
-                break
-            (out if ok else errors)[rank] = value
-            if errors:  # the other ranks may now wait forever for the failed one
-                deadline = min(deadline, time.monotonic() + 10)
-        if errors or len(out) < self.world:
-            self.close()
-            detail = "".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
-            if errors:
-                reason = _last_error_line(errors[min(errors)])
-            else:
-                reason = f"timed out after {timeout:.0f} s (deadlock?)"
-            raise TaskFailed(reason, detail)
-        return [out[r] for r in range(self.world)]
-
-    def close(self) -> None:
-        for q, proc in zip(self._tasks, self._procs, strict=False):
-            if proc.is_alive():
-                try:
-                    q.put(None)
-                except (OSError, ValueError):
-                    pass
-        for proc in self._procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-        self._procs = []
-        self._tasks = []
 
 
 @contextmanager
@@ -751,7 +642,7 @@ class Bench:
     failures: list[dict[str, Any]]
     trials: list[dict[str, Any]]
 
-    def fail(self, kind: str, name: str, p: int, m: int, err: TaskFailed) -> None:
+    def fail(self, kind: str, name: str, p: int, m: int, err: TaskError) -> None:
         _log(f"  failed: {err.reason}")
         self.failures.append(dict(kind=kind, name=name, p=p, m=m, reason=err.reason))
 
@@ -759,7 +650,7 @@ class Bench:
 def measure_ours(pool: RankPool, bench: Bench, schedules: Sequence[str], m: int) -> None:
     """Our strategy with each schedule on the pool's ranks."""
     for name in schedules:
-        _log(f"ours {name} p={pool.world} m={m}")
+        _log(f"ours {name} p={pool.world_size} m={m}")
         try:
             ranks = pool.run(
                 run_ours,
@@ -770,8 +661,8 @@ def measure_ours(pool: RankPool, bench: Bench, schedules: Sequence[str], m: int)
                 bench.steps,
                 timeout=OURS_TIMEOUT_S,
             )
-        except TaskFailed as err:
-            bench.fail("ours", name, pool.world, m, err)
+        except TaskError as err:
+            bench.fail("ours", name, pool.world_size, m, err)
             _log(str(err))
             continue
         bench.rows.append(summarize_ours(name, m, ranks, bench.batch_size))
@@ -779,12 +670,12 @@ def measure_ours(pool: RankPool, bench: Bench, schedules: Sequence[str], m: int)
 
 def measure_peer(pool: RankPool, bench: Bench, name: str, m: int, steps: int) -> Row | None:
     """One torch.distributed.pipelining schedule; None (and a recorded failure) if it fails."""
-    _log(f"torch {name} p={pool.world} m={m}" + (" (trial)" if steps < bench.steps else ""))
+    _log(f"torch {name} p={pool.world_size} m={m}" + (" (trial)" if steps < bench.steps else ""))
     warmup = bench.warmup if steps == bench.steps else 1
     try:
         ranks = pool.run(run_peer, name, m, bench.batch_size, warmup, steps, timeout=PEER_TIMEOUT_S)
-    except TaskFailed as err:
-        bench.fail("torch", name, pool.world, m, err)
+    except TaskError as err:
+        bench.fail("torch", name, pool.world_size, m, err)
         return None
     return summarize_peer(name, m, ranks, bench.batch_size)
 
@@ -833,7 +724,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     reference = {m: _samples_per_s([r], args.batch_size) for m, r in single[1].items()}
 
     for p in args.ranks:
-        pool = RankPool(p)
+        pool = RankPool(p, run_id="bench", pg_timeout_s=PG_TIMEOUT_S, initializer=_quiet)
         try:
             for m in (m for q, m in configs if q == p):
                 measure_ours(pool, bench, args.schedules, m)

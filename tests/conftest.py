@@ -11,18 +11,18 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from dist_pool import DistPool
+from lightning_pipe2bw.pool import RankPool
 
 torch.set_num_threads(1)
 
 
 class Pools:
     def __init__(self) -> None:
-        self._pools: dict[int, DistPool] = {}
+        self._pools: dict[int, RankPool] = {}
 
-    def __call__(self, world_size: int) -> DistPool:
+    def __call__(self, world_size: int) -> RankPool:
         if world_size not in self._pools:
-            self._pools[world_size] = DistPool(world_size)
+            self._pools[world_size] = RankPool(world_size)
         return self._pools[world_size]
 
     def close(self) -> None:
