@@ -104,6 +104,19 @@ def quiet_trainer(**kwargs: Any) -> Trainer:
     return Trainer(**defaults)
 
 
+def accumulate_gradient(model: nn.Module, x: Tensor, y: Tensor, microbatches: int) -> float:
+    """Backward of the batch's mean loss as the pipeline computes it: micro-batch i's loss
+    weighted by its share of the batch; returns the batch loss."""
+    total = 0.0
+    for xs, ys in zip(
+        torch.tensor_split(x, microbatches), torch.tensor_split(y, microbatches), strict=True
+    ):
+        loss = nn.functional.mse_loss(model(xs), ys) * (xs.shape[0] / x.shape[0])
+        loss.backward()
+        total += float(loss)
+    return total
+
+
 def _clip(params: Any, clip: tuple[str, float] | None) -> None:
     if clip is None:
         return
@@ -130,15 +143,7 @@ def reference_train(
         if step == steps:
             break
         opt.zero_grad()
-        total = 0.0
-        n = x.shape[0]
-        for xs, ys in zip(
-            torch.tensor_split(x, microbatches), torch.tensor_split(y, microbatches), strict=True
-        ):
-            loss = nn.functional.mse_loss(model(xs), ys) * (xs.shape[0] / n)
-            loss.backward()
-            total += float(loss)
-        losses.append(total)
+        losses.append(accumulate_gradient(model, x, y, microbatches))
         _clip(model.parameters(), clip)
         opt.step()
         sched.step()
@@ -175,11 +180,7 @@ def reference_2bw(
             break
         shadow.load_state_dict(history[max(step - 1, 0)])
         shadow.zero_grad()
-        n = x.shape[0]
-        for xs, ys in zip(
-            torch.tensor_split(x, microbatches), torch.tensor_split(y, microbatches), strict=True
-        ):
-            (nn.functional.mse_loss(shadow(xs), ys) * (xs.shape[0] / n)).backward()
+        accumulate_gradient(shadow, x, y, microbatches)
         for p, q in zip(model.parameters(), shadow.parameters(), strict=True):
             p.grad = q.grad.detach().clone() if q.grad is not None else None
         _clip(model.parameters(), clip)

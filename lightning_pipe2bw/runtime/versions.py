@@ -183,8 +183,6 @@ class TwoBWOptimizer(Optimizer):
     def apply(self, batch: int) -> None:
         """Apply batch ``batch``'s gradient (in ``.grad``) to the newest weights."""
         hyper = self._hyper.pop(batch)
-        for stale in [b for b in self._hyper if b < batch]:  # updates skipped (inf/NaN)
-            del self._hyper[stale]
         current = self._snapshot()
         for group, values in zip(self.param_groups, hyper, strict=True):
             group.update(values)
