@@ -49,6 +49,7 @@ from lightning_pipe2bw.checkpoint import (
 from lightning_pipe2bw.launcher import PipeSpawnLauncher
 from lightning_pipe2bw.partition import Partition, build_stage, find_body
 from lightning_pipe2bw.runtime import P2PTransport, PipelineEngine, StageBody, merge_outputs
+from lightning_pipe2bw.runtime.engine import step_loss
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, split_batch
 from lightning_pipe2bw.runtime.twobw import PipeDreamDriver, TwoBWDriver
 from lightning_pipe2bw.runtime.versions import TwoBWOptimizer, WeightVersions
@@ -409,7 +410,8 @@ class Pipe2BWStrategy(ParallelStrategy):
             payload["logs"] = recorder.summary()
             if train:
                 payload["loss"] = math.fsum(
-                    w * float(_loss_value(r)) for w, r in zip(weights, results, strict=True)
+                    w * float(step_loss(r, i).detach())
+                    for i, (w, r) in enumerate(zip(weights, results, strict=True))
                 )
             else:
                 payload["output"] = apply_to_collection(
@@ -637,9 +639,3 @@ def _destroy_process_group() -> None:
     (gloo's threads torn down during interpreter shutdown can abort the process)."""
     if _distributed_is_initialized():
         dist.destroy_process_group()
-
-
-def _loss_value(result: Any) -> Tensor:
-    loss = result.get("loss") if isinstance(result, dict) else result
-    assert isinstance(loss, Tensor)
-    return loss.detach()

@@ -17,7 +17,7 @@ from lightning_pipe2bw.runtime.stage import StageBody
 from lightning_pipe2bw.runtime.transport import P2PTransport
 from lightning_pipe2bw.schedule import Action, ActionKind, Schedule
 
-__all__ = ["ActionTiming", "PipelineEngine", "StepFn"]
+__all__ = ["ActionTiming", "PipelineEngine", "StepFn", "step_loss"]
 
 # the user's step (training_step & co.) applied to one micro-batch
 StepFn = Callable[[Any], Any]
@@ -75,16 +75,22 @@ def _grad_leaves(payload: Any) -> list[Tensor]:
 
 
 def _loss_of(result: Any, microbatch: int) -> Tensor:
+    loss = step_loss(result, microbatch)
+    if not loss.requires_grad:
+        raise ValueError(
+            f"the loss of micro-batch {microbatch} does not require grad: compute it from the output "
+            "of the pipeline body (self.body(x) / self(x)) without detaching it"
+        )
+    return loss
+
+
+def step_loss(result: Any, microbatch: int) -> Tensor:
+    """The loss in a training step's output: the tensor itself or its ``"loss"`` entry."""
     loss = result.get("loss") if isinstance(result, dict) else result
     if not isinstance(loss, Tensor):
         raise TypeError(
             "with pipe2bw, training_step must return the loss tensor (or a dict with a 'loss' tensor) "
             f"for every micro-batch; micro-batch {microbatch} returned {type(result).__name__}"
-        )
-    if not loss.requires_grad:
-        raise ValueError(
-            f"the loss of micro-batch {microbatch} does not require grad: compute it from the output "
-            "of the pipeline body (self.body(x) / self(x)) without detaching it"
         )
     return loss
 
