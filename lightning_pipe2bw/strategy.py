@@ -511,7 +511,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         """Drain a 2BW pipeline and apply the last batch's update (collective: every rank calls it
         at the same point of Lightning's loop). A no-op for flush schedules or an empty pipeline."""
         driver = self.driver
-        if driver is None or not driver.active:
+        if driver is None:
             return
         module = self.lightning_module
         assert module is not None

@@ -145,10 +145,6 @@ class TwoBWDriver:
         last = self.admitted - 1
         return last if last >= self.next_update else None
 
-    @property
-    def active(self) -> bool:
-        return self.admitted > self.segment_start
-
 
 def _no_step(_: Any) -> Any:  # pragma: no cover - a drain runs backwards only
     raise RuntimeError("a pipeline drain ran a forward")
