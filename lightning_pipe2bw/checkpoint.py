@@ -43,17 +43,21 @@ def gather_state_dict(module: nn.Module, rank: int, world_size: int) -> dict[str
 
 
 def gather_optimizer_state(
-    optimizer: Optimizer, world_size: int, balance: Sequence[int]
+    optimizer: Optimizer, stage: int, num_stages: int, balance: Sequence[int]
 ) -> dict[str, Any]:
     """Every stage's optimizer state, in stage order, with the layout it was written for
-    (collective)."""
-    local = _to_cpu(optimizer.state_dict())
-    gathered: list[Any] = [None] * world_size
-    if world_size > 1:
+    (collective over the ``num_stages`` ranks of one pipeline)."""
+    local = (stage, _to_cpu(optimizer.state_dict()))
+    gathered: list[Any] = [None] * num_stages
+    if num_stages > 1:
         dist.all_gather_object(gathered, local)
     else:
         gathered = [local]
-    return {"pipe2bw_stages": gathered, "pipe2bw_balance": list(balance)}
+    by_stage = dict(gathered)
+    return {
+        "pipe2bw_stages": [by_stage[s] for s in range(num_stages)],
+        "pipe2bw_balance": list(balance),
+    }
 
 
 def load_stage_state_dict(module: nn.Module, full: Mapping[str, Any], strict: bool = True) -> None:

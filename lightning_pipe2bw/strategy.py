@@ -51,6 +51,7 @@ from lightning_pipe2bw.partition import Partition, build_stage, find_body
 from lightning_pipe2bw.runtime import P2PTransport, PipelineEngine, StageBody, merge_outputs
 from lightning_pipe2bw.runtime.engine import step_loss
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, split_batch
+from lightning_pipe2bw.runtime.reports import ReportChannel
 from lightning_pipe2bw.runtime.twobw import PipeDreamDriver, TwoBWDriver
 from lightning_pipe2bw.runtime.versions import TwoBWOptimizer, WeightVersions
 from lightning_pipe2bw.schedule import SCHEDULES, Schedule, add_communication, get_schedule
@@ -150,6 +151,8 @@ class Pipe2BWStrategy(ParallelStrategy):
         self._schedules: dict[tuple[str, int], Schedule] = {}
         self._grad_stash: list[tuple[nn.Parameter, Tensor | None]] = []
         self.driver: TwoBWDriver | None = None
+        self._reports: ReportChannel | None = None  # the last stage's step values, for 2BW
+        self._report_group: Any = None
 
     # ------------------------------------------------------------------ topology
     @property
@@ -182,7 +185,14 @@ class Pipe2BWStrategy(ParallelStrategy):
 
     @property
     def stage(self) -> int:
-        return self.global_rank
+        """This rank's pipeline stage. Global rank 0 runs the *last* stage: the loss is computed
+        there, and Lightning's progress bar, loggers and checkpoint writer live on rank 0, so
+        they see each step's values the moment they exist, with no message in between."""
+        return self.rank_of_stage(self.global_rank)
+
+    def rank_of_stage(self, stage: int) -> int:
+        """The global rank that runs ``stage`` (the mapping is its own inverse)."""
+        return self.num_stages - 1 - stage
 
     @property
     @override
@@ -276,6 +286,7 @@ class Pipe2BWStrategy(ParallelStrategy):
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        self.driver, self._reports = None, None  # a 2BW driver serves one fit
         self._check_trainer(trainer)
         self._build_stage()
         assert self.model is not None
@@ -315,6 +326,11 @@ class Pipe2BWStrategy(ParallelStrategy):
         driver_cls = TwoBWDriver if name == "2bw" else PipeDreamDriver
         self.driver = driver_cls(engine, versions, optimizer, self.num_microbatches)
         self.driver.version_log = self.version_log
+        if self.num_stages > 1:
+            if self._report_group is None:  # collective: every rank sets up the same schedule
+                self._report_group = dist.new_group(backend="gloo")
+            last = self.rank_of_stage(self.num_stages - 1)
+            self._reports = ReportChannel(last, self._report_group)
 
     def _check_trainer(self, trainer: Trainer) -> None:
         module = self.lightning_module
@@ -358,8 +374,8 @@ class Pipe2BWStrategy(ParallelStrategy):
             stage=stage,
             num_stages=self.num_stages,
             transport=transport,
-            prev_rank=stage - 1 if stage > 0 else None,
-            next_rank=stage + 1 if stage < self.num_stages - 1 else None,
+            prev_rank=self.rank_of_stage(stage - 1) if stage > 0 else None,
+            next_rank=self.rank_of_stage(stage + 1) if stage < self.num_stages - 1 else None,
         )
 
     def _schedule(self, train: bool, num_microbatches: int) -> Schedule:
@@ -417,17 +433,43 @@ class Pipe2BWStrategy(ParallelStrategy):
                 payload["output"] = apply_to_collection(
                     merge_outputs(results, sizes), Tensor, lambda t: t.detach().cpu()
                 )
-        payload = self._from_last_stage(payload)
+        if train and self.driver is not None:
+            report = self._report_late(payload)
+            if report is None:  # the first step of a fit, on a rank other than 0
+                return torch.tensor(math.nan, device=self.root_device)
+            payload = report
+        else:
+            payload = self._from_last_stage(payload)
         replay(module.log, payload["logs"], self.root_device)  # the recorder is gone: real log
         if train:
             return torch.tensor(payload["loss"], device=self.root_device)
         return apply_to_collection(payload["output"], Tensor, lambda t: t.to(self.root_device))
 
+    def _report_late(self, payload: dict[str, Any]) -> dict[str, Any] | None:
+        """The logged values of a 2BW / PipeDream step, without a barrier.
+
+        Without a flush, the other stages finish call t before the last stage has batch t's loss
+        (their call ends with the first forwards of batch t+1); waiting for it would put the
+        pipeline bubble back into every step. So the last stage (global rank 0: the progress bar
+        and the loggers) logs batch t's own values in call t, and posts them to the other ranks,
+        which log them one call late, in call t+1, when they have long arrived. Returns what this
+        rank logs now: ``None`` on a rank other than 0 before the first report is owed.
+        """
+        channel = self._reports
+        if channel is None:  # one stage
+            return payload
+        if channel.is_source:
+            channel.post(payload)
+            return payload
+        report = channel.receive() if channel.backlog else None  # batch t-1's values
+        channel.expect()  # batch t's, posted by the last stage during this call
+        return report  # type: ignore[no-any-return]
+
     def _from_last_stage(self, payload: dict[str, Any]) -> dict[str, Any]:
         if self.num_stages == 1:
             return payload
         box = [payload]
-        dist.broadcast_object_list(box, src=self.num_stages - 1)
+        dist.broadcast_object_list(box, src=self.rank_of_stage(self.num_stages - 1))
         return box[0]  # type: ignore[no-any-return]
 
     def _backward_microbatch(self, loss: Tensor) -> None:
@@ -557,6 +599,23 @@ class Pipe2BWStrategy(ParallelStrategy):
     @override
     def on_train_end(self) -> None:
         self.flush()
+        if self._reports is not None:
+            self._reports.drain()  # the last step's values, owed to the other ranks
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Global rank 0's decision, on every rank.
+
+        Callbacks such as ``EarlyStopping`` and ``ModelCheckpoint`` decide from logged metrics.
+        Every stage sees the same data, and rank 0 (the last stage) holds the metrics as a
+        single-device run logs them; with 2BW the other ranks receive the training-step values one
+        step late, so their own decisions could differ. Rank 0's decision is the single-device one.
+        """
+        if not _distributed_is_initialized():
+            return decision
+        flag = torch.tensor(int(bool(decision)), device=self.root_device)
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
 
     # ------------------------------------------------------------------ collectives
     @override
@@ -604,7 +663,7 @@ class Pipe2BWStrategy(ParallelStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.partition is not None
         opt = getattr(optimizer, "_optimizer", optimizer)
-        return gather_optimizer_state(opt, self.world_size, self.partition.balance)
+        return gather_optimizer_state(opt, self.stage, self.num_stages, self.partition.balance)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -33,8 +33,8 @@ def test_popen_launch_trains_and_writes_consolidated_checkpoint(tmp_path: Path) 
     assert "final metrics" in proc.stdout
     # each rank runs one stage with cores // local ranks intra-op threads (at least one)
     threads = max(1, (os.cpu_count() or 1) // 2)
-    assert f"rank 0: stage 0 of 2, blocks [0, 1, 2, 3], threads {threads}" in proc.stdout
-    assert f"rank 1: stage 1 of 2, blocks [4, 5, 6, 7, 8], threads {threads}" in proc.stdout
+    assert f"rank 1: stage 0 of 2, blocks [0, 1, 2, 3], threads {threads}" in proc.stdout
+    assert f"rank 0: stage 1 of 2, blocks [4, 5, 6, 7, 8], threads {threads}" in proc.stdout
     sys.path.insert(0, str(EXAMPLE.parent))
     try:
         from train import Classifier  # type: ignore[import-not-found]

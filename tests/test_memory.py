@@ -37,4 +37,4 @@ def test_configure_model_materialises_only_the_owned_blocks(pools) -> None:
                 r["initial_state"][f"body.{i}.bias"], ref.bias, rtol=0, atol=0
             )
             seen.append(i)
-    assert seen == list(range(num_blocks))
+    assert sorted(seen) == list(range(num_blocks))

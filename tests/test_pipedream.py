@@ -25,7 +25,8 @@ def test_pipedream_equals_stashing_reference(pools: Any, p: int, m: int, optimiz
     assert diff <= 1e-5
     # a different rule from 2BW's
     assert max_abs_diff(results[0]["state"], reference_2bw(STEPS, m, optimizer=optimizer)) > 1e-4
-    for stage, r in enumerate(results):
+    for r in results:
+        stage = r["stage"]
         peak = max(r["versions"])
         print(f"VERSIONS pipedream p={p} m={m} stage {stage}: at most {peak} (bound {p - stage})")
         assert peak <= p - stage

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -20,7 +21,8 @@ class RecordLoss(Callback):
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        # with 2BW, ranks other than 0 log a step's values one step late: nothing at step 0
+        self.losses.append(float(trainer.callback_metrics.get("train_loss", math.nan)))
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.sanity_checking:
@@ -61,6 +63,7 @@ def fit(
             if isinstance(t, torch.Tensor)
         ),
         "blocks": list(model.body.indices),
+        "stage": strategy.stage,
         "versions": strategy.version_log,
         "engine_versions": strategy.engine.stats.max_weight_versions if strategy.engine else 0,
         "val_runs": record.val_runs,

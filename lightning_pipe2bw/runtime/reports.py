@@ -1,0 +1,80 @@
+"""In-order delivery of small Python objects from one rank to the others, without a barrier."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ReportChannel"]
+
+_LENGTH_TAG = 0
+_DATA_TAG = 1
+
+
+class ReportChannel:
+    """One rank posts reports (picklable objects); every other rank receives them in order.
+
+    The source never waits: each report goes out with non-blocking sends, and the send buffers are
+    kept until the sends complete. A receiver blocks only in :meth:`receive`. The channel runs on
+    its own process group (gloo, so CPU objects never wait on a GPU stream), so its messages never
+    interleave with the pipeline's activations and gradients.
+
+    Receivers count what the source has posted with :meth:`expect` (the two sides post and expect
+    at the same points of the training loop), so :attr:`backlog` tells whether a report is owed.
+    """
+
+    def __init__(self, source: int, group: dist.ProcessGroup) -> None:
+        self.source = source
+        self.group = group
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.backlog = 0  # on a receiver: reports posted by the source and not yet received
+        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+
+    @property
+    def is_source(self) -> bool:
+        return self.rank == self.source
+
+    def post(self, obj: Any) -> None:
+        """Send ``obj`` to every other rank without waiting (on the source)."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        length = torch.tensor([buffer.numel()], dtype=torch.int64)
+        self._reap()
+        for rank in range(self.world_size):
+            if rank == self.source:
+                continue
+            for tensor, tag in ((length, _LENGTH_TAG), (buffer, _DATA_TAG)):
+                work = dist.isend(tensor, dst=rank, group=self.group, tag=tag)
+                assert work is not None
+                self._sends.append((work, tensor))
+
+    def expect(self) -> None:
+        """Note that the source has posted one more report (on a receiver)."""
+        self.backlog += 1
+
+    def receive(self) -> Any:
+        """The oldest report not yet received (on a receiver; blocks until it arrives)."""
+        if self.backlog <= 0:
+            raise RuntimeError("no report is owed: receive() without a matching expect()")
+        length = torch.empty(1, dtype=torch.int64)
+        dist.recv(length, src=self.source, group=self.group, tag=_LENGTH_TAG)
+        buffer = torch.empty(int(length.item()), dtype=torch.uint8)
+        dist.recv(buffer, src=self.source, group=self.group, tag=_DATA_TAG)
+        self.backlog -= 1
+        return pickle.loads(buffer.numpy().tobytes())
+
+    def drain(self) -> None:
+        """Settle the channel: a receiver takes (and drops) every owed report, the source waits
+        until all its sends are done. Both sides call it at the same point."""
+        while self.backlog > 0:
+            self.receive()
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
+
+    def _reap(self) -> None:
+        self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
