@@ -1,6 +1,6 @@
 """Convergence of PipeDream-2BW (one step of weight delay) against 1F1B (exact, flushed).
 
-Trains the same small byte-level GPT (``examples/gpt.py``) on the Python standard library's
+Trains the same small byte-level GPT (``lightning_pipe2bw.gpt``) on the Python standard library's
 sources twice, with ``schedule="2bw"`` and ``schedule="1f1b"``: same seed, same initial weights,
 same batches, 2 CPU processes (one pipeline stage each), 4 micro-batches per batch. Each run is a
 real Lightning ``Trainer`` with spawned workers; the losses are read back from the CSV logger's
@@ -34,9 +34,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_pipe2bw import Pipe2BWStrategy
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))
-
-from gpt import GPT, StdlibTextDataModule  # noqa: E402
+from lightning_pipe2bw.gpt import GPT, StdlibTextDataModule  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results"
 

@@ -1,19 +1,22 @@
-"""The GPT example (``examples/gpt.py``): data split, shapes, causality, and that it learns."""
+"""The main job's GPT (``lightning_pipe2bw.gpt``): data split, shapes, causality, and that it learns."""
 
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-
-from gpt import GPT, Block, Embeddings, LMHead, StdlibTextDataModule, warmup_cosine
+from lightning_pipe2bw.gpt import (
+    GPT,
+    Block,
+    Embeddings,
+    LMHead,
+    StdlibTextDataModule,
+    warmup_cosine,
+)
 
 SMALL_BYTES = 300_000
 

@@ -11,7 +11,7 @@ on one device or split into pipeline stages::
 
     import lightning as L
     from lightning_pipe2bw import Pipe2BWStrategy
-    from gpt import GPT, StdlibTextDataModule
+    from lightning_pipe2bw.gpt import GPT, StdlibTextDataModule
 
     model = GPT(block_size=128, n_layer=4, n_head=4, n_embd=128, max_steps=300)
     data = StdlibTextDataModule(block_size=128, batch_size=16)
