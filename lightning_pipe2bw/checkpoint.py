@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 __all__ = [
+    "gather_named",
     "gather_optimizer_state",
     "gather_state_dict",
     "load_stage_optimizer_state",
@@ -28,9 +29,15 @@ def gather_state_dict(module: nn.Module, rank: int, world_size: int) -> dict[str
     Each stage's keys are the original model's (see ``StageBody``), so the union of the stages'
     dicts is the single-device model's dict.
     """
-    local = _to_cpu(module.state_dict())
+    return gather_named(module.state_dict(), rank, world_size)
+
+
+def gather_named(local: Mapping[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """The union of every rank's name -> tensor dict, on CPU, on rank 0 (collective; ``{}`` on
+    other ranks). A name held by several ranks keeps the lowest rank's value."""
+    local = _to_cpu(dict(local))
     if world_size == 1:
-        return local  # type: ignore[no-any-return]
+        return dict(local)
     gathered: list[Any] = [None] * world_size if rank == 0 else []
     dist.gather_object(local, gathered if rank == 0 else None, dst=0)
     if rank != 0:

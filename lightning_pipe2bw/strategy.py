@@ -6,6 +6,7 @@ import atexit
 import logging
 import math
 import os
+import pickle
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -29,7 +30,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -41,6 +42,7 @@ from typing_extensions import override
 
 from lightning_pipe2bw.agreement import agree_on_inf_checks, make_clipping_global
 from lightning_pipe2bw.checkpoint import (
+    gather_named,
     gather_optimizer_state,
     gather_state_dict,
     load_stage_optimizer_state,
@@ -665,11 +667,86 @@ class Pipe2BWStrategy(ParallelStrategy):
         opt = getattr(optimizer, "_optimizer", optimizer)
         return gather_optimizer_state(opt, self.stage, self.num_stages, self.partition.balance)
 
+    def _pipeline_state(self) -> dict[str, Any]:
+        """What a checkpoint needs beyond Lightning's own keys (collective): the layout, and for
+        2BW the batch count and the second weight version, consolidated by parameter name on
+        rank 0, so that a resumed run continues the version rule exactly."""
+        assert self.partition is not None
+        state: dict[str, Any] = {
+            "schedule": self.schedule_name,
+            "num_stages": self.num_stages,
+            "balance": list(self.partition.balance),
+        }
+        driver = self.driver
+        if driver is None:
+            return state
+        previous = driver.previous_version()
+        names = self._parameter_names(driver)
+        local = dict(zip(names, previous, strict=True)) if previous is not None else {}
+        state["batches"] = driver.admitted
+        state["previous_weights"] = gather_named(local, self.global_rank, self.world_size)
+        return state
+
+    def _parameter_names(self, driver: TwoBWDriver) -> list[str]:
+        """The LightningModule's names of the parameters the driver's weight versions hold."""
+        module = self.lightning_module
+        assert module is not None
+        name_of = {id(p): name for name, p in module.named_parameters()}
+        return [name_of[id(p)] for p in driver.versions.params]
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if "optimizer_states" in checkpoint:  # a full checkpoint, to resume from
+            checkpoint = {**checkpoint, "pipe2bw": self._pipeline_state()}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        """Lightning's loader, with ``weights_only=True`` unless the caller chose: a pipe2bw
+        checkpoint holds tensors and plain containers only. A checkpoint that needs arbitrary
+        unpickling (e.g. custom hyper-parameter objects) is loaded with ``weights_only=False``
+        after a warning; pass ``weights_only=False`` to ``fit`` to skip the first attempt."""
+        if weights_only is not None:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        try:
+            return super().load_checkpoint(checkpoint_path, weights_only=True)
+        except pickle.UnpicklingError as err:
+            rank_zero_warn(
+                f"{checkpoint_path} cannot be loaded with weights_only=True ({err}); loading it "
+                "with weights_only=False, which runs arbitrary code from the file: only do this "
+                "with files you trust"
+            )
+            return super().load_checkpoint(checkpoint_path, weights_only=False)
+
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         module = self.lightning_module
         assert module is not None
         load_stage_state_dict(module, checkpoint["state_dict"], strict)
+        self._resume_pipeline(checkpoint.get("pipe2bw"))
+
+    def _resume_pipeline(self, state: Mapping[str, Any] | None) -> None:
+        """Continue the 2BW version rule where the checkpoint left it. A checkpoint without it
+        (written by a flush schedule, or not by pipe2bw) restarts the rule at the loaded
+        weights, as at the start of training: W(-1) = W(0)."""
+        driver = self.driver
+        if driver is None or state is None or "batches" not in state:
+            return
+        batches = int(state["batches"])
+        previous: list[Tensor] | None = None
+        saved = state.get("previous_weights") or {}
+        if saved:
+            names = self._parameter_names(driver)
+            missing = [n for n in names if n not in saved]
+            if missing:
+                raise KeyError(
+                    f"the checkpoint's second 2BW weight version lacks {len(missing)} parameters "
+                    f"this stage needs, e.g. {missing[:5]}; was it written for a different model?"
+                )
+            previous = [saved[n] for n in names]
+        driver.resume(batches, previous)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

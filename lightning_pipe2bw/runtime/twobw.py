@@ -146,6 +146,24 @@ class TwoBWDriver:
         return last if last >= self.next_update else None
 
 
+    def previous_version(self) -> list[Tensor] | None:
+        """At a flush point: the weight version the next batch runs with when it is not the
+        newest (2BW: version t-1 for batch t), which a checkpoint must keep for an exact resume."""
+        version = WeightVersions.version_for(self.admitted)
+        if self.admitted == 0 or version == self.versions.newest:
+            return None
+        return self.versions.tensors_of(version)
+
+    def resume(self, batches: int, previous: list[Tensor] | None) -> None:
+        """Continue after ``batches`` batches, from a checkpoint written at a flush point: the
+        parameters hold the newest weights and ``previous`` the version batch ``batches`` uses."""
+        if self.admitted != self.segment_start:
+            raise RuntimeError("a 2BW pipeline can only resume when nothing is in flight")
+        self.admitted = self.segment_start = self.next_update = batches
+        self.stream = self._new_stream()
+        self.versions.restore(batches, previous)
+
+
 def _no_step(_: Any) -> Any:  # pragma: no cover - a drain runs backwards only
     raise RuntimeError("a pipeline drain ran a forward")
 
@@ -186,3 +204,9 @@ class PipeDreamDriver(TwoBWDriver):
     def flush(self, backward: Callable[[Tensor], None]) -> int | None:
         super().flush(backward)  # the drained backwards apply the last updates
         return None
+
+    def previous_version(self) -> list[Tensor] | None:
+        return None  # after a flush every forward takes the newest weights
+
+    def resume(self, batches: int, previous: list[Tensor] | None) -> None:
+        super().resume(batches, None)

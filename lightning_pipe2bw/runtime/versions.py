@@ -130,6 +130,29 @@ class WeightVersions:
     def num_buffers(self) -> int:
         return len(self._buffers)
 
+    def tensors_of(self, version: int) -> list[Tensor] | None:
+        """The buffer of ``version`` (in ``params`` order), or None if this stage no longer
+        holds it."""
+        index = self._buffer_of.get(version)
+        return None if index is None else self._buffers[index]
+
+    def restore(self, newest: int, previous: list[Tensor] | None) -> None:
+        """Start from a checkpoint: the parameters hold version ``newest`` and ``previous``, if
+        given, is version ``newest - 1`` (copied into a buffer of its own)."""
+        self._leaves.clear()
+        self._buffers = [[p.data for p in self.params]]
+        self._buffer_of = {newest: 0}
+        self.newest = newest
+        if previous is not None:
+            if newest < 1:
+                raise ValueError(f"version {newest} has no previous version to restore")
+            copies = [
+                t.detach().to(device=p.device, dtype=p.dtype).clone()
+                for t, p in zip(previous, self.params, strict=True)
+            ]
+            self._buffers.append(copies)
+            self._buffer_of[newest - 1] = 1
+
 
 class TwoBWOptimizer(Optimizer):
     """Wraps the user's optimizer for the schedules without flushes (``2bw``, ``pipedream``);

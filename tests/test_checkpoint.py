@@ -1,0 +1,101 @@
+"""Checkpoints resume exactly: 6 steps equal 3 steps + ModelCheckpoint + a new Trainer resumed
+from the file for 3 more (max abs parameter difference <= 1e-6, fp32, CPU). The consolidated
+file loads on one device; 2BW's second weight version travels in it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from models import RegressionModel, max_abs_diff
+
+TOL = 1e-6
+SAMPLES = 24  # 3 batches of 8: the checkpoint after step 3 is at an epoch boundary
+
+
+def _fit(
+    schedule: str,
+    steps: int,
+    ckpt_dir: str | None = None,
+    resume: str | None = None,
+    strip_second_version: bool = False,
+    flush_every: int | None = None,
+) -> dict[str, Any]:
+    import torch.distributed as dist
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from models import loader, quiet_trainer
+
+    from lightning_pipe2bw import Pipe2BWStrategy
+
+    callbacks: list[Any] = []
+    if ckpt_dir is not None:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=ckpt_dir, filename="{step}", every_n_train_steps=3, save_top_k=-1
+            )
+        )
+    strategy = Pipe2BWStrategy(schedule=schedule, microbatches=2, flush_every=flush_every)
+    trainer = quiet_trainer(
+        devices=dist.get_world_size(),
+        strategy=strategy,
+        max_steps=steps,
+        callbacks=callbacks,
+        enable_checkpointing=ckpt_dir is not None,
+    )
+    if resume is not None and strip_second_version:
+        ckpt = torch.load(resume, weights_only=True)
+        del ckpt["pipe2bw"]
+        resume = resume.replace(".ckpt", "-stripped.ckpt")
+        if dist.get_rank() == 0:
+            torch.save(ckpt, resume)
+        dist.barrier()
+    model = RegressionModel(optimizer="adamw")
+    trainer.fit(model, loader(8, n=SAMPLES), ckpt_path=resume)
+    state = strategy.full_state_dict()
+    return {"state": state if dist.get_rank() == 0 else None, "global_step": trainer.global_step}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw", "pipedream"])
+def test_resume_is_exact(pools: Any, tmp_path: Path, schedule: str) -> None:
+    pool = pools(2)
+    # a checkpoint is a flush point. 1F1B and 2BW mean the same with or without one; PipeDream
+    # does not (after a drain every stage computes with its newest weights), so its straight
+    # run flushes where the other one checkpoints
+    flush_every = 3 if schedule == "pipedream" else None
+    straight = pool.run(_fit, schedule, 6, flush_every=flush_every)[0]
+    pool.run(_fit, schedule, 3, str(tmp_path))
+    ckpt = tmp_path / "step=3.ckpt"
+    assert ckpt.is_file()
+    resumed = pool.run(_fit, schedule, 6, None, str(ckpt))[0]
+    assert resumed["global_step"] == 6
+    diff = max_abs_diff(resumed["state"], straight["state"])
+    print(f"RESUME {schedule}: 6 steps vs 3 + checkpoint + 3: max|dW| = {diff:.3e}")
+    assert diff <= TOL
+
+    # a normal Lightning checkpoint: it loads on one device, safely
+    single = RegressionModel.load_from_checkpoint(ckpt, map_location="cpu", weights_only=True)
+    raw = torch.load(ckpt, weights_only=True)
+    assert raw["global_step"] == 3
+    assert max_abs_diff(single.state_dict(), raw["state_dict"]) == 0.0
+    stages = raw["optimizer_states"][0]["pipe2bw_stages"]
+    assert len(stages) == 2 and all(s["state"] for s in stages)  # every stage's AdamW state
+    meta = raw["pipe2bw"]
+    assert (meta["schedule"], meta["num_stages"], meta["balance"]) == (schedule, 2, [4, 4])
+    if schedule == "2bw":
+        # batch 3 runs with version 2: the checkpoint holds it beside the newest (version 3)
+        assert meta["batches"] == 3
+        assert meta["previous_weights"].keys() == raw["state_dict"].keys()
+        assert max_abs_diff(meta["previous_weights"], raw["state_dict"]) > 1e-4
+
+
+def test_2bw_resume_needs_the_second_version(pools: Any, tmp_path: Path) -> None:
+    """The test above can fail: without the second version, the resumed run restarts the
+    version rule (batch 3 would run with the newest weights) and drifts from the straight run."""
+    pool = pools(2)
+    straight = pool.run(_fit, "2bw", 6)[0]
+    pool.run(_fit, "2bw", 3, str(tmp_path))
+    ckpt = str(tmp_path / "step=3.ckpt")
+    resumed = pool.run(_fit, "2bw", 6, None, ckpt, True)[0]
+    assert max_abs_diff(resumed["state"], straight["state"]) > 1e-5
