@@ -2,20 +2,38 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.optim import Optimizer
 
 __all__ = [
+    "SHARDED_META",
     "gather_named",
     "gather_optimizer_state",
     "gather_state_dict",
+    "is_sharded_checkpoint",
+    "load_sharded",
     "load_stage_optimizer_state",
+    "load_stage_optimizer_state_by_name",
     "load_stage_state_dict",
+    "read_sharded_meta",
+    "save_sharded",
+    "stage_optimizer_state",
 ]
 
 
@@ -91,6 +109,90 @@ def load_stage_optimizer_state(
     if list(state["pipe2bw_balance"]) != list(balance):
         raise ValueError(
             f"the checkpoint's optimizer state was written for balance={state['pipe2bw_balance']} "
-            f"but this run uses balance={list(balance)}; resume with the same balance"
+            f"but this run uses balance={list(balance)}; resume with the same balance, or save with "
+            "Pipe2BWStrategy(state_dict_type='sharded'), which reloads with any partition"
         )
     optimizer.load_state_dict(state["pipe2bw_stages"][stage])
+
+
+# ----------------------------------------------------------------------------- sharded format
+# A directory: torch.distributed.checkpoint (DCP) files holding every stage's tensors under the
+# original model's names, plus ``meta.pt`` (written by rank 0) with Lightning's other keys.
+# Because tensors are found by name, the directory reloads with any number of stages.
+
+SHARDED_META = "meta.pt"
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
+    return Path(path).is_dir() and (Path(path) / SHARDED_META).is_file()
+
+
+def stage_optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """This stage's optimizer state keyed by parameter name (``state.<name>.<key>`` and
+    ``param_groups.<name>.<key>``), so that any partition can pick its share."""
+    return get_optimizer_state_dict(module, optimizer, options=_OPTIONS)
+
+
+def load_stage_optimizer_state_by_name(
+    module: nn.Module, optimizer: Optimizer, state: dict[str, Any]
+) -> None:
+    set_optimizer_state_dict(module, optimizer, state, options=_OPTIONS)
+
+
+def save_sharded(
+    path: str | os.PathLike[str], tensors: dict[str, Any], meta: dict[str, Any], rank: int
+) -> None:
+    """Write this rank's ``tensors`` (collective) and, on rank 0, ``meta``."""
+    path = Path(path)
+    if path.is_file():
+        raise FileExistsError(
+            f"{path} is a file, but a sharded checkpoint is a directory; choose another path"
+        )
+    path.mkdir(parents=True, exist_ok=True)
+    dcp_save(tensors, checkpoint_id=path)
+    if rank == 0:
+        torch.save(meta, path / SHARDED_META)
+
+
+def read_sharded_meta(path: str | os.PathLike[str], weights_only: bool = True) -> dict[str, Any]:
+    """The non-tensor part of a sharded checkpoint (Lightning's loops, schedulers, ...)."""
+    meta: dict[str, Any] = torch.load(Path(path) / SHARDED_META, weights_only=weights_only)
+    return meta
+
+
+def load_sharded(path: str | os.PathLike[str], template: dict[str, Any]) -> None:
+    """Fill ``template`` (this rank's tensors, by name) from a sharded checkpoint, in place
+    (collective). Every rank raises the same ``KeyError`` if any rank's names are missing."""
+    path = Path(path)
+    missing = _missing_keys(path, template)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, missing)
+        missing = list({k: None for part in everyone for k in part})
+    # the model's own names first: they say most about which model wrote the file
+    missing.sort(key=lambda k: (not k.startswith("state_dict."), k))
+    if missing:
+        raise KeyError(
+            f"the sharded checkpoint {path} lacks {len(missing)} entries this model needs, e.g. "
+            f"{missing[:5]}; was it written for a different model?"
+        )
+    dcp_load(template, checkpoint_id=path)
+
+
+def _missing_keys(path: Path, template: dict[str, Any]) -> list[str]:
+    stored = FileSystemReader(path).read_metadata().state_dict_metadata.keys()
+    return [k for k in _flat_keys(template) if k not in stored]
+
+
+def _flat_keys(obj: Any, prefix: str = "") -> list[str]:
+    """DCP's names for the leaves of a nested dict/list (``a.b.0``)."""
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+    keys: list[str] = []
+    for key, value in items:
+        name = f"{prefix}{key}"
+        if isinstance(value, (dict, list)) and value:
+            keys += _flat_keys(value, name + ".")
+        else:
+            keys.append(name)
+    return keys

@@ -45,8 +45,14 @@ from lightning_pipe2bw.checkpoint import (
     gather_named,
     gather_optimizer_state,
     gather_state_dict,
+    is_sharded_checkpoint,
+    load_sharded,
     load_stage_optimizer_state,
+    load_stage_optimizer_state_by_name,
     load_stage_state_dict,
+    read_sharded_meta,
+    save_sharded,
+    stage_optimizer_state,
 )
 from lightning_pipe2bw.launcher import PipeSpawnLauncher
 from lightning_pipe2bw.partition import Partition, build_stage, find_body
@@ -87,6 +93,10 @@ class Pipe2BWStrategy(ParallelStrategy):
             predictions back to it. Under ``torchrun`` or a cluster launcher nothing is started.
         process_group_backend: defaults to ``"nccl"`` on CUDA and ``"gloo"`` on CPU.
         timeout: the process group timeout.
+        state_dict_type: ``"full"`` writes one consolidated Lightning checkpoint, loadable on one
+            device (gathered on rank 0); ``"sharded"`` writes a directory in which every rank
+            saves its own stage with ``torch.distributed.checkpoint`` under the original
+            parameter names, so it reloads with any number of stages.
     """
 
     strategy_name = "pipe2bw"
@@ -101,6 +111,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         start_method: _StartMethod = "popen",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        state_dict_type: Literal["full", "sharded"] = "full",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -139,6 +150,12 @@ class Pipe2BWStrategy(ParallelStrategy):
             raise ValueError(
                 f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}"
             )
+        if state_dict_type not in ("full", "sharded"):
+            raise ValueError(
+                f"state_dict_type must be 'full' (one consolidated file) or 'sharded' (a directory "
+                f"of per-stage files), got {state_dict_type!r}"
+            )
+        self.state_dict_type = state_dict_type
         self.schedule_name = schedule
         self.microbatches = microbatches
         self.flush_every = flush_every
@@ -659,18 +676,27 @@ class Pipe2BWStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self.flush()  # a checkpoint is a flush point: no micro-batch in flight, no update pending
+        if self.state_dict_type == "sharded":
+            module = self.lightning_module
+            assert module is not None
+            return module.state_dict()  # this stage's share, under the original names
         return self.full_state_dict()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.partition is not None
+        if self.state_dict_type == "sharded":
+            module = self.lightning_module
+            assert module is not None
+            return stage_optimizer_state(module, _torch_optimizer(optimizer))
         opt = getattr(optimizer, "_optimizer", optimizer)
         return gather_optimizer_state(opt, self.stage, self.num_stages, self.partition.balance)
 
-    def _pipeline_state(self) -> dict[str, Any]:
-        """What a checkpoint needs beyond Lightning's own keys (collective): the layout, and for
-        2BW the batch count and the second weight version, consolidated by parameter name on
-        rank 0, so that a resumed run continues the version rule exactly."""
+    def _pipeline_state(self, consolidate: bool = True) -> dict[str, Any]:
+        """What a checkpoint needs beyond Lightning's own keys: the layout, and for 2BW the batch
+        count and the second weight version by parameter name (consolidated on rank 0, a
+        collective, unless ``consolidate`` is False), so that a resumed run continues the
+        version rule exactly."""
         assert self.partition is not None
         state: dict[str, Any] = {
             "schedule": self.schedule_name,
@@ -684,7 +710,9 @@ class Pipe2BWStrategy(ParallelStrategy):
         names = self._parameter_names(driver)
         local = dict(zip(names, previous, strict=True)) if previous is not None else {}
         state["batches"] = driver.admitted
-        state["previous_weights"] = gather_named(local, self.global_rank, self.world_size)
+        if consolidate:
+            local = gather_named(local, self.global_rank, self.world_size)
+        state["previous_weights"] = local
         return state
 
     def _parameter_names(self, driver: TwoBWDriver) -> list[str]:
@@ -698,9 +726,31 @@ class Pipe2BWStrategy(ParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
+        if self.state_dict_type == "sharded":
+            self._save_sharded(checkpoint, filepath)
+            return
         if "optimizer_states" in checkpoint:  # a full checkpoint, to resume from
             checkpoint = {**checkpoint, "pipe2bw": self._pipeline_state()}
         super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:
+        """Every rank writes its own tensors (DCP), under the original model's names; rank 0
+        writes the rest of Lightning's checkpoint to ``meta.pt``."""
+        meta = dict(checkpoint)
+        tensors: dict[str, Any] = {"state_dict": meta.pop("state_dict")}
+        pipeline = self._pipeline_state(consolidate=False)
+        pipeline["format"] = "sharded"
+        if "optimizer_states" in meta:
+            states = meta.pop("optimizer_states")
+            tensors["optimizer_states"] = {str(i): s for i, s in enumerate(states)}
+            pipeline["num_optimizers"] = len(states)
+        previous = pipeline.pop("previous_weights", {})
+        # whether any stage holds a second version (all do, or none)
+        pipeline["has_previous"] = bool(previous)
+        if previous:
+            tensors["previous_weights"] = previous
+        meta["pipe2bw"] = pipeline
+        save_sharded(filepath, tensors, meta, self.global_rank)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
@@ -708,6 +758,8 @@ class Pipe2BWStrategy(ParallelStrategy):
         checkpoint holds tensors and plain containers only. A checkpoint that needs arbitrary
         unpickling (e.g. custom hyper-parameter objects) is loaded with ``weights_only=False``
         after a warning; pass ``weights_only=False`` to ``fit`` to skip the first attempt."""
+        if is_sharded_checkpoint(checkpoint_path):
+            return self._load_sharded(checkpoint_path, weights_only is not False)
         if weights_only is not None:
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         try:
@@ -719,6 +771,40 @@ class Pipe2BWStrategy(ParallelStrategy):
                 "with files you trust"
             )
             return super().load_checkpoint(checkpoint_path, weights_only=False)
+
+    def _load_sharded(self, path: Any, weights_only: bool) -> dict[str, Any]:
+        """Read this stage's share of a sharded checkpoint, whatever partition wrote it
+        (collective): the tensors are found by name."""
+        module = self.lightning_module
+        assert module is not None
+        meta = read_sharded_meta(path, weights_only)
+        pipeline = dict(meta.get("pipe2bw", {}))
+        template: dict[str, Any] = {"state_dict": module.state_dict()}
+        restoring_optimizers = self.optimizers and pipeline.get("num_optimizers")
+        if restoring_optimizers:
+            if pipeline["num_optimizers"] != len(self.optimizers):
+                raise ValueError(
+                    f"{path} holds the state of {pipeline['num_optimizers']} optimizers, but "
+                    f"configure_optimizers returned {len(self.optimizers)}"
+                )
+            template["optimizer_states"] = {
+                str(i): stage_optimizer_state(module, _torch_optimizer(opt))
+                for i, opt in enumerate(self.optimizers)
+            }
+        driver = self.driver
+        if driver is not None and pipeline.get("has_previous"):
+            names = self._parameter_names(driver)
+            template["previous_weights"] = {
+                name: torch.empty_like(p) for name, p in zip(names, driver.versions.params, strict=True)
+            }
+        load_sharded(path, template)
+        checkpoint = {**meta, "state_dict": template["state_dict"]}
+        if restoring_optimizers:
+            states = template["optimizer_states"]
+            checkpoint["optimizer_states"] = [states[str(i)] for i in range(len(states))]
+        pipeline["previous_weights"] = template.get("previous_weights", {})
+        checkpoint["pipe2bw"] = pipeline
+        return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -751,8 +837,14 @@ class Pipe2BWStrategy(ParallelStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.partition is not None
+        module = self.lightning_module
+        assert module is not None
+        sharded = checkpoint.get("pipe2bw", {}).get("format") == "sharded"
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
-            load_stage_optimizer_state(optimizer, state, self.stage, self.partition.balance)
+            if sharded:
+                load_stage_optimizer_state_by_name(module, _torch_optimizer(optimizer), state)
+            else:
+                load_stage_optimizer_state(optimizer, state, self.stage, self.partition.balance)
 
     # ------------------------------------------------------------------ registry
     @classmethod
@@ -768,6 +860,14 @@ class Pipe2BWStrategy(ParallelStrategy):
             )
         for name, description, init in entries:
             strategy_registry.register(name, cls, description=description, override=True, **init)
+
+
+def _torch_optimizer(optimizer: Any) -> Optimizer:
+    """The user's optimizer inside Lightning's and the 2BW wrappers."""
+    optimizer = getattr(optimizer, "_optimizer", optimizer)
+    while isinstance(optimizer, TwoBWOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer  # type: ignore[no-any-return]
 
 
 def _destroy_process_group() -> None:

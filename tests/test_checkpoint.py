@@ -22,6 +22,8 @@ def _fit(
     resume: str | None = None,
     strip_second_version: bool = False,
     flush_every: int | None = None,
+    microbatches: int = 2,
+    state_dict_type: str = "full",
 ) -> dict[str, Any]:
     import torch.distributed as dist
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -36,7 +38,12 @@ def _fit(
                 dirpath=ckpt_dir, filename="{step}", every_n_train_steps=3, save_top_k=-1
             )
         )
-    strategy = Pipe2BWStrategy(schedule=schedule, microbatches=2, flush_every=flush_every)
+    strategy = Pipe2BWStrategy(
+        schedule=schedule,
+        microbatches=microbatches,
+        flush_every=flush_every,
+        state_dict_type=state_dict_type,  # type: ignore[arg-type]
+    )
     trainer = quiet_trainer(
         devices=dist.get_world_size(),
         strategy=strategy,
@@ -99,3 +106,48 @@ def test_2bw_resume_needs_the_second_version(pools: Any, tmp_path: Path) -> None
     ckpt = str(tmp_path / "step=3.ckpt")
     resumed = pool.run(_fit, "2bw", 6, None, ckpt, True)[0]
     assert max_abs_diff(resumed["state"], straight["state"]) > 1e-5
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_sharded_checkpoint_reloads_with_fewer_stages(
+    pools: Any, tmp_path: Path, schedule: str
+) -> None:
+    """Saved by 4 stages (torch.distributed.checkpoint, one file per rank, original names),
+    resumed by 2: the same weights as 6 straight steps on 2 stages."""
+    m = 4
+    straight = pools(2).run(_fit, schedule, 6, microbatches=m)[0]
+    pools(4).run(_fit, schedule, 3, str(tmp_path), microbatches=m, state_dict_type="sharded")
+    ckpt = tmp_path / "step=3.ckpt"
+    assert ckpt.is_dir() and (ckpt / "meta.pt").is_file()
+    assert len(list(ckpt.glob("*.distcp"))) == 4  # one shard per rank
+    resumed = pools(2).run(
+        _fit, schedule, 6, None, str(ckpt), microbatches=m, state_dict_type="sharded"
+    )[0]
+    assert resumed["global_step"] == 6
+    diff = max_abs_diff(resumed["state"], straight["state"])
+    print(f"RESUME sharded {schedule}: 4 stages x 3 steps + 2 stages x 3 vs 6 steps: {diff:.3e}")
+    assert diff <= TOL
+
+
+def _resume_wrong_model(path: str) -> str:
+    import torch.distributed as dist
+    from models import loader, quiet_trainer
+
+    from lightning_pipe2bw import Pipe2BWStrategy
+
+    trainer = quiet_trainer(
+        devices=dist.get_world_size(),
+        strategy=Pipe2BWStrategy(schedule="1f1b", microbatches=2, state_dict_type="sharded"),
+        max_steps=4,
+    )
+    try:
+        trainer.fit(RegressionModel(num_blocks=10), loader(8, n=SAMPLES), ckpt_path=path)
+    except KeyError as err:
+        return str(err)
+    return "no error"
+
+
+def test_sharded_checkpoint_of_another_model_is_refused(pools: Any, tmp_path: Path) -> None:
+    pools(2).run(_fit, "1f1b", 3, str(tmp_path), state_dict_type="sharded")
+    for message in pools(2).run(_resume_wrong_model, str(tmp_path / "step=3.ckpt")):
+        assert "lacks" in message and "'state_dict.body." in message, message
