@@ -1,0 +1,167 @@
+"""The Lightning CLI: ``python -m lightning_pipe2bw.cli fit ...`` trains the GPT with ``Pipe2BWStrategy``.
+
+A ``LightningCLI`` whose defaults are this package's GPT, its standard-library text data and the
+pipeline strategy, so that a bare ``fit`` trains the default GPT on the devices given::
+
+    python -m lightning_pipe2bw.cli fit --trainer.accelerator=cpu --trainer.devices=2 \\
+        --trainer.max_steps=20
+
+The strategy is configured in any of these forms:
+
+* the class with its init arguments (jsonargparse's subclass syntax; the short class name works
+  because the class is imported)::
+
+      --trainer.strategy=Pipe2BWStrategy --trainer.strategy.schedule=1f1b \\
+          --trainer.strategy.microbatches=4
+
+  or only the options, as the default strategy is already ``Pipe2BWStrategy``:
+  ``--trainer.strategy.schedule=1f1b``;
+* a registered name (``pipe2bw``, ``pipe2bw_spawn``, ``pipe_gpipe``, ``pipe_1f1b``, ``pipe_2bw``,
+  ``pipe_pipedream``), also followed by options: ``--trainer.strategy=pipe_1f1b
+  --trainer.strategy.microbatches=4``. On the command line this CLI rewrites such a name into the
+  class form with the name's registered arguments (see ``expand_strategy_names``), so the options
+  apply and ``--print_config`` lists every option of the strategy;
+* a YAML config (``--config run.yaml``) with ``trainer: strategy: {class_path: Pipe2BWStrategy,
+  init_args: {schedule: 1f1b}}``. In a config file a registered name is a plain string, which
+  takes no options.
+
+``model`` and ``data`` are any ``LightningModule`` / ``LightningDataModule`` (``--model=GPT``,
+``--model=my_package.MyModel``), defaulting to ``lightning_pipe2bw.gpt.GPT`` and
+``lightning_pipe2bw.gpt.StdlibTextDataModule``.
+
+With the default ``start_method="popen"`` the strategy re-runs this process's command line for
+ranks 1..n-1 (like ``ddp``), so run the CLI from a shell (``python -m lightning_pipe2bw.cli``).
+``main(args=[...])`` from Python needs ``--trainer.strategy.start_method=spawn``: a re-run of
+``sys.argv`` would not carry ``args``, and the CLI refuses to start rather than diverge.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from typing_extensions import override
+
+from lightning_pipe2bw.gpt import GPT, StdlibTextDataModule
+from lightning_pipe2bw.strategy import Pipe2BWStrategy
+
+__all__ = ["Pipe2BWCLI", "expand_strategy_names", "main"]
+
+_STRATEGY_KEY = "--trainer.strategy"
+
+
+def _import_path(cls: type) -> str:
+    if cls is Pipe2BWStrategy:
+        return "lightning_pipe2bw.Pipe2BWStrategy"  # the public name, as users write it
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+# GPT and Pipe2BWStrategy are imported, so their short names resolve too (--model=GPT)
+_DEFAULTS: dict[str, Any] = {
+    "model": {"class_path": _import_path(GPT)},
+    "data": {"class_path": _import_path(StdlibTextDataModule)},
+}
+
+
+def _class_form(name: str) -> str | None:
+    """The JSON class form of a registered name of ``Pipe2BWStrategy`` (or a subclass), else None."""
+    if name not in StrategyRegistry:
+        return None
+    entry = StrategyRegistry[name]
+    cls = entry["strategy"]
+    if not (isinstance(cls, type) and issubclass(cls, Pipe2BWStrategy)):
+        return None  # other strategies' names keep Lightning's own resolution
+    return json.dumps({"class_path": _import_path(cls), "init_args": dict(entry["init_params"])})
+
+
+def expand_strategy_names(argv: Sequence[str]) -> list[str]:
+    """``argv`` with every ``--trainer.strategy NAME`` / ``--trainer.strategy=NAME`` whose NAME is
+    a registered name of ``Pipe2BWStrategy`` replaced by the class form with the name's
+    registered arguments, e.g. ``pipe_1f1b`` by
+    ``{"class_path": "lightning_pipe2bw.Pipe2BWStrategy", "init_args": {"schedule": "1f1b"}}``.
+
+    jsonargparse reads a strategy name as a plain string, to which later
+    ``--trainer.strategy.KEY VALUE`` options cannot apply; the class form takes them (a later
+    option overrides a registered argument). Other arguments are returned unchanged.
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == _STRATEGY_KEY and i + 1 < len(argv):
+            form = _class_form(argv[i + 1])
+            if form is not None:
+                out += [arg, form]
+                i += 2
+                continue
+        elif arg.startswith(_STRATEGY_KEY + "="):
+            form = _class_form(arg[len(_STRATEGY_KEY) + 1 :])
+            if form is not None:
+                out.append(f"{_STRATEGY_KEY}={form}")
+                i += 1
+                continue
+        out.append(arg)
+        i += 1
+    return out
+
+
+class Pipe2BWCLI(LightningCLI):
+    """``LightningCLI`` with the GPT, its data and ``Pipe2BWStrategy`` as defaults, registered
+    strategy names that take options, and a check that the popen launcher can re-run it."""
+
+    _argv: list[str] | None = None  # the command line parsed, when one was
+
+    @override
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.set_defaults(_DEFAULTS)
+
+    @override
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        if args is None or isinstance(args, (list, tuple)):
+            self._argv = list(sys.argv[1:] if args is None else args)
+            self.config = parser.parse_args(expand_strategy_names(self._argv))
+        else:  # a dict or Namespace: already the structured (class_path / init_args) form
+            super().parse_arguments(parser, args)
+
+    @override
+    def after_instantiate_classes(self) -> None:
+        self._check_relaunch()
+
+    def _check_relaunch(self) -> None:
+        """Refuse a popen launch whose children would parse a different command line."""
+        launcher = self.trainer.strategy.launcher
+        if not isinstance(launcher, _SubprocessScriptLauncher):
+            return
+        if launcher.num_processes <= 1:
+            return  # nothing to start on this node
+        if launcher.cluster_environment.creates_processes_externally:
+            return  # torchrun or a cluster started every rank; nothing is re-run
+        if self._argv == sys.argv[1:]:
+            return
+        raise ValueError(
+            f"the strategy starts ranks 1..{launcher.num_processes - 1} by re-running this "
+            f"process's command line, but the arguments were given to main(args=...) and are not "
+            f"in sys.argv[1:]={sys.argv[1:]!r}, so those ranks would run another command; start "
+            "the workers from this process instead (--trainer.strategy.start_method=spawn, or a "
+            "spawn strategy such as pipe2bw_spawn or ddp_spawn), or run "
+            "`python -m lightning_pipe2bw.cli ...` from a shell"
+        )
+
+
+def main(args: ArgsType = None) -> Pipe2BWCLI:
+    """Run the CLI on ``args`` (a list of command-line arguments, or a dict), or on ``sys.argv``."""
+    return Pipe2BWCLI(
+        model_class=None,
+        datamodule_class=None,
+        trainer_defaults={"strategy": {"class_path": _import_path(Pipe2BWStrategy)}},
+        args=args,
+    )
+
+
+if __name__ == "__main__":
+    main()

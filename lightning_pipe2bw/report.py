@@ -1,0 +1,454 @@
+"""What every pipeline stage held and did during fit: a table, JSON rows, a timeline, a trace."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import socket
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities import rank_zero_warn
+
+__all__ = [
+    "Lane",
+    "PipelineReport",
+    "StageReport",
+    "TimedAction",
+    "TimelineShares",
+    "chrome_trace",
+    "gather_reports",
+    "loss_curve_png",
+    "print_stage_table",
+    "stage_report",
+    "timed_actions",
+    "timeline_png",
+    "timeline_shares",
+]
+
+# One action as it ran: (ActionKind value such as "F" or "RECV_B", micro-batch, start, end), times
+# in time.perf_counter() seconds of the rank that ran it. Plain data, so it pickles cheaply.
+TimedAction = tuple[str, int, float, float]
+
+_COMPUTE = frozenset({"F", "B"})
+_RECV = frozenset({"RECV_F", "RECV_B"})
+_NAMES = {
+    "F": "forward",
+    "B": "backward",
+    "SEND_F": "send activations",
+    "RECV_F": "recv activations",
+    "SEND_B": "send gradients",
+    "RECV_B": "recv gradients",
+}
+_COLORS = {
+    "F": "#4c72b0",
+    "B": "#dd8452",
+    "SEND_F": "#7f7f7f",
+    "SEND_B": "#7f7f7f",
+    "RECV_F": "#c7c7c7",
+    "RECV_B": "#c7c7c7",
+}
+
+
+class Lane(NamedTuple):
+    """One process's actions: its pipeline stage, its global rank, and what it ran."""
+
+    stage: int
+    rank: int
+    actions: Sequence[TimedAction]
+
+
+@dataclass(frozen=True)
+class TimelineShares:
+    """How a rank spent the wall time of its recorded timeline.
+
+    ``wall_s`` runs from the first recorded action's start to the last one's end. Everything in it
+    that is not a forward or a backward is idle: blocked in receives, sending, and the time
+    between actions (optimizer step, Lightning's loop, validation outside the engine).
+    """
+
+    wall_s: float
+    compute_s: float
+    recv_s: float
+
+    @property
+    def idle(self) -> float:
+        """1 - compute / wall; 0.0 for an empty timeline."""
+        return min(max(1.0 - self.compute_s / self.wall_s, 0.0), 1.0) if self.wall_s > 0 else 0.0
+
+    @property
+    def recv(self) -> float:
+        """Time in RECV_F / RECV_B actions (waiting for a peer, plus the transfer) / wall."""
+        return min(self.recv_s / self.wall_s, 1.0) if self.wall_s > 0 else 0.0
+
+
+def timed_actions(timeline: Iterable[Any], limit: int | None = None) -> list[TimedAction]:
+    """The engine's ``ActionTiming`` entries as plain tuples; the last ``limit`` only if given."""
+    out = [(e.action.kind.value, int(e.action.microbatch), e.start, e.end) for e in timeline]
+    return out if limit is None else out[max(len(out) - limit, 0) :]
+
+
+def timeline_shares(actions: Iterable[TimedAction]) -> TimelineShares:
+    """Wall, compute and receive seconds of one rank's actions (see :class:`TimelineShares`)."""
+    first, last, compute, recv = math.inf, -math.inf, 0.0, 0.0
+    for kind, _, start, end in actions:
+        first, last = min(first, start), max(last, end)
+        if kind in _COMPUTE:
+            compute += end - start
+        elif kind in _RECV:
+            recv += end - start
+    return TimelineShares(max(last - first, 0.0) if first <= last else 0.0, compute, recv)
+
+
+@dataclass
+class StageReport:
+    """One rank's stage: what it owns and holds, and how busy it was. ``timeline`` (the last
+    recorded actions) is shipped to rank 0 for the pictures; :meth:`row` leaves it out."""
+
+    stage: int
+    rank: int
+    num_stages: int
+    host: str
+    blocks: list[int]
+    parameters: int
+    weight_versions: int
+    peak_activation_bytes: int
+    idle: float
+    recv: float
+    wall_s: float
+    compute_s: float
+    recv_s: float
+    actions_recorded: int
+    timeline: list[TimedAction] = field(default_factory=list, repr=False)
+
+    def row(self) -> dict[str, Any]:
+        row = asdict(self)
+        del row["timeline"]
+        return row
+
+    @property
+    def lane(self) -> Lane:
+        return Lane(self.stage, self.rank, self.timeline)
+
+
+def stage_report(
+    trainer: Trainer, pl_module: LightningModule, max_actions: int = 5000
+) -> StageReport | None:
+    """This rank's :class:`StageReport`, read from a pipeline strategy (``Pipe2BWStrategy``):
+    ``stage``, ``num_stages`` and an ``engine`` with ``body.indices`` and ``stats``. Returns None
+    for a strategy without an engine (not a pipeline, or fit never built one). Local: no
+    communication. Idle and receive shares cover the whole recorded timeline (the engine keeps
+    the most recent 100,000 actions); ``timeline`` keeps the last ``max_actions`` of them."""
+    strategy = trainer.strategy
+    engine = getattr(strategy, "engine", None)
+    stats = getattr(engine, "stats", None)
+    if engine is None or stats is None:
+        return None
+    actions = timed_actions(getattr(stats, "timeline", ()))
+    shares = timeline_shares(actions)
+    body = getattr(engine, "body", None)
+    return StageReport(
+        stage=int(getattr(strategy, "stage", 0)),
+        rank=trainer.global_rank,
+        num_stages=int(getattr(strategy, "num_stages", 1)),
+        host=socket.gethostname(),
+        blocks=[int(i) for i in getattr(body, "indices", [])],
+        parameters=sum(p.numel() for p in pl_module.parameters()),
+        weight_versions=int(getattr(stats, "max_weight_versions", 0)),
+        peak_activation_bytes=int(getattr(stats, "peak_activation_bytes", 0)),
+        idle=shares.idle,
+        recv=shares.recv,
+        wall_s=shares.wall_s,
+        compute_s=shares.compute_s,
+        recv_s=shares.recv_s,
+        actions_recorded=len(actions),
+        timeline=actions[max(len(actions) - max_actions, 0) :],
+    )
+
+
+def gather_reports(report: StageReport) -> list[StageReport] | None:
+    """Every rank's report on global rank 0, sorted by stage then rank; None on other ranks.
+    Collective when ``torch.distributed`` is initialised (every rank must call it); a plain
+    single-process run returns ``[report]``."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [report]
+    is_root = dist.get_rank() == 0
+    gathered: list[Any] | None = [None] * dist.get_world_size() if is_root else None
+    dist.gather_object(report, gathered, dst=0)
+    if gathered is None:
+        return None
+    return sorted(gathered, key=lambda r: (r.stage, r.rank))
+
+
+def _format_blocks(blocks: Sequence[int]) -> str:
+    """Contiguous runs as ranges: [0, 1, 2, 5] -> "0-2, 5"."""
+    runs: list[list[int]] = []
+    for b in blocks:
+        if runs and b == runs[-1][1] + 1:
+            runs[-1][1] = b
+        else:
+            runs.append([b, b])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def print_stage_table(reports: Sequence[StageReport]) -> None:
+    """Print one row per stage with ``rich``."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="pipeline stages")
+    table.add_column("stage", justify="right")
+    table.add_column("rank", justify="right")
+    table.add_column("blocks")
+    for name in ("parameters", "weight\nversions", "peak\nactivation\n(MiB)", "idle %", "recv %"):
+        table.add_column(name, justify="right")
+    for r in reports:
+        mib = r.peak_activation_bytes / 2**20
+        table.add_row(
+            str(r.stage),
+            str(r.rank),
+            _format_blocks(r.blocks),
+            f"{r.parameters:,}",
+            str(r.weight_versions),
+            f"{mib:,.2f}" if mib >= 0.1 or mib == 0 else f"{mib:.2g}",
+            f"{100 * r.idle:.1f}",
+            f"{100 * r.recv:.1f}",
+        )
+    Console().print(table)
+
+
+def chrome_trace(lanes: Sequence[Lane]) -> dict[str, Any]:
+    """A Chrome / Perfetto trace (open it in ``chrome://tracing`` or ui.perfetto.dev): one
+    process per lane (pid = global rank, named "stage s (rank r)", sorted by stage) and one
+    complete ("X") event per action, timestamps in microseconds from the earliest start.
+
+    Times of different lanes are comparable only if their clocks share a base: true for
+    ``time.perf_counter`` (CLOCK_MONOTONIC) of processes on one Linux host, not across hosts.
+    """
+    starts = [a[2] for lane in lanes for a in lane.actions]
+    t0 = min(starts) if starts else 0.0
+    events: list[dict[str, Any]] = []
+    for lane in lanes:
+        pid = lane.rank
+        meta = {"ph": "M", "pid": pid, "tid": 0}
+        label = f"stage {lane.stage} (rank {lane.rank})"
+        events.append({**meta, "name": "process_name", "args": {"name": label}})
+        events.append({**meta, "name": "process_sort_index", "args": {"sort_index": lane.stage}})
+        events.append({**meta, "name": "thread_name", "args": {"name": "actions"}})
+        for kind, microbatch, start, end in lane.actions:
+            events.append(
+                {
+                    "name": _NAMES.get(kind, kind),
+                    "cat": "compute" if kind in _COMPUTE else "comm",
+                    "ph": "X",
+                    "ts": round((start - t0) * 1e6, 3),
+                    "dur": round((end - start) * 1e6, 3),
+                    "pid": pid,
+                    "tid": 0,
+                    "args": {"microbatch": microbatch, "kind": kind, "stage": lane.stage},
+                }
+            )
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _window(lanes: Sequence[Lane], window_s: float, max_actions: int) -> float:
+    """Start of the plotted window: the last ``window_s`` seconds, shortened so that no lane
+    shows more than its last ``max_actions`` actions (no such cap if ``max_actions <= 0``)."""
+    end = max(a[3] for lane in lanes for a in lane.actions)
+    start = end - window_s
+    for lane in lanes:
+        if max_actions > 0 and len(lane.actions) > max_actions:
+            start = max(start, lane.actions[-max_actions][2])
+    return start
+
+
+def timeline_png(
+    lanes: Sequence[Lane], out_png: str | Path, *, window_s: float = 2.0, max_actions: int = 200
+) -> Path:
+    """Draw the schedule as it ran: one row per lane (stage 0 on top), forwards and backwards as
+    tall bars colored by kind (labelled with the micro-batch when there is room), sends and
+    receives as thin grey bars, idle time left white. Only a recent window is drawn (see
+    :func:`_window`); the x axis is milliseconds from the window's earliest start. The same clock
+    caveat as :func:`chrome_trace` applies."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    out = Path(out_png)
+    lanes = sorted(lanes, key=lambda lane: (lane.stage, lane.rank))
+    fig = Figure(figsize=(12, 1.2 + 0.7 * len(lanes)), layout="constrained")
+    FigureCanvasAgg(fig)  # render with Agg, whatever the process's pyplot backend is
+    ax = fig.add_subplot()
+    if any(lane.actions for lane in lanes):
+        start = _window(lanes, window_s, max_actions)
+        shown = [[a for a in lane.actions if a[2] >= start] for lane in lanes]
+        t0 = min((a[2] for row in shown for a in row), default=start)
+        span_ms = max((a[3] for row in shown for a in row), default=t0) - t0
+        span_ms *= 1e3
+        for y, row in enumerate(shown):
+            for kind, microbatch, s, e in row:
+                x, w = (s - t0) * 1e3, (e - s) * 1e3
+                compute = kind in _COMPUTE
+                bottom, height = (y - 0.35, 0.7) if compute else (y + 0.2, 0.15)
+                ax.broken_barh([(x, w)], (bottom, height), facecolors=_COLORS.get(kind, "black"))
+                if compute and span_ms > 0 and w > 0.015 * span_ms:
+                    ax.text(x + w / 2, y, str(microbatch), ha="center", va="center", fontsize=7)
+        ax.set_title(f"schedule as run: the last {span_ms:.0f} ms")
+    ax.set_yticks(range(len(lanes)), [f"stage {lane.stage}\n(rank {lane.rank})" for lane in lanes])
+    ax.set_ylim(len(lanes) - 0.5, -0.5)
+    ax.set_xlabel("time (ms)")
+    legend = [
+        Patch(color=_COLORS[kind], label=label)
+        for kind, label in (
+            ("F", "forward"),
+            ("B", "backward"),
+            ("SEND_F", "send"),
+            ("RECV_F", "recv"),
+        )
+    ]
+    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def loss_curve_png(
+    metrics_csv: str | Path, out_png: str | Path, columns: Sequence[str] | None = None
+) -> Path:
+    """Plot loss against step from a Lightning ``CSVLogger`` metrics.csv (sparse: each row has
+    the values logged at one point, the other cells empty). ``columns`` defaults to every column
+    with "loss" in its name (``train_loss``, ``val_loss``, ...). Raises ``ValueError`` when the
+    file has no ``step`` column or none of the columns has a value."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    with open(metrics_csv, newline="") as f:
+        reader = csv.DictReader(f)
+        header = list(reader.fieldnames or [])
+        rows = list(reader)
+    if "step" not in header:
+        raise ValueError(f"{metrics_csv} has no 'step' column (columns: {header})")
+    names = list(columns) if columns is not None else [c for c in header if "loss" in c]
+    series: dict[str, tuple[list[float], list[float]]] = {}
+    for name in names:
+        points = [(float(r["step"]), float(r[name])) for r in rows if r.get(name) and r["step"]]
+        if points:
+            series[name] = ([p[0] for p in points], [p[1] for p in points])
+    if not series:
+        raise ValueError(
+            f"no values for {names} in {metrics_csv} (columns: {header}); log a loss with "
+            "self.log('train_loss', ...) and set Trainer(log_every_n_steps=...) to see it"
+        )
+    fig = Figure(figsize=(7, 4), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for name, (steps, values) in series.items():
+        ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    out = Path(out_png)
+    fig.savefig(out, dpi=110)
+    return out
+
+
+class PipelineReport(Callback):
+    """At the end of fit, report every pipeline stage and write pictures of the run.
+
+    Every rank reads its stage from the strategy (:func:`stage_report`) and ships it to global
+    rank 0 (a collective ``gather_object``), which prints a table (:func:`print_stage_table`)
+    and writes into ``out_dir``: ``stages.json`` (the rows), ``timeline.png``
+    (:func:`timeline_png`) and ``trace.json`` (:func:`chrome_trace`). If the trainer has a
+    ``CSVLogger``, rank 0 also writes ``loss.png`` (:func:`loss_curve_png`).
+
+    With a strategy that is not a pipeline (no ``engine``), the stage files are skipped with a
+    warning; ``loss.png`` is still written. Idle and receive shares are defined in
+    :class:`TimelineShares`. The pictures put every rank's ``time.perf_counter`` on one axis,
+    which is right for ranks on one Linux host (one CLOCK_MONOTONIC); with several hosts the
+    rows are offset by the hosts' clock difference (a warning says so).
+
+    Args:
+        out_dir: where the files go (created on rank 0).
+        max_actions: how many of its most recent actions each rank ships for the pictures.
+        window_s: seconds of the run (the end) that ``timeline.png`` shows.
+        window_actions: at most this many actions per stage in ``timeline.png``.
+        verbose: print the table.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        *,
+        max_actions: int = 5000,
+        window_s: float = 2.0,
+        window_actions: int = 200,
+        verbose: bool = True,
+    ) -> None:
+        missing = [m for m in ("matplotlib", "rich") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ImportError(
+                f"PipelineReport needs {' and '.join(missing)}: pip install {' '.join(missing)}"
+            )
+        self.out_dir = Path(out_dir)
+        self.max_actions = max_actions
+        self.window_s = window_s
+        self.window_actions = window_actions
+        self.verbose = verbose
+        self.reports: list[StageReport] | None = None  # on global rank 0, after fit
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # after the strategy's on_train_end: the final flush of a 2BW pipeline is in the timeline
+        report = stage_report(trainer, pl_module, self.max_actions)
+        reports = gather_reports(report) if report is not None else None
+        if trainer.global_rank != 0:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if report is None:
+            rank_zero_warn(
+                f"PipelineReport: {type(trainer.strategy).__name__} runs no pipeline engine; "
+                "no stage report is written (use Pipe2BWStrategy)"
+            )
+        elif reports is not None:
+            self.reports = reports
+            self._write_stages(reports)
+        self._write_loss(trainer)
+
+    def _write_stages(self, reports: list[StageReport]) -> None:
+        if self.verbose:
+            print_stage_table(reports)
+        if len({r.host for r in reports}) > 1:
+            rank_zero_warn(
+                "PipelineReport: stages ran on several hosts; their perf_counter clocks are not "
+                "aligned, so timeline.png and trace.json offset the hosts' rows arbitrarily"
+            )
+        rows = [r.row() for r in reports]
+        (self.out_dir / "stages.json").write_text(json.dumps(rows, indent=2) + "\n")
+        lanes = [r.lane for r in reports]
+        (self.out_dir / "trace.json").write_text(json.dumps(chrome_trace(lanes)))
+        timeline_png(
+            lanes,
+            self.out_dir / "timeline.png",
+            window_s=self.window_s,
+            max_actions=self.window_actions,
+        )
+
+    def _write_loss(self, trainer: Trainer) -> None:
+        for logger in trainer.loggers:
+            if isinstance(logger, CSVLogger):
+                logger.save()
+                metrics = Path(logger.log_dir) / "metrics.csv"
+                if not metrics.is_file():
+                    rank_zero_warn(f"PipelineReport: {metrics} does not exist; no loss.png")
+                    return
+                try:
+                    loss_curve_png(metrics, self.out_dir / "loss.png")
+                except ValueError as err:
+                    rank_zero_warn(f"PipelineReport: no loss.png: {err}")
+                return

@@ -1,0 +1,189 @@
+"""PipelineReport: per-stage rows, a timeline picture, a Chrome trace and a loss curve, written on
+global rank 0 from what every stage ran; the idle and trace arithmetic on hand-built timelines."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_pipe2bw.report import (
+    Lane,
+    chrome_trace,
+    loss_curve_png,
+    timeline_png,
+    timeline_shares,
+)
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+# stage 1, seconds from an arbitrary base: recv 1 s, forward 2 s, send 0.5 s, a 1.5 s gap,
+# backward 1 s. Wall 6 s, compute 3 s, receives 1 s.
+STAGE1 = [
+    ("RECV_F", 0, 100.0, 101.0),
+    ("F", 0, 101.0, 103.0),
+    ("SEND_F", 0, 103.0, 103.5),
+    ("B", 0, 105.0, 106.0),
+]
+# stage 0 starts earlier: the trace's time origin
+STAGE0 = [("F", 0, 99.5, 100.0), ("RECV_B", 0, 100.0, 105.0), ("B", 0, 106.0, 106.25)]
+
+
+def _is_png(path: Path) -> bool:
+    return path.is_file() and path.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_timeline_shares_of_a_known_timeline() -> None:
+    shares = timeline_shares(STAGE1)
+    assert shares.wall_s == pytest.approx(6.0)
+    assert shares.compute_s == pytest.approx(3.0)
+    assert shares.recv_s == pytest.approx(1.0)
+    assert shares.idle == pytest.approx(0.5)
+    assert shares.recv == pytest.approx(1 / 6)
+    # stage 0: wall 6.75 s, compute 0.75 s, 5 s blocked waiting for gradients
+    shares0 = timeline_shares(STAGE0)
+    assert shares0.idle == pytest.approx(1 - 0.75 / 6.75)
+    assert shares0.recv == pytest.approx(5 / 6.75)
+    # nothing recorded: no wall time, and no division by it
+    empty = timeline_shares([])
+    assert (empty.wall_s, empty.idle, empty.recv) == (0.0, 0.0, 0.0)
+
+
+def test_chrome_trace_of_a_known_timeline() -> None:
+    trace = chrome_trace([Lane(1, 0, STAGE1), Lane(0, 1, STAGE0)])
+    events = trace["traceEvents"]
+    names = {(e["pid"], e["args"]["name"]) for e in events if e["name"] == "process_name"}
+    assert names == {(0, "stage 1 (rank 0)"), (1, "stage 0 (rank 1)")}
+    sort = {e["pid"]: e["args"]["sort_index"] for e in events if e["name"] == "process_sort_index"}
+    assert sort == {0: 1, 1: 0}
+    spans = [(e["pid"], e["name"], e["cat"], e["ts"], e["dur"]) for e in events if e["ph"] == "X"]
+    # microseconds from the earliest start of any lane (99.5 s, on stage 0)
+    assert spans == [
+        (0, "recv activations", "comm", 500_000.0, 1_000_000.0),
+        (0, "forward", "compute", 1_500_000.0, 2_000_000.0),
+        (0, "send activations", "comm", 3_500_000.0, 500_000.0),
+        (0, "backward", "compute", 5_500_000.0, 1_000_000.0),
+        (1, "forward", "compute", 0.0, 500_000.0),
+        (1, "recv gradients", "comm", 500_000.0, 5_000_000.0),
+        (1, "backward", "compute", 6_500_000.0, 250_000.0),
+    ]
+    assert all(e["args"]["microbatch"] == 0 for e in events if e["ph"] == "X")
+    json.dumps(trace)  # plain JSON
+
+
+def test_timeline_png_windows_long_runs(tmp_path: Path) -> None:
+    # 10,000 forwards of 1 ms each per lane: only a window is drawn, and it still renders
+    lanes = [
+        Lane(
+            s,
+            1 - s,
+            [("F", i, s * 5e-4 + i * 1e-3, s * 5e-4 + i * 1e-3 + 9e-4) for i in range(10_000)],
+        )
+        for s in range(2)
+    ]
+    out = timeline_png(lanes, tmp_path / "t.png", window_s=0.5, max_actions=50)
+    assert _is_png(out)
+    assert _is_png(timeline_png([Lane(0, 0, [])], tmp_path / "empty.png"))
+
+
+def test_loss_curve_from_sparse_csv(tmp_path: Path) -> None:
+    csv = tmp_path / "metrics.csv"
+    csv.write_text(
+        "epoch,step,train_loss,val_loss\n0,0,1.5,\n0,1,1.25,\n0,1,,1.3\n0,2,1.0,\n0,3,0.75,1.1\n"
+    )
+    assert _is_png(loss_curve_png(csv, tmp_path / "loss.png"))
+    csv.write_text("epoch,step,lr\n0,0,0.1\n")
+    with pytest.raises(ValueError, match="no values"):
+        loss_curve_png(csv, tmp_path / "none.png")
+
+
+def test_report_without_a_pipeline_writes_the_loss_curve_only(tmp_path: Path) -> None:
+    from lightning.pytorch.loggers import CSVLogger
+    from models import RegressionModel, loader, quiet_trainer
+
+    from lightning_pipe2bw.report import PipelineReport
+
+    report = PipelineReport(tmp_path / "report", verbose=False)
+    trainer = quiet_trainer(
+        devices=1,
+        max_steps=3,
+        callbacks=[report],
+        logger=CSVLogger(tmp_path / "logs", version=0),
+        log_every_n_steps=1,
+    )
+    with pytest.warns(UserWarning, match="no pipeline engine"):
+        trainer.fit(RegressionModel(), loader(8))
+    assert report.reports is None
+    assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["loss.png"]
+    assert _is_png(tmp_path / "report" / "loss.png")
+
+
+def _fit_with_report(schedule: str, root: str, steps: int) -> dict[str, Any]:
+    """Runs on every rank: fit with PipelineReport and a CSVLogger, validating every 2 steps."""
+    import torch.distributed as dist
+    from lightning.pytorch.loggers import CSVLogger
+    from models import RegressionModel, loader, quiet_trainer
+
+    from lightning_pipe2bw import Pipe2BWStrategy
+    from lightning_pipe2bw.report import PipelineReport
+
+    report = PipelineReport(Path(root) / "report", verbose=dist.get_rank() == 0)
+    trainer = quiet_trainer(
+        devices=dist.get_world_size(),
+        strategy=Pipe2BWStrategy(schedule=schedule, microbatches=2),
+        max_steps=steps,
+        callbacks=[report],
+        logger=CSVLogger(Path(root) / "logs", version=0),
+        log_every_n_steps=1,
+        limit_val_batches=1,
+        val_check_interval=2,
+    )
+    trainer.fit(RegressionModel(), loader(8), loader(8, n=8))
+    rows = None if report.reports is None else [r.row() for r in report.reports]
+    return {"rank": dist.get_rank(), "rows": rows}
+
+
+@pytest.mark.parametrize(("schedule", "versions"), [("2bw", 2), ("1f1b", 1)])
+def test_report_of_a_two_stage_fit(
+    pools: Any, tmp_path: Path, schedule: str, versions: int
+) -> None:
+    from models import RegressionModel
+
+    results = pools(2).run(_fit_with_report, schedule, str(tmp_path), 4)
+    assert results[1]["rows"] is None  # the report lives on global rank 0
+    out = tmp_path / "report"
+    rows = json.loads((out / "stages.json").read_text())
+    assert rows == results[0]["rows"]
+    assert [(r["stage"], r["rank"], r["num_stages"]) for r in rows] == [(0, 1, 2), (1, 0, 2)]
+    # the stages' blocks partition the body, in order
+    assert rows[0]["blocks"] + rows[1]["blocks"] == list(range(8))
+    assert all(r["blocks"] for r in rows)
+    assert sum(r["parameters"] for r in rows) == sum(
+        p.numel() for p in RegressionModel().parameters()
+    )
+    assert [r["weight_versions"] for r in rows] == [versions, versions]
+    for r in rows:
+        assert r["peak_activation_bytes"] > 0
+        assert 0.0 <= r["idle"] < 1.0
+        assert 0.0 <= r["recv"] <= r["idle"]
+        assert r["compute_s"] > 0 and r["wall_s"] >= r["compute_s"] + r["recv_s"]
+        assert math.isclose(r["idle"], 1 - r["compute_s"] / r["wall_s"])
+
+    trace = json.loads((out / "trace.json").read_text())
+    events = trace["traceEvents"]
+    named = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert named == {0: "stage 1 (rank 0)", 1: "stage 0 (rank 1)"}
+    for pid in (0, 1):
+        names = {e["name"] for e in events if e["ph"] == "X" and e["pid"] == pid}
+        assert {"forward", "backward"} <= names, (pid, names)
+    comm = {e["name"] for e in events if e["ph"] == "X" and e["cat"] == "comm"}
+    assert comm == {"send activations", "recv activations", "send gradients", "recv gradients"}
+    assert min(e["ts"] for e in events if e["ph"] == "X") == 0.0
+
+    assert _is_png(out / "timeline.png")
+    assert _is_png(out / "loss.png")
+    metrics = (tmp_path / "logs" / "lightning_logs" / "version_0" / "metrics.csv").read_text()
+    assert "train_loss" in metrics and "val_loss" in metrics
