@@ -166,3 +166,26 @@ def test_2bw_needs_a_microbatch_per_stage(pools: Any) -> None:
             "schedule='2bw' needs at least as many micro-batches as stages, got microbatches=1 "
             "for 2 stages; use microbatches=2 or more"
         )
+
+
+def _scheduler_warnings() -> list[str]:
+    import warnings
+
+    import torch.distributed as dist
+    from models import RegressionModel, loader, quiet_trainer
+
+    from lightning_pipe2bw import Pipe2BWStrategy
+
+    trainer = quiet_trainer(
+        devices=dist.get_world_size(), strategy=Pipe2BWStrategy(microbatches=2), max_steps=3
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(RegressionModel(), loader(8))
+    return [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]
+
+
+def test_first_deferred_update_does_not_trip_the_scheduler_warning(pools: Any) -> None:
+    """Step 0 of 2BW applies nothing yet; torch's LR scheduler must not take that for a
+    skipped optimizer step (its first learning rate is recorded and used for update 0)."""
+    assert pools(2).run(_scheduler_warnings) == [[], []]

@@ -201,6 +201,11 @@ class TwoBWOptimizer(Optimizer):
         loss = closure() if closure is not None else None
         if self.due is not None:
             self.apply(self.due)
+        else:
+            # the first step of a segment applies nothing yet, but it is this step's update,
+            # deferred with the hyper-parameters recorded for it: tell torch's LR schedulers
+            # (which would warn that their first value is skipped; it is not)
+            self.optimizer._opt_called = True  # type: ignore[attr-defined]
         return loss
 
     def apply(self, batch: int) -> None:
