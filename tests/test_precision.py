@@ -126,3 +126,30 @@ def test_bf16_mixed_goes_through_autocast_on_every_stage(pools: Any) -> None:
     assert bf16 != fp32
     for a, b in zip(bf16, fp32, strict=True):
         assert a == pytest.approx(b, rel=3e-2), (bf16, fp32)
+
+
+def _fit_bf16_true() -> dict[str, Any]:
+    model = RegressionModel(optimizer="adamw")
+    trainer = quiet_trainer(
+        devices=dist.get_world_size(),
+        strategy=Pipe2BWStrategy(microbatches=2),
+        precision="bf16-true",
+        max_steps=3,
+    )
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer.fit(model, loader(8))
+    return {
+        "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "changed": all(not torch.equal(before[k], v) for k, v in model.state_dict().items()),
+        "loss": float(trainer.callback_metrics["train_loss"]) if dist.get_rank() == 0 else None,
+    }
+
+
+def test_bf16_true_trains_in_bf16_on_every_stage(pools: Any) -> None:
+    """precision="bf16-true": Lightning's plugin casts each stage's weights; activations and
+    gradients cross between stages in bf16."""
+    results = pools(2).run(_fit_bf16_true)
+    for rank, r in enumerate(results):
+        assert r["dtypes"] == ["torch.bfloat16"], (rank, r)
+        assert r["changed"], rank
+    assert math.isfinite(results[0]["loss"])
