@@ -1,0 +1,252 @@
+"""The Hydra configs and entry point: every config composes and builds, bad overrides fail
+clearly, and real runs (a single run with popen, a 2-run sweep with spawn) write their results."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from hydra.utils import instantiate
+from lightning.pytorch import Trainer
+from omegaconf import DictConfig
+
+from lightning_pipe2bw.config import (
+    TrainConfig,
+    build_datamodule,
+    build_model,
+    build_strategy,
+    check_config,
+    register_configs,
+    resolve_start_method,
+    to_train_config,
+    trainer_kwargs,
+)
+from lightning_pipe2bw.gpt import GPT, Block, StdlibTextDataModule
+from lightning_pipe2bw.report import PipelineReport
+from lightning_pipe2bw.strategy import Pipe2BWStrategy
+from lightning_pipe2bw.train import (
+    RESULT_FILE,
+    SUMMARY_FILE,
+    RunResult,
+    SweepSummary,
+    build_callbacks,
+    format_table,
+    summarize_sweep,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+GROUPS = ("strategy", "model", "data", "trainer")
+
+# the smallest real job: 2 stages of a 4-block GPT, a few steps on a slice of the stdlib
+TINY = [
+    "model=tiny",
+    "trainer.max_steps=3",
+    "trainer.val_check_interval=3",
+    "trainer.num_sanity_val_steps=0",
+    "trainer.enable_checkpointing=false",
+    "trainer.enable_progress_bar=false",
+    "data.max_bytes=200000",
+    "data.batch_size=8",
+    "data.val_samples=8",
+]
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def hydra_init() -> Iterator[None]:
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        yield
+
+
+def compose_train(overrides: list[str]) -> DictConfig:
+    return compose(config_name="train", overrides=overrides)
+
+
+def test_every_group_has_the_documented_options() -> None:
+    assert options("strategy") == ["1f1b", "2bw", "gpipe", "pipedream"]
+    assert options("trainer") == ["cpu", "gpu", "multinode"]
+    assert {"tiny", "small"} <= set(options("model"))
+    assert options("data") == ["stdlib"]
+
+
+@pytest.mark.parametrize(
+    "override", [f"{group}={name}" for group in GROUPS for name in options(group)]
+)
+def test_every_config_composes_and_builds(hydra_init: None, override: str, tmp_path: Path) -> None:
+    cfg = to_train_config(compose_train([override]))
+    assert isinstance(cfg, TrainConfig)
+    check_config(cfg)
+    group, name = override.split("=")
+
+    strategy = build_strategy(cfg.strategy)
+    assert isinstance(strategy, Pipe2BWStrategy)
+    assert strategy.schedule_name == (name if group == "strategy" else "2bw")
+    assert strategy.microbatches == cfg.strategy.microbatches
+
+    model = build_model(cfg.model)
+    assert isinstance(model, GPT)
+    assert sum(isinstance(b, Block) for b in model.body) == cfg.model.n_layer
+    assert model.max_steps == cfg.trainer.max_steps  # interpolated from the trainer group
+
+    data = build_datamodule(cfg.data)
+    assert isinstance(data, StdlibTextDataModule)
+    assert data.block_size == cfg.model.block_size  # interpolated from the model group
+
+    kwargs = trainer_kwargs(cfg.trainer)
+    if group == "trainer":
+        assert kwargs["accelerator"] == ("cpu" if name == "cpu" else "gpu")
+        assert kwargs["num_nodes"] == (2 if name == "multinode" else 1)
+    if kwargs["accelerator"] != "cpu" and not torch.cuda.is_available():
+        kwargs["accelerator"] = "cpu"  # everything else of the GPU configs still gets built
+    callbacks = build_callbacks(cfg, tmp_path, {"job": 0})
+    assert {type(c) for c in callbacks} >= {RunResult, PipelineReport}
+    trainer = Trainer(
+        **kwargs, strategy=strategy, callbacks=callbacks, logger=False, default_root_dir=tmp_path
+    )
+    assert trainer.strategy is strategy
+    assert trainer.max_steps == cfg.trainer.max_steps
+    assert strategy.num_nodes == cfg.trainer.num_nodes
+    assert strategy.num_processes == cfg.trainer.devices
+
+
+def test_the_sweep_summary_callback_is_configured(hydra_init: None) -> None:
+    cfg = compose(config_name="train", return_hydra_config=True)
+    assert isinstance(instantiate(cfg.hydra.callbacks.sweep_summary), SweepSummary)
+    assert str(cfg.hydra.run.dir).startswith("outputs/")
+
+
+def test_start_method_auto_is_popen_for_one_run_and_spawn_for_a_sweep() -> None:
+    assert resolve_start_method("auto", multirun=False) == "popen"
+    assert resolve_start_method("auto", multirun=True) == "spawn"
+    assert resolve_start_method("fork", multirun=True) == "fork"
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("strategy.scheduel=1f1b", "Key 'scheduel' not in 'StrategyConfig'"),
+        ("strategy.microbatches=four", "could not be converted to Integer"),
+        ("trainer.devices=2.5", "could not be converted to Integer"),
+        ("strategy=2bx", "Could not find 'strategy/2bx'"),
+    ],
+)
+def test_a_bad_override_fails_while_composing(
+    hydra_init: None, override: str, expected: str
+) -> None:
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_train([override])
+    message = f"{info.value} {info.value.__cause__}"
+    assert expected in message, message
+
+
+def test_a_key_added_with_plus_is_refused(hydra_init: None) -> None:
+    cfg = compose_train(["+model.n_layers=3", "+strategy.extra_option=1"])
+    with pytest.raises(ValueError) as info:
+        to_train_config(cfg)
+    message = str(info.value)
+    assert "model.n_layers (valid: vocab_size, block_size, n_layer," in message
+    assert "strategy.extra_option (valid: schedule," in message
+    # free-form Trainer arguments are the one place where new keys belong
+    extra = to_train_config(compose_train(["+trainer.extra.deterministic=true"]))
+    assert trainer_kwargs(extra.trainer)["deterministic"] is True
+    clash = to_train_config(compose_train(["+trainer.extra.max_steps=3"]))
+    with pytest.raises(ValueError, match=r"trainer.extra must not set \['max_steps'\]"):
+        trainer_kwargs(clash.trainer)
+
+
+def test_inconsistent_values_are_all_reported_at_once(hydra_init: None) -> None:
+    cfg = to_train_config(
+        compose_train(["strategy.schedule=2bx", "model.n_head=3", "strategy.microbatches=64"])
+    )
+    with pytest.raises(ValueError) as info:
+        check_config(cfg)
+    message = str(info.value)
+    assert "strategy.schedule='2bx' is unknown; valid: gpipe, 1f1b, 2bw, pipedream" in message
+    assert "model.n_embd=128 must be divisible by model.n_head=3" in message
+    assert "strategy.microbatches=64 must be between 1 and data.batch_size=32" in message
+    too_deep = to_train_config(compose_train(["model=tiny", "trainer.devices=5"]))
+    with pytest.raises(ValueError, match=r"5 stages .* only 4 blocks"):
+        check_config(too_deep)
+
+
+def test_a_sweep_summary_lists_runs_without_a_result(tmp_path: Path) -> None:
+    for job, schedule in ((0, "gpipe"), (1, None), (2, "2bw")):
+        (tmp_path / str(job) / ".hydra").mkdir(parents=True)
+        if schedule is not None:
+            result = {"job": job, "schedule": schedule, "val_loss": 1.5, "overrides": []}
+            (tmp_path / str(job) / RESULT_FILE).write_text(json.dumps(result))
+    rows = summarize_sweep(tmp_path)
+    assert [row["schedule"] for row in rows] == ["gpipe", "(no result.json)", "2bw"]
+    table = format_table(rows, SweepSummary.columns).splitlines()
+    assert len(table) == 2 + 3
+    assert table[2].startswith("| 0   | gpipe ")
+
+
+def _entry_point(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
+    env.pop("LOCAL_RANK", None)  # a leftover rank would make Lightning start no process
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_pipe2bw.train", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_the_command_line_rejects_a_typo(tmp_path: Path) -> None:
+    proc = _entry_point(["strategy.scheduel=1f1b"], tmp_path, timeout=120)
+    assert proc.returncode != 0
+    assert "Key 'scheduel' not in 'StrategyConfig'" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").rglob("*.csv"))
+
+
+@pytest.mark.timeout(300)
+def test_a_single_run_keeps_every_rank_in_one_output_dir(tmp_path: Path) -> None:
+    """popen re-runs the command for rank 1; Lightning pins its Hydra run dir to rank 0's."""
+    run_dir = tmp_path / "run"
+    proc = _entry_point([*TINY, "report=false", f"hydra.run.dir={run_dir}"], tmp_path, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((run_dir / RESULT_FILE).read_text())
+    assert result["start_method"] == "popen"
+    assert result["steps"] == 3 and result["val_loss"] is not None
+    assert (run_dir / "metrics.csv").exists()
+    assert (run_dir / "train_ddp_process_1.log").exists()  # rank 1 ran Hydra in the same dir
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # and created no other
+
+
+@pytest.mark.timeout(420)
+def test_a_two_run_sweep_writes_results_and_a_summary(tmp_path: Path) -> None:
+    sweep_dir = tmp_path / "sweep"
+    proc = _entry_point(
+        ["-m", "strategy=1f1b,2bw", *TINY, f"hydra.sweep.dir={sweep_dir}"], tmp_path, timeout=400
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads((sweep_dir / job / RESULT_FILE).read_text()) for job in ("0", "1")]
+    assert [r["schedule"] for r in results] == ["1f1b", "2bw"]
+    for r in results:
+        assert r["start_method"] == "spawn"
+        assert r["steps"] == 3
+        assert r["train_loss"] > 0 and r["val_loss"] > 0 and r["samples_per_s"] > 0
+    summary = (sweep_dir / SUMMARY_FILE).read_text()
+    rows = [
+        line for line in summary.splitlines() if line.startswith("| ") and "schedule" not in line
+    ]
+    assert [row.split("|")[2].strip() for row in rows] == ["1f1b", "2bw"], summary
+    assert "Sweep summary (2 runs" in proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]  # no second sweep folder
