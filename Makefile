@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine (Python 3.11, no GPU):
-#   make train   runs the example job (2 CPU processes)
+#   make train   runs the main job: the byte-level GPT, PipeDream-2BW on 2 CPU processes
 #   make test    runs lint, type check and the whole test suite
 # Both create .venv on first use and install the pinned CPU torch build before anything that
 # depends on torch, so no CUDA wheels are pulled. Override TORCH_SPEC on a GPU machine.
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 train: setup
-	$(PY) examples/train.py
+	$(PY) -m lightning_pipe2bw.train
 
 lint: setup
 	$(VENV)/bin/ruff check .

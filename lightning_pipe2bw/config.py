@@ -70,7 +70,7 @@ class ModelConfig:
     n_head: int = 4
     n_embd: int = 128
     dropout: float = 0.0
-    lr: float = 2e-3
+    lr: float = 5e-4  # PipeDream-2BW's one-step delay hurts at higher rates (docs/pipedream-2bw.md)
     weight_decay: float = 0.1
     warmup_steps: int = 30
     # the learning-rate decay ends with training unless set explicitly
