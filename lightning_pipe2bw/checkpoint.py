@@ -86,15 +86,26 @@ def gather_optimizer_state(
 
 
 def load_stage_state_dict(module: nn.Module, full: Mapping[str, Any], strict: bool = True) -> None:
-    """Load this stage's entries from a consolidated state dict."""
+    """Load this stage's entries from a consolidated state dict (collective when ``strict``:
+    every rank raises the same ``KeyError`` if any stage's entries are missing)."""
     local_keys = module.state_dict().keys()
-    missing = [k for k in local_keys if k not in full]
-    if missing and strict:
-        raise KeyError(
-            f"the checkpoint lacks {len(missing)} entries this stage needs, e.g. {missing[:5]}; "
-            "was it written for a different model?"
-        )
+    if strict:
+        missing = _everyone_missing([k for k in local_keys if k not in full])
+        if missing:
+            raise KeyError(
+                f"the checkpoint lacks {len(missing)} entries this model needs, e.g. "
+                f"{missing[:5]}; was it written for a different model?"
+            )
     module.load_state_dict({k: full[k] for k in local_keys if k in full}, strict=strict)
+
+
+def _everyone_missing(missing: list[str]) -> list[str]:
+    """The union of every rank's missing names (collective when distributed), in order."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, missing)
+        missing = list({k: None for part in everyone for k in part})
+    return missing
 
 
 def load_stage_optimizer_state(
@@ -165,11 +176,7 @@ def load_sharded(path: str | os.PathLike[str], template: dict[str, Any]) -> None
     """Fill ``template`` (this rank's tensors, by name) from a sharded checkpoint, in place
     (collective). Every rank raises the same ``KeyError`` if any rank's names are missing."""
     path = Path(path)
-    missing = _missing_keys(path, template)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, missing)
-        missing = list({k: None for part in everyone for k in part})
+    missing = _everyone_missing(_missing_keys(path, template))
     # the model's own names first: they say most about which model wrote the file
     missing.sort(key=lambda k: (not k.startswith("state_dict."), k))
     if missing:

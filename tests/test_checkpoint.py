@@ -64,7 +64,7 @@ def _fit(
     return {"state": state if dist.get_rank() == 0 else None, "global_step": trainer.global_step}
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "2bw", "pipedream"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "2bw", "pipedream"])
 def test_resume_is_exact(pools: Any, tmp_path: Path, schedule: str) -> None:
     pool = pools(2)
     # a checkpoint is a flush point. 1F1B and 2BW mean the same with or without one; PipeDream
@@ -151,3 +151,32 @@ def test_sharded_checkpoint_of_another_model_is_refused(pools: Any, tmp_path: Pa
     pools(2).run(_fit, "1f1b", 3, str(tmp_path), state_dict_type="sharded")
     for message in pools(2).run(_resume_wrong_model, str(tmp_path / "step=3.ckpt")):
         assert "lacks" in message and "'state_dict.body." in message, message
+
+
+def _resume_expecting_error(path: str, num_blocks: int, balance: list[int] | None) -> str:
+    import torch.distributed as dist
+    from models import loader, quiet_trainer
+
+    from lightning_pipe2bw import Pipe2BWStrategy
+
+    trainer = quiet_trainer(
+        devices=dist.get_world_size(),
+        strategy=Pipe2BWStrategy(schedule="1f1b", microbatches=2, balance=balance),
+        max_steps=4,
+    )
+    try:
+        trainer.fit(RegressionModel(num_blocks=num_blocks), loader(8, n=SAMPLES), ckpt_path=path)
+    except (KeyError, ValueError) as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_consolidated_checkpoint_mismatches_are_refused(pools: Any, tmp_path: Path) -> None:
+    pool = pools(2)
+    pool.run(_fit, "1f1b", 3, str(tmp_path))
+    ckpt = str(tmp_path / "step=3.ckpt")
+    for message in pool.run(_resume_expecting_error, ckpt, 10, None):  # another model
+        assert message.startswith("KeyError") and "lacks" in message, message
+    for message in pool.run(_resume_expecting_error, ckpt, 8, [3, 5]):  # another partition
+        assert message.startswith("ValueError"), message
+        assert "balance=[4, 4]" in message and "state_dict_type='sharded'" in message, message
