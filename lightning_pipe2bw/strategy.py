@@ -7,6 +7,8 @@ import logging
 import math
 import os
 import pickle
+import sys
+import traceback
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -58,6 +60,7 @@ from lightning_pipe2bw.launcher import PipeSpawnLauncher
 from lightning_pipe2bw.partition import Partition, build_stage, find_body
 from lightning_pipe2bw.runtime import P2PTransport, PipelineEngine, StageBody, merge_outputs
 from lightning_pipe2bw.runtime.engine import step_loss
+from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure, action_of
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, split_batch
 from lightning_pipe2bw.runtime.reports import ReportChannel
 from lightning_pipe2bw.runtime.twobw import PipeDreamDriver, TwoBWDriver
@@ -614,6 +617,34 @@ class Pipe2BWStrategy(ParallelStrategy):
     @override
     def on_validation_start(self) -> None:
         self.flush()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Tell the neighbour stages, so that they stop now with an error naming this failure
+        instead of waiting for a message until the process-group timeout (see
+        ``lightning_pipe2bw.runtime.failure``)."""
+        engine = self.engine
+        if engine is None or self.num_stages == 1 or not _distributed_is_initialized():
+            return
+        if isinstance(exception, StageFailure):  # pass the first failure on, away from its source
+            record, source = exception.record, exception.source
+        else:
+            where = action_of(exception) or "code outside the pipeline schedule"
+            error = f"{type(exception).__name__}: {exception}"
+            record, source = FailureRecord(self.global_rank, self.stage, where, error), None
+            # print it now: once the neighbours stop, a launcher may kill this process (the
+            # popen launcher's observer kills rank 0 when a worker exits with an error)
+            print(
+                f"pipe2bw: {record.describe()}\n"
+                + "".join(traceback.format_exception(exception)),
+                file=sys.stderr,
+                flush=True,
+            )
+        peers = [r for r in (engine.prev_rank, engine.next_rank) if r is not None and r != source]
+        try:
+            engine.transport.notify(record, peers)
+        except Exception as err:  # a neighbour that is gone already; the failure stands
+            log.debug("pipe2bw: could not send the failure notice: %s", err)
 
     @override
     def on_train_end(self) -> None:

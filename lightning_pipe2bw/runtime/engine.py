@@ -13,11 +13,14 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure, mark_action
 from lightning_pipe2bw.runtime.stage import StageBody
 from lightning_pipe2bw.runtime.transport import P2PTransport
 from lightning_pipe2bw.schedule import Action, ActionKind, Schedule
 
 __all__ = ["ActionTiming", "PipelineEngine", "StepFn", "step_loss"]
+
+_COMM_KINDS = (ActionKind.RECV_F, ActionKind.SEND_F, ActionKind.RECV_B, ActionKind.SEND_B)
 
 # the user's step (training_step & co.) applied to one micro-batch
 StepFn = Callable[[Any], Any]
@@ -181,6 +184,7 @@ class PipelineEngine:
         slots = self.slots
         results: dict[int, Any] = {}
         timeline = self.stats.timeline
+        action: Action | None = None
         try:
             for action in actions:
                 start = time.perf_counter()
@@ -239,9 +243,36 @@ class PipelineEngine:
             # a send may be received in the peer's *next* call (2BW), so it is not awaited here;
             # completed sends release their buffers, the rest are awaited at the next flush
             self.transport.reap()
+        except StageFailure:
+            raise
+        except Exception as err:
+            if action is not None:
+                if action.kind in _COMM_KINDS and not isinstance(err, (TypeError, ValueError)):
+                    raise self._lost_peer(action, err) from err
+                mark_action(err, f"action {action}")
+            raise
         finally:
             self.body.set_call(None)
         return results
+
+    def _lost_peer(self, action: Action, error: BaseException) -> StageFailure:
+        """The error for a receive or send that failed because the peer's process is gone."""
+        toward_prev = action.kind in (ActionKind.RECV_F, ActionKind.SEND_B)
+        peer = self.prev_rank if toward_prev else self.next_rank
+        peer_stage = self.stage - 1 if toward_prev else self.stage + 1
+        assert peer is not None
+        record = FailureRecord(
+            rank=peer,
+            stage=peer_stage,
+            action="an unknown action",
+            error="its process vanished without reporting an error (killed by a signal or the "
+            "out-of-memory killer, or its node was lost)",
+        )
+        message = (
+            f"lost rank {peer} (stage {peer_stage}) while this stage ({self.stage}) ran action "
+            f"{action}: {type(error).__name__}: {error}. {record.describe()}"
+        )
+        return StageFailure(message, record, source=peer)
 
     @staticmethod
     def _peer(rank: int | None) -> int:

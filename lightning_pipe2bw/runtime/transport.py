@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import pickle
+import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure, new_run
+
 __all__ = ["P2PTransport", "TensorMeta", "flatten_payload"]
+
+_NOTICE = -1  # a message length that announces a failure notice instead of a payload
+_UNREAD_NOTICES: list[tuple[dist.Work, torch.Tensor]] = []
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,7 @@ class P2PTransport:
         self._recv_header: dict[int, bytes] = {}
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.run = new_run()  # failure notices of earlier transports are skipped
 
     def _global(self, group_rank: int) -> int:
         if self.group is None:
@@ -123,11 +131,18 @@ class P2PTransport:
         self.reap()
 
     def recv(self, src: int) -> Any:
-        """Receive the next message from group rank ``src`` (blocking)."""
+        """Receive the next message from group rank ``src`` (blocking). A failure notice from
+        ``src`` (see :meth:`notify`) raises :class:`StageFailure`."""
         peer = self._global(src)
         length = torch.empty(1, dtype=torch.int64, device=self.device)
         dist.recv(length, src=peer, group=self.group)
         n = int(length.item())
+        while n == _NOTICE:
+            failure = self._recv_notice(peer)
+            if failure.record.run == self.run:
+                raise failure
+            dist.recv(length, src=peer, group=self.group)  # an earlier run's: skip it
+            n = int(length.item())
         self.bytes_received += length.element_size() + n
         if n > 0:
             raw = torch.empty(n, dtype=torch.uint8, device=self.device)
@@ -144,6 +159,37 @@ class P2PTransport:
                 t.requires_grad_(True)
             tensors.append(t)
         return _unflatten_payload(header, tensors)
+
+    def notify(self, record: FailureRecord, dsts: list[int], timeout_s: float = 5.0) -> None:
+        """Send a failure notice to each group rank in ``dsts``, in place of their next message
+        from this rank, and wait up to ``timeout_s`` for them to take it (a neighbour that is
+        itself failing may never read it)."""
+        data = json.dumps(replace(record, run=self.run).to_dict()).encode()
+        works = []
+        for dst in dsts:
+            peer = self._global(dst)
+            for buf in (
+                torch.tensor([_NOTICE], dtype=torch.int64, device=self.device),
+                torch.tensor([len(data)], dtype=torch.int64, device=self.device),
+                torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device),
+            ):
+                work = dist.isend(buf, dst=peer, group=self.group)
+                assert work is not None
+                works.append((work, buf))
+        deadline = time.monotonic() + timeout_s
+        while not all(w.is_completed() for w, _ in works) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # a send must outlive its completion (gloo's channel breaks if a pending send is
+        # destroyed), and a notice nobody read may still be read, and skipped, by a later run
+        _UNREAD_NOTICES.extend((w, b) for w, b in works if not w.is_completed())
+
+    def _recv_notice(self, peer: int) -> StageFailure:
+        size = torch.empty(1, dtype=torch.int64, device=self.device)
+        dist.recv(size, src=peer, group=self.group)
+        raw = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        dist.recv(raw, src=peer, group=self.group)
+        record = FailureRecord.from_dict(json.loads(raw.cpu().numpy().tobytes()))
+        return StageFailure(record.describe(), record, source=peer)
 
     def reap(self) -> None:
         """Release the buffers of sends that have completed."""

@@ -1,0 +1,82 @@
+"""Failures that explain themselves: which rank failed, in which stage and action, and why.
+
+When a rank fails (any exception during fit), the strategy sends a *failure notice* to its
+pipeline neighbours on the channels they already read from (see ``P2PTransport.notify``). A
+neighbour that is waiting for a message from that rank, or posts its next receive there, gets
+the notice instead of a tensor and raises :class:`StageFailure`, which names the rank that failed
+first, its stage, the schedule action it was in (``1B3``: stage 1, backward of micro-batch 3)
+and the original exception; it then passes the notice on to its own other neighbour, so the
+failure travels along the whole pipeline in well under a second.
+
+A rank that is killed (SIGKILL, the out-of-memory killer, a lost node) sends nothing; its
+connections close, so a neighbour waiting for it fails at once, and the :class:`StageFailure` it
+raises says which rank went silent, with no error of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["FailureRecord", "StageFailure", "action_of", "mark_action", "new_run"]
+
+_ACTION_ATTR = "_pipe2bw_action"
+_runs = 0
+
+
+def new_run() -> int:
+    """A new run number. Every rank creates its pipeline transports in the same order, so the
+    numbers agree across ranks; a notice left unread on a channel by an earlier run (whose
+    ranks all failed at once) is then skipped instead of being taken for a failure of this one."""
+    global _runs
+    _runs += 1
+    return _runs
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """The first failure of a run, as passed from rank to rank."""
+
+    rank: int
+    stage: int
+    action: str  # the compact action (``1B3``), or where outside the pipeline it happened
+    error: str  # ``TypeName: message``
+    run: int = 0  # the run number of the transport that sent it
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FailureRecord:
+        return cls(
+            int(data["rank"]),
+            int(data["stage"]),
+            str(data["action"]),
+            str(data["error"]),
+            int(data["run"]),
+        )
+
+    def describe(self) -> str:
+        return f"rank {self.rank} (stage {self.stage}) failed in {self.action}: {self.error}"
+
+
+class StageFailure(RuntimeError):
+    """Another rank of the pipeline failed or vanished; the message says which and why."""
+
+    def __init__(self, message: str, record: FailureRecord, source: int) -> None:
+        super().__init__(message)
+        self.record = record  # the first failure (for a vanished rank: that rank, no error)
+        self.source = source  # the rank this rank heard it from (or lost contact with)
+
+
+def mark_action(error: BaseException, action: str) -> None:
+    """Remember the schedule action ``error`` was raised in (the innermost one wins)."""
+    if getattr(error, _ACTION_ATTR, None) is None:
+        try:
+            setattr(error, _ACTION_ATTR, action)
+        except (AttributeError, TypeError):  # an exception type that refuses attributes
+            pass
+
+
+def action_of(error: BaseException) -> str | None:
+    return getattr(error, _ACTION_ATTR, None)

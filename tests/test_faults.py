@@ -1,0 +1,67 @@
+"""A failing rank stops the whole run quickly, with an error that names it.
+
+Each test launches a real 2-process fit (``tests/jobs/fault_job.py``, start_method="popen": the
+launching process is rank 0 and re-runs the script for rank 1) in which one rank raises or is
+killed with SIGKILL in the middle of step 2. Global rank 0 runs the last stage, rank 1 the first.
+The run must end well before any timeout (the process group's is 30 minutes), exit non-zero,
+print which rank failed, in which stage and schedule action, and leave no process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+JOB = Path(__file__).resolve().parent / "jobs" / "fault_job.py"
+LIMIT_S = 90  # startup is ~10 s here; a hang would last until the 30-minute timeout
+
+
+def _run_job(tmp_path: Path, mode: str, rank: int) -> tuple[subprocess.CompletedProcess[str], float]:
+    token = f"fault-{uuid.uuid4().hex[:12]}"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(JOB), "--mode", mode, "--rank", str(rank), "--token", token]
+    start = time.monotonic()
+    # run() returns when every process holding the output pipes has exited, rank 1 included
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=LIMIT_S * 2
+    )
+    elapsed = time.monotonic() - start
+    left = subprocess.run(["pgrep", "-f", token], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes left behind: {left}"
+    print(f"FAULT {mode} rank {rank}: stopped in {elapsed:.1f} s, exit code {proc.returncode}")
+    return proc, elapsed
+
+
+@pytest.mark.parametrize(("rank", "stage", "other"), [(0, 1, 1), (1, 0, 0)])
+def test_a_raising_rank_stops_every_rank(tmp_path: Path, rank: int, stage: int, other: int) -> None:
+    proc, elapsed = _run_job(tmp_path, "raise", rank)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert elapsed < LIMIT_S
+    assert "finished without a failure" not in out
+    # the other rank reports the first failure: rank, stage, action (a forward of this stage,
+    # PipeDream-2BW version 1) and the original exception
+    expected = (
+        f"[rank{other}]: lightning_pipe2bw.runtime.failure.StageFailure: rank {rank} (stage "
+        f"{stage}) failed in action {stage}F4v1: ValueError: failing on purpose at step 2"
+    )
+    assert expected in out, out[-4000:]
+    # and the failing rank printed its own traceback before anything could stop it
+    assert f"pipe2bw: rank {rank} (stage {stage}) failed in action {stage}F4v1" in out
+    assert 'raise ValueError(f"failing on purpose' in out
+
+
+@pytest.mark.parametrize(("rank", "stage", "other"), [(0, 1, 1), (1, 0, 0)])
+def test_a_killed_rank_stops_every_rank(tmp_path: Path, rank: int, stage: int, other: int) -> None:
+    proc, elapsed = _run_job(tmp_path, "kill", rank)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0  # -9 when the launching process itself was killed
+    assert elapsed < LIMIT_S
+    assert f"[rank{other}]: lightning_pipe2bw.runtime.failure.StageFailure: lost rank {rank} " in out
+    assert f"rank {rank} (stage {stage}) failed in an unknown action: its process vanished" in out
