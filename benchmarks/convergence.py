@@ -1,17 +1,19 @@
 """Convergence of PipeDream-2BW (one step of weight delay) against 1F1B (exact, flushed).
 
 Trains the same small byte-level GPT (``lightning_pipe2bw.gpt``) on the Python standard library's
-sources twice, with ``schedule="2bw"`` and ``schedule="1f1b"``: same seed, same initial weights,
-same batches, 2 CPU processes (one pipeline stage each), 4 micro-batches per batch. Each run is a
-real Lightning ``Trainer`` with spawned workers; the losses are read back from the CSV logger's
-file (written on global rank 0, which receives the values logged on the last stage).
+sources with ``schedule="2bw"`` and ``schedule="1f1b"``: same seed, same initial weights, same
+batches, 2 CPU processes (one pipeline stage each), 4 micro-batches per batch, AdamW with warm-up
+and cosine decay, once per peak learning rate (``--lr``, several by default: the gap 2BW's delay
+opens depends strongly on it). Each run is a real Lightning ``Trainer`` with spawned workers; the
+losses are read back from the CSV logger's file (written on global rank 0, the last stage).
 
-    python benchmarks/convergence.py                  # ~300 steps per schedule, a few minutes
-    python benchmarks/convergence.py --steps 100 --val-every 50
+    python benchmarks/convergence.py                      # 3 rates x 2 schedules x 300 steps
+    python benchmarks/convergence.py --lr 5e-4 --steps 100 --val-every 50
 
-Writes ``benchmarks/results/convergence.png`` (training-loss curves and validation points) and
-``benchmarks/results/convergence.json`` (the curves, the final losses and the settings), and
-prints the final losses and the relative difference of 2BW's final validation loss from 1F1B's.
+Writes ``benchmarks/results/convergence.png`` (one panel per rate: training curves and
+validation points) and ``benchmarks/results/convergence.json`` (the curves, the final losses and
+the settings), and prints a table of the final losses and, per rate, the relative difference of
+2BW's final validation loss from 1F1B's.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def read_metrics(csv_path: Path) -> dict[str, list[list[float]]]:
     return {"train": train, "val": val}
 
 
-def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+def run(schedule: str, lr: float, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     """Train one schedule from the seed; return its curves, final losses and wall time."""
     seed_everything(args.seed, workers=True)
     model = GPT(
@@ -88,7 +90,7 @@ def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
         n_layer=args.n_layer,
         n_head=args.n_head,
         n_embd=args.n_embd,
-        lr=args.lr,
+        lr=lr,
         weight_decay=args.weight_decay,
         warmup_steps=args.warmup,
         max_steps=args.steps,
@@ -101,7 +103,7 @@ def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
         val_samples=args.val_batches * args.batch_size,
         seed=args.seed,
     )
-    logger = CSVLogger(save_dir=str(log_dir), name=schedule, version=0)
+    logger = CSVLogger(save_dir=str(log_dir), name=f"{schedule}-lr{lr:g}", version=0)
     trainer = Trainer(
         accelerator="cpu",
         devices=args.devices,
@@ -117,7 +119,7 @@ def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[Progress(schedule, every=args.print_every)],
+        callbacks=[Progress(f"{schedule} lr {lr:g}", every=args.print_every)],
     )
     start = time.perf_counter()
     trainer.fit(model, datamodule=data)
@@ -138,31 +140,42 @@ def run(schedule: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any
     }
 
 
-def plot(results: dict[str, dict[str, Any]], rel: float, path: Path, title: str) -> None:
+def plot(sweep: dict[float, dict[str, Any]], path: Path, title: str) -> None:
+    """One panel per learning rate: both schedules' training curves and validation points."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, axes = plt.subplots(1, len(sweep), figsize=(6 * len(sweep), 4.5), squeeze=False)
     styles = {"2bw": ("tab:red", "PipeDream-2BW"), "1f1b": ("tab:blue", "1F1B (flush)")}
-    for schedule, res in results.items():
-        color, label = styles.get(schedule, (None, schedule))
-        steps, losses = zip(*res["train"], strict=True)
-        ax.plot(steps, losses, color=color, alpha=0.8, lw=1.2, label=f"{label}: train")
-        vsteps = [v[0] for v in res["val"]]
-        vlosses = [v[1] for v in res["val"]]
-        ax.plot(
-            vsteps, vlosses, color=color, marker="o", ls="--", ms=6, label=f"{label}: validation"
+    for ax, (lr, entry) in zip(axes[0], sweep.items(), strict=True):
+        for schedule, res in entry["runs"].items():
+            color, label = styles.get(schedule, (None, schedule))
+            steps, losses = zip(*res["train"], strict=True)
+            ax.plot(steps, losses, color=color, alpha=0.8, lw=1.2, label=f"{label}: train")
+            vsteps = [v[0] for v in res["val"]]
+            vlosses = [v[1] for v in res["val"]]
+            ax.plot(
+                vsteps,
+                vlosses,
+                color=color,
+                marker="o",
+                ls="--",
+                ms=6,
+                label=f"{label}: validation",
+            )
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("cross-entropy (nats / byte)")
+        ax.set_title(
+            f"lr {lr:g}: final val loss, 2BW vs 1F1B {entry['relative']:+.1%}", fontsize=10
         )
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy (nats / byte)")
-    ax.set_title(f"{title}\nfinal val loss: 2BW vs 1F1B {rel:+.2%}", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend()
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -179,7 +192,13 @@ def main() -> None:
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-head", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument(
+        "--lr",
+        type=float,
+        nargs="+",
+        default=[2e-4, 5e-4, 2e-3],
+        help="peak learning rates; both schedules train once per rate",
+    )
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--max-bytes", type=int, default=6_000_000)
@@ -205,42 +224,53 @@ def main() -> None:
     )
 
     start = time.perf_counter()
-    results: dict[str, dict[str, Any]] = {}
+    sweep: dict[float, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="convergence-") as tmp:
         log_dir = args.log_dir if args.log_dir is not None else Path(tmp)
-        for schedule in args.schedules:
-            results[schedule] = run(schedule, args, log_dir)
-            print(f"[{schedule}] done in {results[schedule]['seconds']:.1f} s", flush=True)
+        for lr in args.lr:
+            results: dict[str, dict[str, Any]] = {}
+            for schedule in args.schedules:
+                results[schedule] = run(schedule, lr, args, log_dir)
+                print(
+                    f"[{schedule} lr {lr:g}] done in {results[schedule]['seconds']:.1f} s",
+                    flush=True,
+                )
+            rel = math.nan
+            if "2bw" in results and "1f1b" in results:
+                base = results["1f1b"]["final_val_loss"]
+                rel = (results["2bw"]["final_val_loss"] - base) / base
+            sweep[lr] = {"runs": results, "relative": rel}
     total = time.perf_counter() - start
 
     print()
-    for schedule, res in results.items():
-        print(
-            f"{schedule:>5}: final train loss {res['final_train_loss']:.4f} "
-            f"(mean of last 5 logged: {res['final_train_loss_mean_last5']:.4f}), "
-            f"final val loss {res['final_val_loss']:.4f} (ppl {res['final_val_ppl']:.3f}) "
-            f"at step {res['final_val_step']:.0f}, {res['seconds']:.1f} s"
-        )
-    rel = math.nan
-    if "2bw" in results and "1f1b" in results:
-        base = results["1f1b"]["final_val_loss"]
-        rel = (results["2bw"]["final_val_loss"] - base) / base
-        print(f"relative difference of 2BW's final val loss vs 1F1B's: {rel:+.3%}")
+    print("| lr | schedule | final train loss (mean of last 5) | final val loss | val ppl | s |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for lr, entry in sweep.items():
+        for schedule, res in entry["runs"].items():
+            print(
+                f"| {lr:g} | {schedule} | {res['final_train_loss_mean_last5']:.4f} | "
+                f"{res['final_val_loss']:.4f} | {res['final_val_ppl']:.3f} | {res['seconds']:.0f} |"
+            )
+    print()
+    for lr, entry in sweep.items():
+        print(f"lr {lr:g}: 2BW's final val loss vs 1F1B's: {entry['relative']:+.2%}")
 
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     title = (
         f"GPT {args.n_layer}x{args.n_embd}, block {args.block_size}, batch {args.batch_size}, "
-        f"{args.devices} stages, m={args.microbatches}, {args.steps} steps, lr {args.lr:g}"
+        f"{args.devices} stages, m={args.microbatches}, {args.steps} steps, AdamW"
     )
     args.out.mkdir(parents=True, exist_ok=True)
     png = args.out / "convergence.png"
-    plot(results, rel, png, title)
+    plot(sweep, png, title)
     report = {
         "command": command,
         "config": config,
         "total_seconds": total,
-        "relative_difference_final_val_loss_2bw_vs_1f1b": rel,
-        "runs": results,
+        "relative_difference_final_val_loss_2bw_vs_1f1b": {
+            f"{lr:g}": entry["relative"] for lr, entry in sweep.items()
+        },
+        "runs": {f"{lr:g}": entry["runs"] for lr, entry in sweep.items()},
     }
     json_path = args.out / "convergence.json"
     json_path.write_text(json.dumps(report, indent=2) + "\n")
