@@ -12,7 +12,7 @@ hold no defaults of their own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -254,35 +254,14 @@ def build_strategy(cfg: StrategyConfig, *, multirun: bool = False) -> Pipe2BWStr
 
 
 def build_model(cfg: ModelConfig) -> GPT:
-    """The ``GPT`` that ``cfg`` describes."""
-    return GPT(
-        vocab_size=cfg.vocab_size,
-        block_size=cfg.block_size,
-        n_layer=cfg.n_layer,
-        n_head=cfg.n_head,
-        n_embd=cfg.n_embd,
-        dropout=cfg.dropout,
-        lr=cfg.lr,
-        weight_decay=cfg.weight_decay,
-        warmup_steps=cfg.warmup_steps,
-        max_steps=cfg.max_steps,
-        min_lr_ratio=cfg.min_lr_ratio,
-    )
+    """The ``GPT`` that ``cfg`` describes (the fields are its init arguments)."""
+    return GPT(**asdict(cfg))
 
 
 def build_datamodule(cfg: DataConfig) -> StdlibTextDataModule:
-    """The ``StdlibTextDataModule`` that ``cfg`` describes (no data is read until ``setup``)."""
-    return StdlibTextDataModule(
-        block_size=cfg.block_size,
-        batch_size=cfg.batch_size,
-        max_bytes=cfg.max_bytes,
-        val_every=cfg.val_every,
-        train_samples=cfg.train_samples,
-        val_samples=cfg.val_samples,
-        seed=cfg.seed,
-        root=cfg.root,
-        num_workers=cfg.num_workers,
-    )
+    """The ``StdlibTextDataModule`` that ``cfg`` describes (the fields are its init arguments;
+    no data is read until ``setup``)."""
+    return StdlibTextDataModule(**asdict(cfg))
 
 
 def trainer_kwargs(cfg: TrainerConfig) -> dict[str, Any]:
