@@ -7,7 +7,7 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 from torch.optim import Optimizer
 
-__all__ = ["agree_on_inf_checks", "make_clipping_global"]
+__all__ = ["agree_on_inf_checks", "check_same_setup", "make_clipping_global"]
 
 
 def _grads(optimizer: Optimizer) -> list[torch.Tensor]:
@@ -78,3 +78,26 @@ def agree_on_inf_checks(
         state["found_inf_per_device"] = {device: flag.clamp(max=1.0)}
 
     scaler.unscale_ = agreed_unscale  # type: ignore[method-assign]
+
+
+def check_same_setup(settings: dict[str, object]) -> None:
+    """Raise the same ``ValueError`` on every rank if the ranks' ``settings`` differ
+    (collective). Run at set-up, it turns a mismatch that would deadlock the pipeline later (a
+    different schedule, micro-batch count or stage split, another package version) into an
+    error that lists every difference."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    everyone: list[dict[str, object]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, settings)
+    problems = []
+    for key in everyone[0]:
+        values = [s.get(key) for s in everyone]
+        if any(v != values[0] for v in values):
+            listed = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+            problems.append(f"{key} ({listed})")
+    if problems:
+        raise ValueError(
+            "the ranks of this pipeline were set up differently: "
+            + "; ".join(problems)
+            + ". Every rank must run the same script with the same options and package versions"
+        )

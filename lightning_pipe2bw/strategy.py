@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import importlib.metadata
 import logging
 import math
 import os
@@ -14,6 +15,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
+import lightning
 import torch
 import torch.distributed as dist
 from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -42,7 +44,11 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from typing_extensions import override
 
-from lightning_pipe2bw.agreement import agree_on_inf_checks, make_clipping_global
+from lightning_pipe2bw.agreement import (
+    agree_on_inf_checks,
+    check_same_setup,
+    make_clipping_global,
+)
 from lightning_pipe2bw.checkpoint import (
     gather_named,
     gather_optimizer_state,
@@ -310,6 +316,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.driver, self._reports = None, None  # a 2BW driver serves one fit
         self._check_trainer(trainer)
+        check_same_setup(self._settings(trainer))
         self._build_stage()
         assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
@@ -374,6 +381,23 @@ class Pipe2BWStrategy(ParallelStrategy):
                 "by pipe2bw: a batch already accumulates gradients over its micro-batches. Use a "
                 f"{trainer.accumulate_grad_batches}x larger batch (and more micro-batches) instead"
             )
+
+    def _settings(self, trainer: Trainer) -> dict[str, object]:
+        """What every rank of the pipeline must agree on (see ``check_same_setup``)."""
+        return {
+            "schedule": self.schedule_name,
+            "microbatches": self.num_microbatches,
+            "flush_every": self.flush_every,
+            "balance": self.balance,
+            "body": self.body_name,
+            "state_dict_type": self.state_dict_type,
+            "precision": trainer.precision,
+            "gradient_clip_val": trainer.gradient_clip_val,
+            "gradient_clip_algorithm": trainer.gradient_clip_algorithm,
+            "lightning_pipe2bw": _package_version(),
+            "torch": torch.__version__,
+            "lightning": lightning.__version__,
+        }
 
     def _build_stage(self) -> None:
         module = self.lightning_module
@@ -891,6 +915,13 @@ class Pipe2BWStrategy(ParallelStrategy):
             )
         for name, description, init in entries:
             strategy_registry.register(name, cls, description=description, override=True, **init)
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("lightning-pipe2bw")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout without installing
+        return "unknown"
 
 
 def _torch_optimizer(optimizer: Any) -> Optimizer:

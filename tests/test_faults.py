@@ -15,6 +15,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -65,3 +66,42 @@ def test_a_killed_rank_stops_every_rank(tmp_path: Path, rank: int, stage: int, o
     assert elapsed < LIMIT_S
     assert f"[rank{other}]: lightning_pipe2bw.runtime.failure.StageFailure: lost rank {rank} " in out
     assert f"rank {rank} (stage {stage}) failed in an unknown action: its process vanished" in out
+
+
+def _fit_with_rank_dependent_options(option: str) -> str:
+    import torch.distributed as dist
+    from models import RegressionModel, loader, quiet_trainer
+
+    from lightning_pipe2bw import Pipe2BWStrategy
+
+    rank = dist.get_rank()
+    kwargs: dict[str, object] = {"microbatches": 2}
+    if option == "schedule":
+        kwargs["schedule"] = ["2bw", "1f1b"][rank]
+    elif option == "microbatches":
+        kwargs["microbatches"] = [2, 4][rank]
+    elif option == "balance":
+        kwargs["balance"] = [[4, 4], [3, 5]][rank]
+    trainer = quiet_trainer(
+        devices=dist.get_world_size(), strategy=Pipe2BWStrategy(**kwargs), max_steps=2
+    )
+    try:
+        trainer.fit(RegressionModel(), loader(8))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("option", "listed"),
+    [
+        ("schedule", "schedule (rank 0: '2bw', rank 1: '1f1b')"),
+        ("microbatches", "microbatches (rank 0: 2, rank 1: 4)"),
+        ("balance", "balance (rank 0: (4, 4), rank 1: (3, 5))"),
+    ],
+)
+def test_ranks_set_up_differently_are_refused(pools: Any, option: str, listed: str) -> None:
+    """A mismatch that would deadlock the schedule is caught at set-up, on every rank."""
+    for message in pools(2).run(_fit_with_rank_dependent_options, option, timeout=60):
+        assert message.startswith("the ranks of this pipeline were set up differently"), message
+        assert listed in message, message
