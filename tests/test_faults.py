@@ -105,3 +105,50 @@ def test_ranks_set_up_differently_are_refused(pools: Any, option: str, listed: s
     for message in pools(2).run(_fit_with_rank_dependent_options, option, timeout=60):
         assert message.startswith("the ranks of this pipeline were set up differently"), message
         assert listed in message, message
+
+
+def _fit_with_debug_log() -> list[str]:
+    import logging
+    import os
+
+    import torch.distributed as dist
+    from models import RegressionModel, loader, quiet_trainer
+
+    from lightning_pipe2bw import Pipe2BWStrategy
+
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    logger = logging.getLogger("lightning_pipe2bw.actions")
+    handler = Collect()
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    os.environ["PIPE2BW_DEBUG"] = "1"
+    try:
+        trainer = quiet_trainer(
+            devices=dist.get_world_size(),
+            strategy=Pipe2BWStrategy(schedule="1f1b", microbatches=2),
+            max_steps=2,
+        )
+        trainer.fit(RegressionModel(), loader(8))
+    finally:
+        del os.environ["PIPE2BW_DEBUG"]
+        logger.removeHandler(handler)
+    return messages
+
+
+def test_debug_mode_logs_every_action(pools: Any) -> None:
+    """PIPE2BW_DEBUG=1: each action's start and end, with rank, stage, micro-batch and time."""
+    for rank, messages in enumerate(pools(2).run(_fit_with_debug_log)):
+        stage = 1 - rank
+        starts = [m for m in messages if " start " in m]
+        ends = [m for m in messages if " end " in m]
+        # 1F1B with 2 micro-batches: 2 forwards, 2 backwards and 4 transfers per step, 2 steps
+        assert len(starts) == len(ends) == 16, messages
+        assert all(m.startswith(f"rank {rank} stage {stage} ") for m in messages)
+        first = f"{stage}F0" if stage == 0 else f"{stage}RECV_F0"  # the last stage waits first
+        assert f"rank {rank} stage {stage} start {first} (micro-batch 0) t=" in messages[0]
+        assert messages[-1].startswith(f"rank {rank} stage {stage} end ")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -10,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
@@ -19,6 +23,19 @@ from lightning_pipe2bw.runtime.transport import P2PTransport
 from lightning_pipe2bw.schedule import Action, ActionKind, Schedule
 
 __all__ = ["ActionTiming", "PipelineEngine", "StepFn", "step_loss"]
+
+_debug_log = logging.getLogger("lightning_pipe2bw.actions")
+
+
+def _enable_debug_log() -> None:
+    """With PIPE2BW_DEBUG set, the action log goes to stderr even if logging is not set up."""
+    if not _debug_log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("pipe2bw %(message)s"))
+        _debug_log.addHandler(handler)
+        _debug_log.setLevel(logging.INFO)
+        _debug_log.propagate = False
+
 
 _COMM_KINDS = (ActionKind.RECV_F, ActionKind.SEND_F, ActionKind.RECV_B, ActionKind.SEND_B)
 
@@ -127,6 +144,11 @@ class PipelineEngine:
         self.inflight = 0
         # called after every action (e.g. to count weight versions alive)
         self.observer: Callable[[Action], None] | None = None
+        # PIPE2BW_DEBUG=1: log every action as it starts and ends (see docs/user-guide.md)
+        self.debug = os.environ.get("PIPE2BW_DEBUG", "") not in ("", "0")
+        if self.debug:
+            _enable_debug_log()
+        self._rank = dist.get_rank() if dist.is_initialized() else 0
 
     @property
     def is_first(self) -> bool:
@@ -188,6 +210,11 @@ class PipelineEngine:
         try:
             for action in actions:
                 start = time.perf_counter()
+                if self.debug:
+                    _debug_log.info(
+                        "rank %d stage %d start %s (micro-batch %d) t=%.6f",
+                        self._rank, self.stage, action, action.microbatch, start,
+                    )  # fmt: skip
                 i = action.microbatch
                 slot = slots.setdefault(i, _Slot())
                 kind = action.kind
@@ -231,6 +258,12 @@ class PipelineEngine:
                 else:  # pragma: no cover - the schedule validator rejects other kinds
                     raise ValueError(f"the engine cannot run action {action}")
                 end = time.perf_counter()
+                if self.debug:
+                    _debug_log.info(
+                        "rank %d stage %d end %s (micro-batch %d) t=%.6f (%.3f ms)",
+                        self._rank, self.stage, action, action.microbatch, end,
+                        (end - start) * 1e3,
+                    )  # fmt: skip
                 if action.is_compute:
                     self.stats.busy_s += end - start
                     self.stats.max_weight_versions = max(
