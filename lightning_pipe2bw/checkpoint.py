@@ -154,16 +154,24 @@ def load_stage_optimizer_state_by_name(
 def save_sharded(
     path: str | os.PathLike[str], tensors: dict[str, Any], meta: dict[str, Any], rank: int
 ) -> None:
-    """Write this rank's ``tensors`` (collective) and, on rank 0, ``meta``."""
+    """Write this rank's ``tensors`` (collective) and, on rank 0, ``meta``.
+
+    ``meta.pt`` marks a complete checkpoint: rank 0 removes an old one before anything is
+    written and writes the new one last (to a temporary name, then renamed), after every rank's
+    shard is on disk, so an interrupted save is never loaded as if it were complete."""
     path = Path(path)
     if path.is_file():
         raise FileExistsError(
             f"{path} is a file, but a sharded checkpoint is a directory; choose another path"
         )
     path.mkdir(parents=True, exist_ok=True)
-    dcp_save(tensors, checkpoint_id=path)
     if rank == 0:
-        torch.save(meta, path / SHARDED_META)
+        (path / SHARDED_META).unlink(missing_ok=True)
+    dcp_save(tensors, checkpoint_id=path)  # collective: when it returns, every shard is written
+    if rank == 0:
+        tmp = path / f"{SHARDED_META}.tmp"
+        torch.save(meta, tmp)
+        os.replace(tmp, path / SHARDED_META)
 
 
 def read_sharded_meta(path: str | os.PathLike[str], weights_only: bool = True) -> dict[str, Any]:

@@ -786,7 +786,16 @@ class Pipe2BWStrategy(ParallelStrategy):
             return
         if "optimizer_states" in checkpoint:  # a full checkpoint, to resume from
             checkpoint = {**checkpoint, "pipe2bw": self._pipeline_state()}
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = str(filepath)
+        if "://" in path:  # a remote file system: its own write semantics
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        # write to a temporary name, then rename: a crash mid-write leaves no file that looks
+        # complete under the checkpoint's name
+        tmp = f"{path}.tmp"
+        super().save_checkpoint(checkpoint, tmp, storage_options)
+        if self.is_global_zero:
+            os.replace(tmp, path)
 
     def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:
         """Every rank writes its own tensors (DCP), under the original model's names; rank 0

@@ -75,6 +75,7 @@ def test_resume_is_exact(pools: Any, tmp_path: Path, schedule: str) -> None:
     pool.run(_fit, schedule, 3, str(tmp_path))
     ckpt = tmp_path / "step=3.ckpt"
     assert ckpt.is_file()
+    assert not list(tmp_path.glob("*.tmp"))  # written under a temporary name, then renamed
     resumed = pool.run(_fit, schedule, 6, None, str(ckpt))[0]
     assert resumed["global_step"] == 6
     diff = max_abs_diff(resumed["state"], straight["state"])
