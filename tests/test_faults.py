@@ -192,3 +192,52 @@ def test_crash_and_resume_from_last_is_exact(tmp_path: Path, schedule: str) -> N
     diff = max_abs_diff(a, b)
     print(f"CRASH-RESUME {schedule}: max|dW| = {diff:.3e}")
     assert diff <= 1e-6
+
+
+def _fit_with_bad_input(case: str) -> None:
+    import torch.distributed as dist
+    from models import RegressionModel, loader, quiet_trainer
+
+    from lightning_pipe2bw import Pipe2BWStrategy
+
+    class DetachedLoss(RegressionModel):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return super().training_step(batch, batch_idx).detach()
+
+    rank = dist.get_rank()
+    model = DetachedLoss() if case == "detached_loss" else RegressionModel()
+    batch_size = [8, 6][rank] if case == "different_batches" else 8
+    trainer = quiet_trainer(
+        devices=dist.get_world_size(),
+        strategy=Pipe2BWStrategy(schedule="1f1b", microbatches=2),
+        max_steps=2,
+    )
+    # the error leaves the task, as it leaves a real run: the pool then starts fresh ranks, since
+    # the failed run left messages in flight on the process group it shared with later tests
+    trainer.fit(model, loader(batch_size))
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        (
+            "different_batches",
+            "ValueError: the ranks read different batches: stage 0 split micro-batch 0 into "
+            "tensors of shapes [(3, 6), (3, 3)], this stage (1) into [(4, 6), (4, 3)]",
+        ),
+        ("detached_loss", "ValueError: the loss of micro-batch 0 does not require grad"),
+    ],
+)
+def test_bad_input_fails_on_the_stage_that_sees_it(pools: Any, case: str, message: str) -> None:
+    """The last stage (rank 0) raises the error; the first stage (rank 1) stops with a
+    StageFailure that carries it, instead of waiting for gradients that never come."""
+    from lightning_pipe2bw.pool import TaskError
+
+    with pytest.raises(TaskError) as info:
+        pools(2).run(_fit_with_bad_input, case, timeout=60)
+    text = str(info.value)
+    assert info.value.reason.startswith("_fit_with_bad_input failed on ranks [0, 1]"), text
+    rank0, rank1 = text.split("--- rank 1 ---")
+    assert message in rank0, rank0[-2000:]
+    assert "StageFailure: rank 0 (stage 1) failed in action 1" in rank1, rank1[-2000:]
+    assert message.split(": ", 1)[1] in rank1, rank1[-2000:]

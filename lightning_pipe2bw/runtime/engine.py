@@ -71,6 +71,7 @@ class _Slot:
     weight: float = 0.0  # the loss weight of this micro-batch (n_i / N)
     saved_bytes: int = 0  # bytes autograd saved for this micro-batch's backward
     params: Mapping[str, Tensor] | None = None  # the weight version it computes with
+    upstream_batch: Any = None  # the previous stage's micro-batch signature, to compare
 
 
 @dataclass
@@ -92,6 +93,11 @@ class EngineStats:
 
 def _grad_leaves(payload: Any) -> list[Tensor]:
     return [x for x in pytree.tree_leaves(payload) if isinstance(x, Tensor) and x.requires_grad]
+
+
+def batch_signature(microbatch: Any) -> tuple[tuple[int, ...], ...]:
+    """The shapes of a micro-batch's tensors: what every stage must agree on."""
+    return tuple(tuple(t.shape) for t in pytree.tree_leaves(microbatch) if isinstance(t, Tensor))
 
 
 def _loss_of(result: Any, microbatch: int) -> Tensor:
@@ -219,8 +225,12 @@ class PipelineEngine:
                 slot = slots.setdefault(i, _Slot())
                 kind = action.kind
                 if kind is ActionKind.RECV_F:
-                    slot.inputs = self.transport.recv(self._peer(self.prev_rank))
+                    slot.inputs, slot.upstream_batch = self.transport.recv(
+                        self._peer(self.prev_rank)
+                    )
                 elif kind is ActionKind.FORWARD:
+                    if not self.is_first:
+                        self._check_same_batch(slot, microbatches[i], i)
                     slot.weight = loss_weights.get(i, 0.0)
                     slot.params = weights_for(i) if weights_for is not None else None
                     if train:
@@ -239,7 +249,10 @@ class PipelineEngine:
                             self.inflight -= 1
                 elif kind is ActionKind.SEND_F:
                     # the transport sends detached copies but records requires_grad for the peer
-                    self.transport.send(slot.outputs, self._peer(self.next_rank))
+                    # the micro-batch's shapes travel along (in the cached header: free when they
+                    # do not change), so that every stage checks it split the same batch
+                    signature = batch_signature(microbatches[i]) if i in microbatches else None
+                    self.transport.send((slot.outputs, signature), self._peer(self.next_rank))
                     if not train:
                         del slots[i]
                         self.inflight -= 1
@@ -342,6 +355,16 @@ class PipelineEngine:
         stats = self.stats
         stats.activation_bytes += slot.saved_bytes
         stats.peak_activation_bytes = max(stats.peak_activation_bytes, stats.activation_bytes)
+
+    def _check_same_batch(self, slot: _Slot, microbatch: Any, index: int) -> None:
+        upstream, mine = slot.upstream_batch, batch_signature(microbatch)
+        if upstream is not None and tuple(upstream) != mine:
+            raise ValueError(
+                f"the ranks read different batches: stage {self.stage - 1} split micro-batch "
+                f"{index} into tensors of shapes {list(upstream)}, this stage ({self.stage}) into "
+                f"{list(mine)}. Every rank must load the same batches in the same order (the same "
+                "dataset, seed and sampler; pipe2bw already makes a RandomSampler agree)"
+            )
 
     def _forward(self, slot: _Slot, microbatch: Any, step: StepFn, index: int) -> None:
         body = self.body
