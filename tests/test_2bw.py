@@ -189,3 +189,35 @@ def test_first_deferred_update_does_not_trip_the_scheduler_warning(pools: Any) -
     """Step 0 of 2BW applies nothing yet; torch's LR scheduler must not take that for a
     skipped optimizer step (its first learning rate is recorded and used for update 0)."""
     assert pools(2).run(_scheduler_warnings) == [[], []]
+
+
+def _pending_sends_over_a_long_run(steps: int) -> list[int]:
+    import torch.distributed as dist
+    from lightning.pytorch import Callback
+    from models import RegressionModel, loader, quiet_trainer
+
+    from lightning_pipe2bw import Pipe2BWStrategy
+
+    counts: list[int] = []
+
+    class Count(Callback):
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            transport = trainer.strategy.engine.transport
+            counts.append(len(transport._pending))
+
+    trainer = quiet_trainer(
+        devices=dist.get_world_size(),
+        strategy=Pipe2BWStrategy(microbatches=2),
+        max_steps=steps,
+        callbacks=[Count()],
+    )
+    trainer.fit(RegressionModel(), loader(8, n=8 * steps))
+    return counts
+
+
+def test_send_buffers_stay_bounded_without_a_flush(pools: Any) -> None:
+    """2BW never flushes between validations; the buffers of sent messages must not pile up
+    (gloo reports a send complete only once it is waited for)."""
+    for counts in pools(2).run(_pending_sends_over_a_long_run, 30):
+        assert len(counts) == 30
+        assert max(counts) <= 12 and counts[-1] == counts[10], counts  # flat, not growing

@@ -214,6 +214,7 @@ class PipelineEngine:
         timeline = self.stats.timeline
         action: Action | None = None
         try:
+            self.transport.settle()
             for action in actions:
                 start = time.perf_counter()
                 if self.debug:

@@ -17,8 +17,9 @@ _DATA_TAG = 1
 class ReportChannel:
     """One rank posts reports (picklable objects); every other rank receives them in order.
 
-    The source never waits: each report goes out with non-blocking sends, and the send buffers are
-    kept until the sends complete. A receiver blocks only in :meth:`receive`. The channel runs on
+    The source does not wait: each report goes out with non-blocking sends, whose buffers are kept
+    until the sends are done; only when ``max_unread`` reports are still unread does it wait for
+    the oldest (which bounds memory; in the strategy the receivers are one report behind). A receiver blocks only in :meth:`receive`. The channel runs on
     its own process group (gloo, so CPU objects never wait on a GPU stream), so its messages never
     interleave with the pipeline's activations and gradients.
 
@@ -33,6 +34,7 @@ class ReportChannel:
         self.world_size = dist.get_world_size()
         self.backlog = 0  # on a receiver: reports posted by the source and not yet received
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self.max_unread = 8  # the source waits only when this many reports are still unread
 
     @property
     def is_source(self) -> bool:
@@ -43,7 +45,14 @@ class ReportChannel:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         length = torch.tensor([buffer.numel()], dtype=torch.int64)
-        self._reap()
+        # keep the sends of the last `max_unread` reports; wait for older ones, which the
+        # receivers (one step behind in the strategy) took long ago, so the wait returns at once
+        # and the held buffers stay bounded (gloo marks a send complete only once waited for)
+        per_report = 2 * (self.world_size - 1)
+        keep = per_report * (self.max_unread - 1)
+        while len(self._sends) > keep:
+            sent, _ = self._sends.pop(0)
+            sent.wait()
         for rank in range(self.world_size):
             if rank == self.source:
                 continue
@@ -75,6 +84,3 @@ class ReportChannel:
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
-
-    def _reap(self) -> None:
-        self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]

@@ -105,6 +105,7 @@ class P2PTransport:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.run = new_run()  # failure notices of earlier transports are skipped
+        self._settled = 0  # sends before this index are older than the previous settle()
 
     def _global(self, group_rank: int) -> int:
         if self.group is None:
@@ -192,14 +193,28 @@ class P2PTransport:
         return StageFailure(record.describe(), record, source=peer)
 
     def reap(self) -> None:
-        """Release the buffers of sends that have completed."""
+        """Release the buffers of sends that have completed. (Gloo marks a send completed only
+        once it is waited for, so on gloo this frees nothing: see :meth:`settle`.)"""
         self._pending = [(w, b) for w, b in self._pending if not w.is_completed()]
+
+    def settle(self) -> None:
+        """Wait for the sends started before the previous ``settle`` and release their buffers.
+
+        Called once per engine call: a send from two calls ago has been received by then (a
+        peer takes a call's messages in that call or the next), so the wait returns at once,
+        and the held buffers stay bounded by two calls' messages however long a run goes
+        without a flush. (Gloo reports a send completed only once it is waited for.)"""
+        old, self._pending = self._pending[: self._settled], self._pending[self._settled :]
+        for work, _ in old:
+            work.wait()
+        self._settled = len(self._pending)
 
     def wait_sends(self) -> None:
         """Block until every started send has completed, then release its buffers."""
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
+        self._settled = 0
 
     @property
     def pending_bytes(self) -> int:
