@@ -145,7 +145,7 @@ def stage_report(
     ``stage``, ``num_stages`` and an ``engine`` with ``body.indices`` and ``stats``. Returns None
     for a strategy without an engine (not a pipeline, or fit never built one). Local: no
     communication. Idle and receive shares cover the whole recorded timeline (the engine keeps
-    the most recent 100,000 actions); ``timeline`` keeps the last ``max_actions`` of them."""
+    the most recent 20,000 actions); ``timeline`` keeps the last ``max_actions`` of them."""
     strategy = trainer.strategy
     engine = getattr(strategy, "engine", None)
     stats = getattr(engine, "stats", None)

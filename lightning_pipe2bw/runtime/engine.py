@@ -88,7 +88,7 @@ class EngineStats:
     # checked after every action: 1 for flush schedules, <= 2 for 2BW, <= p - s for stashing
     max_weight_versions: int = 0
     # the most recent actions only, so that long runs keep bounded memory
-    timeline: deque[ActionTiming] = field(default_factory=lambda: deque(maxlen=100_000))
+    timeline: deque[ActionTiming] = field(default_factory=lambda: deque(maxlen=20_000))
 
 
 def _grad_leaves(payload: Any) -> list[Tensor]:
