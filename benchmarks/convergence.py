@@ -34,9 +34,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_pipe2bw import Pipe2BWStrategy
+from lightning_pipe2bw.gpt import GPT, StdlibTextDataModule
 
 ROOT = Path(__file__).resolve().parent.parent
-from lightning_pipe2bw.gpt import GPT, StdlibTextDataModule  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results"
 

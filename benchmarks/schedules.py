@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from machine import cpu_pressure_60s
 from torch import Tensor, nn
 
 from lightning_pipe2bw.pool import RankPool, TaskError
@@ -611,13 +612,7 @@ def _log(message: str) -> None:
 
 def _machine_load() -> dict[str, float | None]:
     """1-minute load average and the share of time some task waited for a CPU (PSI, 60 s)."""
-    pressure = None
-    try:
-        with open("/proc/pressure/cpu") as f:
-            pressure = float(f.readline().split("avg60=")[1].split()[0]) / 100
-    except (OSError, IndexError, ValueError):
-        pass
-    return {"loadavg_1m": os.getloadavg()[0], "cpu_pressure_60s": pressure}
+    return {"loadavg_1m": os.getloadavg()[0], "cpu_pressure_60s": cpu_pressure_60s()}
 
 
 def _load_note(before: dict[str, float | None]) -> str:

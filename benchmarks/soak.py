@@ -45,13 +45,14 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from machine import cpu_pressure_60s
 
 from lightning_pipe2bw import Pipe2BWStrategy
+from lightning_pipe2bw.gpt import GPT, StdlibTextDataModule
+from lightning_pipe2bw.runtime.engine import ActionTiming
+from lightning_pipe2bw.schedule import Action, ActionKind
 
 ROOT = Path(__file__).resolve().parent.parent
-from lightning_pipe2bw.gpt import GPT, StdlibTextDataModule  # noqa: E402
-from lightning_pipe2bw.runtime.engine import ActionTiming  # noqa: E402
-from lightning_pipe2bw.schedule import Action, ActionKind  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "soak.json"
 MIB = 1024.0 * 1024.0
@@ -85,15 +86,13 @@ def timeline_entry_bytes(n: int = 20_000) -> float:
 
 def machine_load() -> dict[str, float | None]:
     """The 1/5/15-minute load averages and, where the kernel has it, the 60 s CPU pressure."""
-    with open("/proc/loadavg") as f:
-        one, five, fifteen = (float(x) for x in f.read().split()[:3])
-    pressure = None
-    try:
-        with open("/proc/pressure/cpu") as f:
-            pressure = float(f.readline().split("avg60=")[1].split()[0]) / 100
-    except (OSError, IndexError, ValueError):
-        pass
-    return {"load_1m": one, "load_5m": five, "load_15m": fifteen, "cpu_pressure_60s": pressure}
+    one, five, fifteen = os.getloadavg()
+    return {
+        "load_1m": one,
+        "load_5m": five,
+        "load_15m": fifteen,
+        "cpu_pressure_60s": cpu_pressure_60s(),
+    }
 
 
 def malloc_trim() -> None:
