@@ -56,7 +56,7 @@ class StrategyConfig:
     # "auto": "popen" for a single run, "spawn" under --multirun (see resolve_start_method)
     start_method: str = "auto"
     process_group_backend: str | None = None  # None: gloo on CPU, nccl on CUDA
-    timeout_s: float | None = None  # process-group timeout; None keeps torch's default (30 min)
+    timeout_s: float | None = None  # process-group timeout; None: the strategy default (3 min)
     state_dict_type: str = "full"  # "full": one consolidated file; "sharded": DCP directory
 
 

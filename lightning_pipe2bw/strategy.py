@@ -8,7 +8,9 @@ import logging
 import math
 import os
 import pickle
+import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
@@ -39,7 +41,6 @@ from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
-from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from typing_extensions import override
@@ -66,7 +67,7 @@ from lightning_pipe2bw.launcher import PipeSpawnLauncher
 from lightning_pipe2bw.partition import Partition, build_stage, find_body
 from lightning_pipe2bw.runtime import P2PTransport, PipelineEngine, StageBody, merge_outputs
 from lightning_pipe2bw.runtime.engine import step_loss
-from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure, action_of
+from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure, action_of, wait_limits
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, split_batch
 from lightning_pipe2bw.runtime.reports import ReportChannel
 from lightning_pipe2bw.runtime.twobw import PipeDreamDriver, TwoBWDriver
@@ -80,6 +81,21 @@ __all__ = ["Pipe2BWStrategy"]
 log = logging.getLogger(__name__)
 
 _StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+
+def _say(text: str) -> None:
+    """Write ``text`` and a newline to stderr in one write, so that lines from several ranks
+    sharing the launcher's stderr do not run into each other."""
+    data = (text.rstrip("\n") + "\n").encode()
+    try:
+        sys.stderr.flush()
+        os.write(sys.stderr.fileno(), data)
+    except (AttributeError, OSError, ValueError):  # a stderr without a file descriptor
+        print(text, file=sys.stderr, flush=True)
+
+
+# how long a rank waits for another before the run stops (torch's own default is 30 minutes)
+DEFAULT_TIMEOUT = timedelta(minutes=3)
 
 
 class Pipe2BWStrategy(ParallelStrategy):
@@ -101,7 +117,10 @@ class Pipe2BWStrategy(ParallelStrategy):
             start workers from this process (like ``ddp_spawn``) and bring the trained weights and
             predictions back to it. Under ``torchrun`` or a cluster launcher nothing is started.
         process_group_backend: defaults to ``"nccl"`` on CUDA and ``"gloo"`` on CPU.
-        timeout: the process group timeout.
+        timeout: the process-group timeout (default 3 minutes): the longest any rank waits for
+            another. A rank that hangs without failing (a deadlock in user code) stops the run
+            after this long, with an error naming it; raise it if one rank may legitimately keep
+            the others waiting longer (a very slow step, writing a huge consolidated checkpoint).
         state_dict_type: ``"full"`` writes one consolidated Lightning checkpoint, loadable on one
             device (gathered on rank 0); ``"sharded"`` writes a directory in which every rank
             saves its own stage with ``torch.distributed.checkpoint`` under the original
@@ -119,7 +138,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         body: str | None = None,
         start_method: _StartMethod = "popen",
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | None = DEFAULT_TIMEOUT,
         state_dict_type: Literal["full", "sharded"] = "full",
         **kwargs: Any,
     ) -> None:
@@ -423,6 +442,10 @@ class Pipe2BWStrategy(ParallelStrategy):
             prev_rank=self.rank_of_stage(stage - 1) if stage > 0 else None,
             next_rank=self.rank_of_stage(stage + 1) if stage < self.num_stages - 1 else None,
         )
+        if self._timeout is not None:
+            self.engine.wait_limits = wait_limits(
+                stage, self.num_stages, self._timeout.total_seconds()
+            )
 
     def _schedule(self, train: bool, num_microbatches: int) -> Schedule:
         key = (self.schedule_name if train else "forward", num_microbatches)
@@ -652,23 +675,43 @@ class Pipe2BWStrategy(ParallelStrategy):
             return
         if isinstance(exception, StageFailure):  # pass the first failure on, away from its source
             record, source = exception.record, exception.source
+            _say(f"pipe2bw: rank {self.global_rank} (stage {self.stage}) stops: {exception}")
         else:
             where = action_of(exception) or "code outside the pipeline schedule"
             error = f"{type(exception).__name__}: {exception}"
             record, source = FailureRecord(self.global_rank, self.stage, where, error), None
             # print it now: once the neighbours stop, a launcher may kill this process (the
             # popen launcher's observer kills rank 0 when a worker exits with an error)
-            print(
-                f"pipe2bw: {record.describe()}\n"
-                + "".join(traceback.format_exception(exception)),
-                file=sys.stderr,
-                flush=True,
-            )
+            _say(f"pipe2bw: {record.describe()}\n" + "".join(traceback.format_exception(exception)))
         peers = [r for r in (engine.prev_rank, engine.next_rank) if r is not None and r != source]
         try:
             engine.transport.notify(record, peers)
         except Exception as err:  # a neighbour that is gone already; the failure stands
             log.debug("pipe2bw: could not send the failure notice: %s", err)
+        self._stop_workers()
+
+    # how long the launching process lets its workers stop on their own after a failure
+    worker_grace_s = 15.0
+
+    def _stop_workers(self) -> None:
+        """In the launching process of a ``popen`` run, wait for the workers it started to stop
+        (the failure notice stops them within seconds), then kill those that have not: a worker
+        that hangs would otherwise outlive the run. ``torchrun`` and the spawn launchers do the
+        same for their own workers."""
+        launcher = self._launcher
+        if not isinstance(launcher, _SubprocessScriptLauncher) or self.global_rank != 0:
+            return
+        deadline = time.monotonic() + self.worker_grace_s
+        for proc in launcher.procs:
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                _say(
+                    f"pipe2bw: killing worker process {proc.pid}, which did not stop within "
+                    f"{self.worker_grace_s:.0f} s of the failure"
+                )
+                proc.kill()
+                proc.wait()
 
     @override
     def on_train_end(self) -> None:
@@ -859,7 +902,8 @@ class Pipe2BWStrategy(ParallelStrategy):
         if driver is not None and pipeline.get("has_previous"):
             names = self._parameter_names(driver)
             template["previous_weights"] = {
-                name: torch.empty_like(p) for name, p in zip(names, driver.versions.params, strict=True)
+                name: torch.empty_like(p)
+                for name, p in zip(names, driver.versions.params, strict=True)
             }
         load_sharded(path, template)
         checkpoint = {**meta, "state_dict": template["state_dict"]}

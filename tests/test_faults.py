@@ -3,8 +3,9 @@
 Each test launches a real 2-process fit (``tests/jobs/fault_job.py``, start_method="popen": the
 launching process is rank 0 and re-runs the script for rank 1) in which one rank raises or is
 killed with SIGKILL in the middle of step 2. Global rank 0 runs the last stage, rank 1 the first.
-The run must end well before any timeout (the process group's is 30 minutes), exit non-zero,
-print which rank failed, in which stage and schedule action, and leave no process behind.
+The run must end well before the process group's timeout (3 minutes by default), exit non-zero,
+print which rank failed, in which stage and schedule action, and leave no process behind. The
+hang tests set an 8-second timeout: a rank that neither fails nor dies is stopped by it.
 """
 
 from __future__ import annotations
@@ -20,13 +21,16 @@ from typing import Any
 import pytest
 
 JOB = Path(__file__).resolve().parent / "jobs" / "fault_job.py"
-LIMIT_S = 90  # startup is ~10 s here; a hang would last until the 30-minute timeout
+LIMIT_S = 90  # startup is ~10 s here; a hang would last until the 3-minute timeout
 
 
-def _run_job(tmp_path: Path, mode: str, rank: int) -> tuple[subprocess.CompletedProcess[str], float]:
+def _run_job(
+    tmp_path: Path, mode: str, rank: int, *options: str
+) -> tuple[subprocess.CompletedProcess[str], float]:
     token = f"fault-{uuid.uuid4().hex[:12]}"
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     cmd = [sys.executable, str(JOB), "--mode", mode, "--rank", str(rank), "--token", token]
+    cmd += options
     start = time.monotonic()
     # run() returns when every process holding the output pipes has exited, rank 1 included
     proc = subprocess.run(
@@ -35,7 +39,8 @@ def _run_job(tmp_path: Path, mode: str, rank: int) -> tuple[subprocess.Completed
     elapsed = time.monotonic() - start
     left = subprocess.run(["pgrep", "-f", token], capture_output=True, text=True).stdout.split()
     assert not left, f"processes left behind: {left}"
-    print(f"FAULT {mode} rank {rank}: stopped in {elapsed:.1f} s, exit code {proc.returncode}")
+    label = " ".join([mode, "rank", str(rank), *options])
+    print(f"FAULT {label}: stopped in {elapsed:.1f} s, exit code {proc.returncode}")
     return proc, elapsed
 
 
@@ -64,8 +69,55 @@ def test_a_killed_rank_stops_every_rank(tmp_path: Path, rank: int, stage: int, o
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0  # -9 when the launching process itself was killed
     assert elapsed < LIMIT_S
-    assert f"[rank{other}]: lightning_pipe2bw.runtime.failure.StageFailure: lost rank {rank} " in out
+    assert (
+        f"[rank{other}]: lightning_pipe2bw.runtime.failure.StageFailure: lost rank {rank} " in out
+    )
     assert f"rank {rank} (stage {stage}) failed in an unknown action: its process vanished" in out
+
+
+@pytest.mark.parametrize(("rank", "stage", "other"), [(0, 1, 1), (1, 0, 0)])
+def test_a_hanging_rank_is_stopped_by_the_timeout(
+    tmp_path: Path, rank: int, stage: int, other: int
+) -> None:
+    """A rank that neither fails nor dies (it sleeps in ``training_step``) keeps its neighbour
+    waiting only for the process-group timeout (8 s here); the neighbour's error names it, and
+    the launching process kills a worker that still hangs."""
+    proc, elapsed = _run_job(tmp_path, "hang", rank, "--timeout", "8")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert elapsed < LIMIT_S
+    assert (
+        f"[rank{other}]: lightning_pipe2bw.runtime.failure.StageFailure: rank {rank} (stage "
+        f"{stage}) timed out while this stage ({1 - other}) ran action" in out
+    ), out[-4000:]
+    assert "it stopped answering" in out
+    if rank == 1:  # the worker hangs; the launching process (rank 0) kills it
+        assert "pipe2bw: killing worker process" in out
+
+
+@pytest.mark.parametrize(("mode", "rank"), [("raise", 1), ("kill", 1), ("hang", 0)])
+def test_a_failure_travels_along_a_longer_pipeline(tmp_path: Path, mode: str, rank: int) -> None:
+    """Three stages (rank 1 runs the middle one, rank 0 the last); the failure happens in a body
+    block. A failure in the middle reaches both ends. A hang at the end is noticed first by its
+    neighbour (whose wait limit is shorter, see ``failure.wait_limits``), which names it; the
+    first stage then loses that neighbour (a timed-out gloo group closes its connections)."""
+    proc, elapsed = _run_job(tmp_path, mode, rank, "--devices", "3", "--timeout", "8", "--in-block")
+    out = proc.stdout + proc.stderr
+    stage = 2 - rank
+    assert proc.returncode != 0
+    assert elapsed < LIMIT_S
+
+    def stop_line(other: int) -> str:  # what rank ``other`` printed when it stopped
+        prefix = f"pipe2bw: rank {other} (stage {2 - other}) stops: "
+        return next((x for x in out.splitlines() if x.startswith(prefix)), "")
+
+    if mode == "hang":
+        assert "stops: rank 0 (stage 2) timed out while this stage (1) ran" in stop_line(1), out
+        assert "stops: lost rank 1 (stage 1) while this stage (0) ran" in stop_line(2), out
+    else:  # both other ranks name the first failure
+        first = f"rank {rank} (stage {stage}) failed in"
+        for other in (0, 2):
+            assert first in stop_line(other), out[-4000:]
 
 
 def _fit_with_rank_dependent_options(option: str) -> str:
@@ -241,3 +293,24 @@ def test_bad_input_fails_on_the_stage_that_sees_it(pools: Any, case: str, messag
     assert message in rank0, rank0[-2000:]
     assert "StageFailure: rank 0 (stage 1) failed in action 1" in rank1, rank1[-2000:]
     assert message.split(": ", 1)[1] in rank1, rank1[-2000:]
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4, 8])
+def test_wait_limits_grow_away_from_a_hang(stages: int) -> None:
+    """Wherever a rank hangs, its neighbour's limit is the shortest on the waiting chain: the
+    limits are within the timeout, at least half of it, and grow by stage in the direction of the
+    wait (forward inputs flow to higher stages, gradients to lower)."""
+    from lightning_pipe2bw.runtime.failure import wait_limits
+
+    limits = [wait_limits(s, stages, 60.0) for s in range(stages)]
+    for forward, backward in limits:
+        assert 30.0 <= forward <= 60.0 and 30.0 <= backward <= 60.0
+    if stages > 2:
+        forwards = [f for f, _ in limits[1:]]  # stage 0 receives no forward input
+        backwards = [b for _, b in limits[:-1]]  # the last stage receives no gradient
+        assert forwards == sorted(forwards) and len(set(forwards)) == len(forwards)
+        assert backwards == sorted(backwards, reverse=True)
+        assert len(set(backwards)) == len(backwards)
+        assert limits[-1][0] == 60.0 and limits[0][1] == 60.0
+    else:
+        assert limits == [(60.0, 60.0)] * stages

@@ -145,6 +145,9 @@ class PipelineEngine:
         self.prev_rank = prev_rank
         self.next_rank = next_rank
         self.stats = EngineStats()
+        # seconds to wait for a forward input and a backward gradient (None: the process
+        # group's timeout); see ``failure.wait_limits``
+        self.wait_limits: tuple[float | None, float | None] = (None, None)
         self.record_timeline = True
         self.slots: dict[int, _Slot] = {}  # in-flight micro-batches, by id
         self.inflight = 0
@@ -227,7 +230,7 @@ class PipelineEngine:
                 kind = action.kind
                 if kind is ActionKind.RECV_F:
                     slot.inputs, slot.upstream_batch = self.transport.recv(
-                        self._peer(self.prev_rank)
+                        self._peer(self.prev_rank), self.wait_limits[0]
                     )
                 elif kind is ActionKind.FORWARD:
                     if not self.is_first:
@@ -258,7 +261,9 @@ class PipelineEngine:
                         del slots[i]
                         self.inflight -= 1
                 elif kind is ActionKind.RECV_B:
-                    slot.grads_in = self.transport.recv(self._peer(self.next_rank))
+                    slot.grads_in = self.transport.recv(
+                        self._peer(self.next_rank), self.wait_limits[1]
+                    )
                 elif kind is ActionKind.BACKWARD:
                     assert backward is not None, "training needs a backward function"
                     self._backward(slot, i, slot.weight, backward)
@@ -303,21 +308,30 @@ class PipelineEngine:
         return results
 
     def _lost_peer(self, action: Action, error: BaseException) -> StageFailure:
-        """The error for a receive or send that failed because the peer's process is gone."""
+        """The error for a receive or send that failed because the peer's process is gone or
+        stopped answering (the process group's timeout passed)."""
         toward_prev = action.kind in (ActionKind.RECV_F, ActionKind.SEND_B)
         peer = self.prev_rank if toward_prev else self.next_rank
         peer_stage = self.stage - 1 if toward_prev else self.stage + 1
         assert peer is not None
-        record = FailureRecord(
-            rank=peer,
-            stage=peer_stage,
-            action="an unknown action",
-            error="its process vanished without reporting an error (killed by a signal or the "
-            "out-of-memory killer, or its node was lost)",
-        )
+        if "timed out" in str(error).lower():
+            what = (
+                "it stopped answering: nothing came from it within the process-group timeout (it "
+                "hangs, or keeps the pipeline waiting longer than the timeout allows; raise "
+                "Pipe2BWStrategy(timeout=...) if that is expected)"
+            )
+            verb = "rank {peer} (stage {peer_stage}) timed out"
+        else:
+            what = (
+                "its process vanished without reporting an error (killed by a signal or the "
+                "out-of-memory killer, or its node was lost; or it timed out waiting for another "
+                "rank, which breaks its connections before it can tell anyone: see its own error)"
+            )
+            verb = "lost rank {peer} (stage {peer_stage})"
+        record = FailureRecord(rank=peer, stage=peer_stage, action="an unknown action", error=what)
         message = (
-            f"lost rank {peer} (stage {peer_stage}) while this stage ({self.stage}) ran action "
-            f"{action}: {type(error).__name__}: {error}. {record.describe()}"
+            f"{verb.format(peer=peer, peer_stage=peer_stage)} while this stage ({self.stage}) ran "
+            f"action {action}: {type(error).__name__}: {error}. {record.describe()}"
         )
         return StageFailure(message, record, source=peer)
 

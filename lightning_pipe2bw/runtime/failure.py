@@ -11,6 +11,11 @@ failure travels along the whole pipeline in well under a second.
 A rank that is killed (SIGKILL, the out-of-memory killer, a lost node) sends nothing; its
 connections close, so a neighbour waiting for it fails at once, and the :class:`StageFailure` it
 raises says which rank went silent, with no error of its own.
+
+A rank that hangs without failing (a deadlock in user code) sends nothing and closes nothing.
+Its neighbours wait for it until a deadline, then fail naming it. The ranks further along wait
+for those neighbours in turn, so their deadlines are longer (:func:`wait_limits`): the rank next
+to the hang gives up first, and its notice reaches the others before their own deadlines pass.
 """
 
 from __future__ import annotations
@@ -18,7 +23,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["FailureRecord", "StageFailure", "action_of", "mark_action", "new_run"]
+__all__ = [
+    "FailureRecord",
+    "StageFailure",
+    "action_of",
+    "mark_action",
+    "new_run",
+    "wait_limits",
+]
 
 _ACTION_ATTR = "_pipe2bw_action"
 _runs = 0
@@ -80,3 +92,22 @@ def mark_action(error: BaseException, action: str) -> None:
 
 def action_of(error: BaseException) -> str | None:
     return getattr(error, _ACTION_ATTR, None)
+
+
+def wait_limits(stage: int, num_stages: int, timeout_s: float) -> tuple[float, float]:
+    """How long ``stage`` waits for a forward input and for a backward gradient, in seconds.
+
+    A receive at stage ``s`` waits, through its neighbour, on every stage before it (forward) or
+    after it (backward). Its limit grows with the number of stages it can be waiting on, from
+    half of ``timeout_s`` for none in between to all of ``timeout_s`` for the whole pipeline, so
+    the rank next to a hung one times out first and names it: the others get its notice instead
+    of timing out on a neighbour that is itself only waiting. (Ranks that started waiting more
+    than ``timeout_s / (2 (p - 1))`` apart can still both time out.) Every limit is within the
+    process group's own timeout, which bounds everything else.
+    """
+    span = num_stages - 1
+    if span <= 1:
+        return timeout_s, timeout_s
+    forward = timeout_s * (0.5 + 0.5 * stage / span)
+    backward = timeout_s * (0.5 + 0.5 * (span - stage) / span)
+    return forward, backward

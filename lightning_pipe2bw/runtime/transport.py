@@ -7,6 +7,7 @@ import pickle
 import time
 import warnings
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -131,12 +132,19 @@ class P2PTransport:
             self.bytes_sent += buf.numel() * buf.element_size()
         self.reap()
 
-    def recv(self, src: int) -> Any:
+    def recv(self, src: int, timeout_s: float | None = None) -> Any:
         """Receive the next message from group rank ``src`` (blocking). A failure notice from
-        ``src`` (see :meth:`notify`) raises :class:`StageFailure`."""
+        ``src`` (see :meth:`notify`) raises :class:`StageFailure`. ``timeout_s`` limits the wait
+        for the message to start (default: the process group's timeout); its parts follow at once.
+        """
         peer = self._global(src)
         length = torch.empty(1, dtype=torch.int64, device=self.device)
-        dist.recv(length, src=peer, group=self.group)
+        work = dist.irecv(length, src=peer, group=self.group)
+        assert work is not None
+        if timeout_s is None:
+            work.wait()
+        else:
+            work.wait(timedelta(seconds=timeout_s))
         n = int(length.item())
         while n == _NOTICE:
             failure = self._recv_notice(peer)

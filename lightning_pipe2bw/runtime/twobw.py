@@ -145,7 +145,6 @@ class TwoBWDriver:
         last = self.admitted - 1
         return last if last >= self.next_update else None
 
-
     def previous_version(self) -> list[Tensor] | None:
         """At a flush point: the weight version the next batch runs with when it is not the
         newest (2BW: version t-1 for batch t), which a checkpoint must keep for an exact resume."""

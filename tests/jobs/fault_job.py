@@ -3,7 +3,8 @@
     python tests/jobs/fault_job.py --mode raise --rank 0 --step 2 --token T
 
 ``--mode raise`` raises ValueError in that rank's ``training_step`` at that step; ``--mode kill``
-sends the rank SIGKILL there. ``--token`` only tags the command line, so a test can check that
+sends the rank SIGKILL there; ``--mode hang`` sleeps there for an hour, so that only the process
+group's timeout (``--timeout`` seconds) can stop the run. ``--token`` only tags the command line, so a test can check that
 no process of the run is left behind.
 """
 
@@ -13,6 +14,8 @@ import argparse
 import os
 import signal
 import sys
+import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -24,32 +27,55 @@ from lightning_pipe2bw import Pipe2BWStrategy
 
 
 class FaultyModel(RegressionModel):
-    def __init__(self, mode: str, rank: int, step: int) -> None:
+    """Fails on one rank at one step: in ``training_step`` (which runs on the first and the last
+    stage only), or with ``in_block`` in the forward of the stage's first body block (every stage
+    runs one; the middle stages of a longer pipeline run nothing else)."""
+
+    def __init__(self, mode: str, rank: int, step: int, in_block: bool = False) -> None:
         super().__init__()
         self.mode, self.fail_rank, self.fail_step = mode, rank, step
+        self.in_block = in_block
+        for block in self.body:
+            block.register_forward_pre_hook(self._block_hook)
+
+    def _fail_here(self) -> bool:
+        return self.global_rank == self.fail_rank and self.trainer.global_step == self.fail_step
+
+    def _fail(self) -> None:
+        if self.mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.mode == "hang":
+            time.sleep(3600)
+        raise ValueError(f"failing on purpose at step {self.fail_step}")
+
+    def _block_hook(self, block: Any, args: Any) -> None:
+        if self.in_block and self._fail_here():
+            self._fail()
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
-        if self.global_rank == self.fail_rank and self.trainer.global_step == self.fail_step:
-            if self.mode == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise ValueError(f"failing on purpose at step {self.fail_step}")
+        if not self.in_block and self._fail_here():
+            self._fail()
         return super().training_step(batch, batch_idx)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["raise", "kill"], required=True)
+    parser.add_argument("--mode", choices=["raise", "kill", "hang"], required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--step", type=int, default=2)
     parser.add_argument("--schedule", default="2bw")
+    parser.add_argument("--in-block", action="store_true", help="fail in a body block")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=None, help="seconds")
     parser.add_argument("--token", default="")
     args = parser.parse_args()
+    timeout = {"timeout": timedelta(seconds=args.timeout)} if args.timeout else {}
     trainer = quiet_trainer(
-        devices=2,
-        strategy=Pipe2BWStrategy(schedule=args.schedule, microbatches=2),
+        devices=args.devices,
+        strategy=Pipe2BWStrategy(schedule=args.schedule, microbatches=args.devices, **timeout),
         max_steps=args.step + 3,
     )
-    trainer.fit(FaultyModel(args.mode, args.rank, args.step), loader(8))
+    trainer.fit(FaultyModel(args.mode, args.rank, args.step, args.in_block), loader(8))
     print("finished without a failure")
 
 
