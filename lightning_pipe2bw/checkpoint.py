@@ -68,14 +68,18 @@ def gather_named(local: Mapping[str, Any], rank: int, world_size: int) -> dict[s
 
 
 def gather_optimizer_state(
-    optimizer: Optimizer, stage: int, num_stages: int, balance: Sequence[int]
+    optimizer: Optimizer,
+    stage: int,
+    num_stages: int,
+    balance: Sequence[int],
+    group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
     """Every stage's optimizer state, in stage order, with the layout it was written for
-    (collective over the ``num_stages`` ranks of one pipeline)."""
+    (collective over ``group``: the ``num_stages`` ranks of one pipeline)."""
     local = (stage, _to_cpu(optimizer.state_dict()))
     gathered: list[Any] = [None] * num_stages
     if num_stages > 1:
-        dist.all_gather_object(gathered, local)
+        dist.all_gather_object(gathered, local, group=group)
     else:
         gathered = [local]
     by_stage = dict(gathered)

@@ -58,6 +58,7 @@ class StrategyConfig:
     process_group_backend: str | None = None  # None: gloo on CPU, nccl on CUDA
     timeout_s: float | None = None  # process-group timeout; None: the strategy default (3 min)
     state_dict_type: str = "full"  # "full": one consolidated file; "sharded": DCP directory
+    data_parallel: int = 1  # pipeline replicas (devices must be a multiple)
 
 
 @dataclass
@@ -249,6 +250,7 @@ def build_strategy(cfg: StrategyConfig, *, multirun: bool = False) -> Pipe2BWStr
         start_method=resolve_start_method(cfg.start_method, multirun),  # type: ignore[arg-type]
         process_group_backend=cfg.process_group_backend,
         state_dict_type=cfg.state_dict_type,  # type: ignore[arg-type]
+        data_parallel=cfg.data_parallel,
         **kwargs,
     )
 

@@ -121,6 +121,9 @@ class Pipe2BWStrategy(ParallelStrategy):
             another. A rank that hangs without failing (a deadlock in user code) stops the run
             after this long, with an error naming it; raise it if one rank may legitimately keep
             the others waiting longer (a very slow step, writing a huge consolidated checkpoint).
+        data_parallel: pipeline replicas (``w``). ``devices * num_nodes`` must be a multiple of it;
+            each replica is a pipeline of ``world_size / w`` stages that reads its own shard of
+            the data, and every stage averages its gradients with its replicas before the update.
         state_dict_type: ``"full"`` writes one consolidated Lightning checkpoint, loadable on one
             device (gathered on rank 0); ``"sharded"`` writes a directory in which every rank
             saves its own stage with ``torch.distributed.checkpoint`` under the original
@@ -140,9 +143,18 @@ class Pipe2BWStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         state_dict_type: Literal["full", "sharded"] = "full",
+        data_parallel: int = 1,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if (
+            not isinstance(data_parallel, int)
+            or isinstance(data_parallel, bool)
+            or data_parallel < 1
+        ):
+            raise ValueError(
+                f"data_parallel must be a positive int (pipeline replicas), got {data_parallel!r}"
+            )
         if schedule not in SCHEDULES:
             valid = ", ".join(repr(name) for name in SCHEDULES)
             raise ValueError(f"unknown schedule {schedule!r}; valid schedules: {valid}")
@@ -184,6 +196,7 @@ class Pipe2BWStrategy(ParallelStrategy):
                 f"of per-stage files), got {state_dict_type!r}"
             )
         self.state_dict_type = state_dict_type
+        self.data_parallel = data_parallel
         self.schedule_name = schedule
         self.microbatches = microbatches
         self.flush_every = flush_every
@@ -200,13 +213,15 @@ class Pipe2BWStrategy(ParallelStrategy):
         self.driver: TwoBWDriver | None = None
         self._reports: ReportChannel | None = None  # the last stage's step values, for 2BW
         self._report_group: Any = None
+        self._pipe_group: Any = None  # this replica's pipeline (None: the whole world is one)
+        self._stage_group: Any = None  # this stage's replicas (None: no data parallelism)
 
     # ------------------------------------------------------------------ topology
     @property
     def is_distributed(self) -> bool:
-        # Lightning injects a DistributedSampler (with forced shuffling) only for data-parallel
-        # replicas; every stage of one pipeline must read the user's batches in the user's order
-        return False
+        # Lightning injects a DistributedSampler only for data-parallel replicas (with
+        # ``distributed_sampler_kwargs``): every stage of one pipeline reads its replica's shard
+        return self.data_parallel > 1
 
     @property
     @override
@@ -228,24 +243,31 @@ class Pipe2BWStrategy(ParallelStrategy):
 
     @property
     def num_stages(self) -> int:
-        return self.world_size
+        return self.world_size // self.data_parallel
+
+    @property
+    def replica(self) -> int:
+        """This rank's pipeline replica: ranks ``replica * num_stages`` onwards, contiguous, so
+        that a pipeline stays inside a node where it fits."""
+        return self.global_rank // self.num_stages
 
     @property
     def stage(self) -> int:
         """This rank's pipeline stage. Global rank 0 runs the *last* stage: the loss is computed
         there, and Lightning's progress bar, loggers and checkpoint writer live on rank 0, so
         they see each step's values the moment they exist, with no message in between."""
-        return self.rank_of_stage(self.global_rank)
+        return self.num_stages - 1 - self.global_rank % self.num_stages
 
-    def rank_of_stage(self, stage: int) -> int:
-        """The global rank that runs ``stage`` (the mapping is its own inverse)."""
-        return self.num_stages - 1 - stage
+    def rank_of_stage(self, stage: int, replica: int | None = None) -> int:
+        """The global rank that runs ``stage`` of ``replica`` (default: this rank's)."""
+        replica = self.replica if replica is None else replica
+        return replica * self.num_stages + self.num_stages - 1 - stage
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # every stage of one pipeline reads the same batches
-        return {"num_replicas": 1, "rank": 0}
+        # every stage of one pipeline reads the same batches: its replica's shard
+        return {"num_replicas": self.data_parallel, "rank": self.replica}
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -307,18 +329,42 @@ class Pipe2BWStrategy(ParallelStrategy):
         self._check_world()
 
     def _check_world(self) -> None:
-        if self.balance is not None and len(self.balance) != self.world_size:
-            stages = len(self.balance)
-            if self.world_size % stages != 0:
-                raise ValueError(
-                    f"{self.world_size} devices cannot be split into pipelines of {stages} stages "
-                    f"(balance={list(self.balance)}); use a device count divisible by {stages}"
-                )
+        world, w = self.world_size, self.data_parallel
+        if world % w != 0:
             raise ValueError(
-                f"balance={list(self.balance)} describes {stages} stages but {self.world_size} "
-                f"devices were given; data parallel x pipeline is not supported yet, so use "
-                f"devices={stages} (one stage per device)"
+                f"data_parallel={w} does not divide the {world} processes (devices x num_nodes); "
+                f"use a data_parallel that divides {world}, or {w * max(world // w, 1)} devices"
             )
+        if self.balance is not None and len(self.balance) != self.num_stages:
+            stages = len(self.balance)
+            hint = (
+                f"data_parallel={world // stages} ({world} devices as pipelines of {stages} stages)"
+                if world % stages == 0
+                else f"a device count divisible by {stages}"
+            )
+            raise ValueError(
+                f"balance={list(self.balance)} describes {stages} stages but {world} devices with "
+                f"data_parallel={w} make pipelines of {self.num_stages} stages; use {hint}"
+            )
+        self._make_groups()
+
+    def _make_groups(self) -> None:
+        """The 2D mesh: one group per pipeline replica (its stages talk, clip and agree in it) and
+        one per stage (its replicas average gradients in it). Collective: every rank creates every
+        group, in the same order."""
+        w, d = self.data_parallel, self.num_stages
+        if w == 1:  # one pipeline: the default group; the report group is made on first use
+            return
+        for replica in range(w):
+            ranks = [replica * d + i for i in range(d)]
+            group = dist.new_group(ranks)
+            reports = dist.new_group(ranks, backend="gloo") if d > 1 else None
+            if replica == self.replica:
+                self._pipe_group, self._report_group = group, reports
+        for stage in range(d):
+            group = dist.new_group([self.rank_of_stage(stage, r) for r in range(w)])
+            if stage == self.stage:
+                self._stage_group = group
 
     # ------------------------------------------------------------------ model set-up
     @contextmanager
@@ -378,7 +424,8 @@ class Pipe2BWStrategy(ParallelStrategy):
             if self._report_group is None:  # collective: every rank sets up the same schedule
                 self._report_group = dist.new_group(backend="gloo")
             last = self.rank_of_stage(self.num_stages - 1)
-            self._reports = ReportChannel(last, self._report_group)
+            members = [self.rank_of_stage(s) for s in range(self.num_stages)]
+            self._reports = ReportChannel(last, self._report_group, members)
 
     def _check_trainer(self, trainer: Trainer) -> None:
         module = self.lightning_module
@@ -394,6 +441,12 @@ class Pipe2BWStrategy(ParallelStrategy):
                 f"microbatches={self.num_microbatches} for {self.num_stages} stages; use "
                 f"microbatches={self.num_stages} or more"
             )
+        if self.schedule_name == "pipedream" and self.data_parallel > 1:
+            raise ValueError(
+                "schedule='pipedream' updates each stage in the middle of the pipeline, with no "
+                "point at which replicas could average their gradients; use schedule='2bw' (or a "
+                "flush schedule) with data_parallel > 1"
+            )
         if trainer.accumulate_grad_batches != 1:
             raise ValueError(
                 f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not supported "
@@ -408,6 +461,7 @@ class Pipe2BWStrategy(ParallelStrategy):
             "microbatches": self.num_microbatches,
             "flush_every": self.flush_every,
             "balance": self.balance,
+            "data_parallel": self.data_parallel,
             "body": self.body_name,
             "state_dict_type": self.state_dict_type,
             "precision": trainer.precision,
@@ -538,7 +592,9 @@ class Pipe2BWStrategy(ParallelStrategy):
         if self.num_stages == 1:
             return payload
         box = [payload]
-        dist.broadcast_object_list(box, src=self.rank_of_stage(self.num_stages - 1))
+        dist.broadcast_object_list(
+            box, src=self.rank_of_stage(self.num_stages - 1), group=self._pipe_group
+        )
         return box[0]  # type: ignore[no-any-return]
 
     def _backward_microbatch(self, loss: Tensor) -> None:
@@ -603,6 +659,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         for p, grad in self._grad_stash:
             p.grad = grad
         self._grad_stash = []
+        self._average_over_replicas([p for p in module.parameters() if p.grad is not None])
         trainer = module.trainer
         call._call_callback_hooks(trainer, "on_before_backward", closure_loss)
         call._call_lightning_module_hook(trainer, "on_before_backward", closure_loss)
@@ -610,8 +667,28 @@ class Pipe2BWStrategy(ParallelStrategy):
         call._call_lightning_module_hook(trainer, "on_after_backward")
         return closure_loss
 
+    def _average_over_replicas(self, params: list[nn.Parameter]) -> None:
+        """Average this stage's gradients with its replicas (data parallel x pipeline): one
+        all-reduce over the stage's group, on a flat buffer, just before the update. Every replica
+        holds the same parameters with gradients, so the buffers line up."""
+        group = self._stage_group
+        if group is None or not params:
+            return
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for p in params:
+            assert p.grad is not None
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)
+            flat /= self.data_parallel
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
     def _agree_across_stages(self) -> None:
-        group = None  # the whole world is one pipeline
+        group = self._pipe_group  # clipping and inf checks span one pipeline
         make_clipping_global(self.precision_plugin, self.root_device, group, self.num_stages)
         plugin = self.precision_plugin
         if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
@@ -632,6 +709,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         optimizer = driver.optimizer
         for p, grad in zip(driver.versions.params, driver.take_gradient(batch), strict=True):
             p.grad = grad
+        self._average_over_replicas([p for p in driver.versions.params if p.grad is not None])
         optimizer.due = batch
         # Lightning's own step path: loss-scaler unscale and (agreed) inf check, the
         # on_before_optimizer_step hooks, clipping over all stages, then the update
@@ -788,7 +866,9 @@ class Pipe2BWStrategy(ParallelStrategy):
             assert module is not None
             return stage_optimizer_state(module, _torch_optimizer(optimizer))
         opt = getattr(optimizer, "_optimizer", optimizer)
-        return gather_optimizer_state(opt, self.stage, self.num_stages, self.partition.balance)
+        return gather_optimizer_state(
+            opt, self.stage, self.num_stages, self.partition.balance, self._pipe_group
+        )
 
     def _pipeline_state(self, consolidate: bool = True) -> dict[str, Any]:
         """What a checkpoint needs beyond Lightning's own keys: the layout, and for 2BW the batch

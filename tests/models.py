@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -134,12 +135,13 @@ def reference_train(
     num_blocks: int = 8,
     optimizer: str = "adamw",
     clip: tuple[str, float] | None = None,
+    data: Iterable[Any] | None = None,
 ) -> tuple[dict[str, Tensor], list[float]]:
     """Single-device gradient accumulation over the same micro-batches: the exactness reference."""
     model = RegressionModel(num_blocks, optimizer)
     opt, sched = make_optimizer(model.parameters(), optimizer)
     losses = []
-    for step, (x, y) in enumerate(loader(batch_size)):
+    for step, (x, y) in enumerate(loader(batch_size) if data is None else data):
         if step == steps:
             break
         opt.zero_grad()
@@ -166,6 +168,7 @@ def reference_2bw(
     num_blocks: int = 8,
     optimizer: str = "adamw",
     clip: tuple[str, float] | None = None,
+    data: Iterable[Any] | None = None,
 ) -> dict[str, Tensor]:
     """Single-process PipeDream-2BW: batch t's gradient is computed with weight version
     max(t - 1, 0) and applied by the optimizer to the newest weights, so
@@ -175,7 +178,7 @@ def reference_2bw(
     shadow = RegressionModel(num_blocks, optimizer)  # evaluates gradients at old versions
     opt, sched = make_optimizer(model.parameters(), optimizer)
     history = {0: {k: v.detach().clone() for k, v in model.state_dict().items()}}
-    for step, (x, y) in enumerate(loader(batch_size)):
+    for step, (x, y) in enumerate(loader(batch_size) if data is None else data):
         if step == steps:
             break
         shadow.load_state_dict(history[max(step - 1, 0)])

@@ -138,3 +138,12 @@ def fit_late_built(width: int, num_blocks: int) -> dict[str, Any]:
         "initial_state": peak.state,
         "blocks": list(model.body.indices),
     }
+
+
+def fit_error(schedule: str, **strategy_kwargs: Any) -> str:
+    """The message of the error a short fit raises ("no error" if it trains)."""
+    try:
+        fit(schedule, 4, 2, **strategy_kwargs)
+    except (ValueError, TypeError) as err:
+        return str(err)
+    return "no error"

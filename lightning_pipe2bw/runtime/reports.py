@@ -27,11 +27,14 @@ class ReportChannel:
     at the same points of the training loop), so :attr:`backlog` tells whether a report is owed.
     """
 
-    def __init__(self, source: int, group: dist.ProcessGroup) -> None:
+    def __init__(
+        self, source: int, group: dist.ProcessGroup, members: list[int] | None = None
+    ) -> None:
         self.source = source
         self.group = group
         self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
+        # the global ranks of the pipeline (default: the whole world)
+        self.members = list(range(dist.get_world_size())) if members is None else list(members)
         self.backlog = 0  # on a receiver: reports posted by the source and not yet received
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
         self.max_unread = 8  # the source waits only when this many reports are still unread
@@ -48,12 +51,12 @@ class ReportChannel:
         # keep the sends of the last `max_unread` reports; wait for older ones, which the
         # receivers (one step behind in the strategy) took long ago, so the wait returns at once
         # and the held buffers stay bounded (gloo marks a send complete only once waited for)
-        per_report = 2 * (self.world_size - 1)
+        per_report = 2 * (len(self.members) - 1)
         keep = per_report * (self.max_unread - 1)
         while len(self._sends) > keep:
             sent, _ = self._sends.pop(0)
             sent.wait()
-        for rank in range(self.world_size):
+        for rank in self.members:
             if rank == self.source:
                 continue
             for tensor, tag in ((length, _LENGTH_TAG), (buffer, _DATA_TAG)):
