@@ -1,0 +1,303 @@
+"""Measuring a body's blocks: forward/backward times and activation, output and weight bytes."""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+from lightning_pipe2bw.partition.profile import BlockProfile, Profile, ProfileSet
+
+__all__ = ["profile_blocks", "profile_sizes"]
+
+
+def profile_blocks(
+    blocks: Sequence[nn.Module] | nn.Sequential,
+    sample: Any,
+    *,
+    names: Sequence[str] | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+    device: torch.device | str | None = None,
+) -> Profile:
+    """Measure every block of a body on one micro-batch ``sample`` (the body's input).
+
+    Each block runs on a detached copy of the previous block's output (floating leaves require
+    grad, as a pipeline stage receives them). ``forward_s`` and ``backward_s`` are medians over
+    ``repeats`` timed runs after ``warmup`` untimed ones; the backward is
+    ``torch.autograd.backward`` of the output's grad-requiring floating leaves with gradients of
+    ones (``backward_s`` is 0 when no output leaf requires grad). ``output_bytes`` sums the
+    output's tensor leaves; ``param_bytes`` the block's distinct parameters.
+
+    ``saved_bytes`` is what autograd keeps alive for the block's backward: the tensors packed by
+    ``torch.autograd.graph.saved_tensors_hooks`` during one forward that are still referenced by
+    the graph once the forward returns, counting each storage once (by
+    ``untyped_storage().data_ptr()``, the whole storage's bytes, as a saved view keeps its whole
+    storage alive). Storages of the block's own parameters and buffers (weights) and of its input
+    (the boundary activation, counted as the previous block's ``output_bytes``) are left out; the
+    output is counted when autograd saves it (e.g. ``ReLU`` saves its result).
+
+    The blocks run in train mode; every module's mode, the parameters' ``.grad``, the buffers
+    (e.g. batch-norm running statistics) and the RNG state are restored afterwards, and no
+    parameter is updated. ``device`` defaults to the blocks' (else the sample's) device; the
+    sample is moved there, and a block on another device is moved there for its measurement
+    and back afterwards. ``names`` default to the ``nn.Sequential``'s child names, else indices.
+    """
+    mods = list(blocks)  # not .children(), which would drop a block listed twice
+    if not mods:
+        raise ValueError("profile_blocks needs at least one block")
+    for i, m in enumerate(mods):
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"block {i} is a {type(m).__name__}, not an nn.Module")
+    if names is None and isinstance(blocks, nn.Sequential):
+        names = list(blocks._modules)
+    elif names is None:
+        names = [str(i) for i in range(len(mods))]
+    labels = [str(n) for n in names]
+    if len(labels) != len(mods):
+        raise ValueError(f"got {len(labels)} names for {len(mods)} blocks; give one name per block")
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
+    leaves = [x for x in pytree.tree_leaves(sample) if isinstance(x, Tensor)]
+    batched = [x for x in leaves if x.ndim >= 1]
+    if not batched:
+        raise TypeError(
+            "the sample must be a tensor or a tuple/list/dict of tensors holding one micro-batch "
+            f"(dimension 0 is the micro-batch size); got {type(sample).__name__} with no "
+            "tensor of ndim >= 1. Pass the body's input for one micro-batch."
+        )
+    dev = torch.device(device) if device is not None else _default_device(mods, leaves[0])
+    if dev.type == "meta":
+        raise ValueError("cannot time blocks on the meta device; pass device='cpu' or 'cuda'")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+
+    cuda = dev.type == "cuda"
+    results: list[BlockProfile] = []
+    rng = torch.random.fork_rng([dev.index] if cuda else [], device_type="cuda" if cuda else None)
+    with _kept_state(mods), rng, torch.inference_mode(False), torch.enable_grad():
+        x = _tree_map(lambda t: t.detach().to(dev), sample)
+        for i, (name, block) in enumerate(zip(labels, mods, strict=True)):
+            with _on_device(block, dev, i):
+                block.train()
+                profile, x = _profile_one(block, x, i, name, dev, warmup, repeats)
+            results.append(profile)
+    meta: dict[str, Any] = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "warmup": warmup,
+    }
+    if cuda:
+        meta["device_name"] = torch.cuda.get_device_name(dev)
+    return Profile(
+        microbatch_size=int(batched[0].shape[0]),
+        input_bytes=_leaf_bytes(sample),
+        blocks=tuple(results),
+        device=dev.type,
+        repeats=repeats,
+        meta=meta,
+    )
+
+
+def profile_sizes(
+    blocks: Sequence[nn.Module] | nn.Sequential,
+    make_sample: Callable[[int], Any],
+    sizes: Sequence[int],
+    *,
+    names: Sequence[str] | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+    device: torch.device | str | None = None,
+) -> ProfileSet:
+    """Profile the blocks at each micro-batch size; ``make_sample(b)`` gives a sample of size b."""
+    if not sizes:
+        raise ValueError("profile_sizes needs at least one micro-batch size")
+    profiles = []
+    for size in sizes:
+        profile = profile_blocks(
+            blocks, make_sample(size), names=names, warmup=warmup, repeats=repeats, device=device
+        )
+        if profile.microbatch_size != size:
+            raise ValueError(
+                f"make_sample({size}) returned a sample with micro-batch size "
+                f"{profile.microbatch_size}; dimension 0 of its first tensor must be {size}"
+            )
+        profiles.append(profile)
+    return ProfileSet(tuple(profiles))
+
+
+def _profile_one(
+    block: nn.Module, x: Any, index: int, name: str, dev: torch.device, warmup: int, repeats: int
+) -> tuple[BlockProfile, Any]:
+    """One block's profile, and its detached output (the next block's input)."""
+    exclude = {_storage_key(t)[0] for t in (*block.parameters(), *block.buffers())}
+    inp = _fresh(x)
+    exclude |= {_storage_key(t)[0] for t in pytree.tree_leaves(inp) if isinstance(t, Tensor)}
+    packed: list[weakref.ref[Tensor]] = []
+
+    def pack(t: Tensor) -> Tensor:
+        # a detached alias: packing a saved output itself would tie it to its own grad_fn in a
+        # reference cycle, alive after its graph died; the alias lives exactly as long as the node
+        alias = t.detach()
+        packed.append(weakref.ref(alias))
+        return alias
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = _call(block, inp, index, name)
+    storages: dict[int, int] = {}
+    for ref in packed:
+        t = ref()
+        if t is not None:
+            key, size = _storage_key(t)
+            if key not in exclude:
+                storages[key] = size
+    del inp
+    nxt = _tree_map(lambda t: t.detach(), out)
+    output_bytes = _leaf_bytes(out)
+    del out  # frees the measured graph
+    forward: list[float] = []
+    backward: list[float] = []
+    for run in range(warmup + repeats):
+        inp = _fresh(x)
+        _sync(dev)
+        start = time.perf_counter()
+        out = _call(block, inp, index, name)
+        _sync(dev)
+        mid = time.perf_counter()
+        roots = [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad]
+        ones = [torch.ones_like(t) for t in roots]
+        _sync(dev)
+        begin = time.perf_counter()
+        if roots:
+            try:
+                torch.autograd.backward(roots, ones)
+            except RuntimeError as err:
+                raise ValueError(f"the backward of block {index} ({name!r}) failed: {err}") from err
+        _sync(dev)
+        end = time.perf_counter()
+        if run >= warmup:
+            forward.append(mid - start)
+            backward.append(end - begin if roots else 0.0)
+        del out, roots, ones, inp
+    for p in block.parameters():
+        p.grad = None
+    profile = BlockProfile(
+        name=name,
+        forward_s=statistics.median(forward),
+        backward_s=statistics.median(backward),
+        output_bytes=output_bytes,
+        saved_bytes=sum(storages.values()),
+        param_bytes=sum(p.numel() * p.element_size() for p in block.parameters()),
+    )
+    return profile, nxt
+
+
+def _call(block: nn.Module, inp: Any, index: int, name: str) -> Any:
+    try:
+        return block(inp)
+    except Exception as err:
+        raise ValueError(
+            f"block {index} ({name!r}) failed on its input (the sample for block 0, else the "
+            f"previous block's output): {type(err).__name__}: {err}. Check that the blocks chain "
+            "(each takes exactly the previous one's output) and that the sample is one micro-batch "
+            "of the body's input."
+        ) from err
+
+
+def _fresh(x: Any) -> Any:
+    """A detached copy of ``x`` whose floating leaves require grad, as a stage receives it."""
+
+    def copy(t: Tensor) -> Tensor:
+        c = t.detach().clone()
+        return c.requires_grad_() if c.is_floating_point() or c.is_complex() else c
+
+    return _tree_map(copy, x)
+
+
+def _tree_map(fn: Callable[[Tensor], Tensor], tree: Any) -> Any:
+    return pytree.tree_map(lambda v: fn(v) if isinstance(v, Tensor) else v, tree)
+
+
+def _leaf_bytes(tree: Any) -> int:
+    leaves = pytree.tree_leaves(tree)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, Tensor))
+
+
+def _storage_key(t: Tensor) -> tuple[int, int]:
+    """(key, bytes) of the storage behind ``t``; tensors without one count alone, by id."""
+    try:
+        storage = t.untyped_storage()
+        if storage.data_ptr() != 0:
+            return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):
+        pass
+    return -id(t), t.numel() * t.element_size()
+
+
+def _default_device(mods: list[nn.Module], first_leaf: Tensor) -> torch.device:
+    for block in mods:
+        for t in (*block.parameters(), *block.buffers()):
+            if t.device.type != "meta":
+                return t.device
+    return first_leaf.device
+
+
+@contextmanager
+def _kept_state(mods: list[nn.Module]) -> Iterator[None]:
+    """Restore every module's mode, the parameters' ``.grad`` and the buffers' values on exit.
+
+    Looked up by owner and name, since moving a block between devices replaces its buffers.
+    """
+    owners = list(dict.fromkeys(m for block in mods for m in block.modules()))
+    modes = [m.training for m in owners]
+    grads = [(m, n, p.grad) for m in owners for n, p in m.named_parameters(recurse=False)]
+    buffers = [(m, n, b.clone()) for m in owners for n, b in m.named_buffers(recurse=False)]
+    for m, n, _ in grads:
+        getattr(m, n).grad = None
+    try:
+        yield
+    finally:
+        with torch.no_grad():  # restoring state only, not a measurement
+            for m, n, value in buffers:
+                getattr(m, n).copy_(value)
+        for m, n, grad in grads:
+            getattr(m, n).grad = grad
+        for m, mode in zip(owners, modes, strict=True):
+            m.training = mode
+
+
+@contextmanager
+def _on_device(block: nn.Module, dev: torch.device, index: int) -> Iterator[None]:
+    """Run ``block`` on ``dev``, moving it there and back when its tensors live elsewhere."""
+    devices = {t.device for t in (*block.parameters(), *block.buffers())}
+    if any(d.type == "meta" for d in devices):
+        raise ValueError(
+            f"block {index} has tensors on the meta device; materialise it (e.g. "
+            "module.to_empty(device=...) and initialise it) before profiling"
+        )
+    if len(devices) > 1:
+        raise ValueError(
+            f"block {index} has tensors on several devices {sorted(map(str, devices))}; "
+            "move it to one device before profiling"
+        )
+    home = devices.pop() if devices else dev
+    if home == dev:
+        yield
+        return
+    block.to(dev)
+    try:
+        yield
+    finally:
+        block.to(home)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
