@@ -1,0 +1,365 @@
+"""The planner: pick data parallelism, depth, micro-batch size, recompute and the partition."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_pipe2bw.partition.costmodel import (
+    FLUSH_SCHEDULES,
+    Cluster,
+    CostModel,
+    StageCost,
+    check_schedule,
+)
+from lightning_pipe2bw.partition.partitioner import best_partition, smallest_peak_memory
+from lightning_pipe2bw.partition.plans import Plan, PlanResult
+from lightning_pipe2bw.partition.profile import Profile, ProfileSet
+from lightning_pipe2bw.schedule import Costs, get_schedule, pipedream, simulate, two_bw
+
+__all__ = [
+    "RECOMPUTE_MODES",
+    "Cluster",
+    "Plan",
+    "PlanResult",
+    "best_partition",
+    "plan",
+    "predict",
+    "simulate_plan",
+]
+
+RECOMPUTE_MODES = ("search", "off", "on", "per_stage")
+_INF = math.inf
+_GIB = float(2**30)
+
+ProfilesLike = Profile | ProfileSet | Sequence[Profile]
+
+
+def _as_profiles(profiles: object) -> ProfileSet:
+    if isinstance(profiles, ProfileSet):
+        return profiles
+    if isinstance(profiles, Profile):
+        return ProfileSet.of(profiles)
+    if (
+        isinstance(profiles, Sequence)
+        and profiles
+        and all(isinstance(p, Profile) for p in profiles)
+    ):
+        return ProfileSet.of(list(profiles))
+    raise TypeError(
+        f"profiles must be a Profile, a ProfileSet or a list of Profiles, got {type(profiles).__name__}; "
+        "measure one with lightning_pipe2bw.partition.profiler or build it by hand"
+    )
+
+
+def _check_int(label: str, value: object, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{label} must be an int >= 1, got {value!r}; {fix}")
+    return value
+
+
+def _check_ratio(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(
+            f"optimizer_bytes_per_param_byte must be a number >= 0, got {value!r}; use 2.0 for "
+            "Adam's two moments in the parameter dtype, 0.0 for plain SGD"
+        )
+    return float(value)
+
+
+def _make_plan(
+    model: CostModel, balance: Sequence[int], flags: Sequence[bool], limit: float
+) -> Plan:
+    stages: list[StageCost] = []
+    lo = 0
+    for s, (k, rc) in enumerate(zip(balance, flags, strict=True)):
+        stages.append(model.stage(s, lo, lo + k, rc))
+        lo += k
+    t = max(st.time_s(model.m) for st in stages)
+    return Plan(
+        schedule=model.schedule,
+        data_parallel=model.w,
+        depth=model.d,
+        microbatch_size=model.profile.microbatch_size,
+        num_microbatches=model.m,
+        balance=tuple(balance),
+        recompute=tuple(flags),
+        compute_s=tuple(st.compute_s for st in stages),
+        comm_s=tuple(st.comm_s for st in stages),
+        allreduce_s=tuple(st.allreduce_s for st in stages),
+        memory_bytes=tuple(st.memory_bytes for st in stages),
+        time_per_microbatch=t,
+        step_time=model.step_time(t),
+        throughput=model.throughput(t),
+        fits=all(st.memory_bytes <= limit for st in stages),
+    )
+
+
+# ----------------------------------------------------------------------------- the search
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    model: CostModel
+    recompute: str
+    upper: float  # throughput bound: no split of this configuration can beat it
+    memory_floor: float  # no split of it needs less on its largest stage
+
+
+def _rank(p: Plan) -> tuple[float, float, int, int, int]:
+    return (-p.throughput, max(p.memory_bytes), sum(p.recompute), p.depth, p.microbatch_size)
+
+
+def _even(n: int, d: int) -> tuple[int, ...]:
+    return tuple(n // d + (1 if s < n % d else 0) for s in range(d))
+
+
+def _divisors(k: int) -> list[int]:
+    small = [i for i in range(1, math.isqrt(k) + 1) if k % i == 0]
+    return sorted({*small, *(k // i for i in small)})
+
+
+def plan(
+    profiles: ProfilesLike,
+    cluster: Cluster,
+    global_batch_size: int,
+    schedule: str = "2bw",
+    *,
+    microbatch_sizes: Sequence[int] | None = None,
+    recompute: str = "search",
+    optimizer_bytes_per_param_byte: float = 2.0,
+    keep: int = 10,
+) -> PlanResult:
+    """Search every (w, d) with w d = N and d <= blocks, every micro-batch size b dividing the
+    per-replica batch B / w (or those in ``microbatch_sizes``), m = B / (w b), and recompute
+    ("search": off and on; "off"; "on"; "per_stage": only the stages that need it to fit),
+    with the best partition of each; keep the ``keep`` fastest that fit in memory.
+
+    Exact: candidates are visited by a throughput upper bound (compute / d) and the search
+    stops once no remaining one can enter the top ``keep``. 2BW needs m >= d; others are not
+    limited. Raises ValueError when nothing fits, with the smallest memory any split needed.
+    """
+    started = time.perf_counter()
+    pset = _as_profiles(profiles)
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster must be a Cluster, got {type(cluster).__name__}")
+    check_schedule(schedule)
+    batch = _check_int(
+        "global_batch_size", global_batch_size, "give the samples per optimizer step"
+    )
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {list(RECOMPUTE_MODES)}, got {recompute!r}")
+    ratio = _check_ratio(optimizer_bytes_per_param_byte)
+    _check_int("keep", keep, "keep at least the best plan")
+    if microbatch_sizes is not None:
+        microbatch_sizes = [
+            _check_int("micro-batch size", b, "use sizes >= 1") for b in microbatch_sizes
+        ]
+    modes = ("off", "on") if recompute == "search" else (recompute,)
+    n, total = pset.num_blocks, cluster.num_devices
+    limit = float(cluster.memory_bytes)
+
+    candidates: list[_Candidate] = []
+    skipped: list[str] = []
+    profiles_at: dict[int, Profile] = {}
+    for d in range(1, min(total, n) + 1):
+        if total % d:
+            continue
+        w = total // d
+        if batch % w:
+            skipped.append(f"w={w} (d={d}): {batch} samples do not split over {w} replicas")
+            continue
+        per = batch // w
+        sizes = (
+            _divisors(per)
+            if microbatch_sizes is None
+            else [b for b in microbatch_sizes if per % b == 0]
+        )
+        for b in sizes:
+            m = per // b
+            if schedule == "2bw" and m < d:
+                skipped.append(f"w={w} d={d} b={b}: 2bw needs m >= d, m={m}")
+                continue
+            if b not in profiles_at:
+                profiles_at[b] = pset.at(b)
+            model = CostModel(profiles_at[b], cluster, schedule, w, d, m, ratio)
+            for mode in modes:
+                t_floor, mem_floor = model.bounds(mode == "on")
+                candidates.append(_Candidate(model, mode, model.throughput(t_floor), mem_floor))
+    candidates.sort(key=lambda c: -c.upper)
+
+    found: list[Plan] = []
+    infeasible = 0
+    for cand in candidates:
+        floor = found[-1].throughput if len(found) >= keep else 0.0
+        if cand.upper <= floor:
+            break  # sorted by bound: nothing after this one can enter the top `keep`
+        if cand.memory_floor > limit:
+            infeasible += 1
+            continue
+        model = cand.model
+        cutoff = model.time_for_throughput(floor) if floor > 0 else _INF
+        result = best_partition(model, cand.recompute, limit, cutoff)
+        if result is None:
+            infeasible += cutoff == _INF
+            continue
+        found.append(_make_plan(model, *result, limit))
+        found.sort(key=_rank)
+        del found[keep:]
+
+    if not found:
+        raise ValueError(_nothing_fits(candidates, skipped, cluster, batch, schedule, recompute))
+    return PlanResult(
+        best=found[0],
+        alternatives=tuple(found[1:]),
+        cluster=cluster,
+        global_batch_size=batch,
+        configurations=len(candidates),
+        infeasible=infeasible,
+        search_time_s=time.perf_counter() - started,
+    )
+
+
+def _nothing_fits(
+    candidates: list[_Candidate],
+    skipped: list[str],
+    cluster: Cluster,
+    batch: int,
+    schedule: str,
+    recompute: str,
+) -> str:
+    if not candidates:
+        why = "; ".join(skipped[:6]) + ("; ..." if len(skipped) > 6 else "")
+        return (
+            f"no configuration of {cluster.num_devices} devices can run global batch {batch} "
+            f"with schedule {schedule!r} ({why or 'no micro-batch size divides the batch'}); "
+            "use a global batch divisible by the data-parallel widths, more micro-batches "
+            "(a larger batch or smaller micro-batch sizes) or schedule='1f1b'"
+        )
+    need, where = _INF, ""
+    for cand in candidates:
+        peak = smallest_peak_memory(cand.model, cand.recompute)
+        if peak < need:
+            mdl = cand.model
+            need = peak
+            where = (
+                f"w={mdl.w} d={mdl.d} b={mdl.profile.microbatch_size} m={mdl.m} "
+                f"recompute={cand.recompute}"
+            )
+    hints = ["devices with more memory", "more devices (deeper pipelines)", "smaller micro-batches"]
+    if recompute in ("off",):
+        hints.append("recompute='search'")
+    if schedule in ("2bw", "pipedream"):
+        hints.append("schedule='1f1b' (one weight version)")
+    return (
+        f"no plan fits in {cluster.memory_bytes / _GIB:.2f} GiB per device: the smallest "
+        f"largest-stage memory over {len(candidates)} configurations is {need / _GIB:.2f} GiB "
+        f"({where}); use {', '.join(hints)}"
+    )
+
+
+# ----------------------------------------------------------------------------- fixed configurations
+
+
+def predict(
+    profiles: ProfilesLike,
+    cluster: Cluster,
+    global_batch_size: int,
+    *,
+    schedule: str = "2bw",
+    depth: int,
+    microbatch_size: int,
+    balance: Sequence[int] | None = None,
+    recompute: bool | Sequence[bool] = False,
+    optimizer_bytes_per_param_byte: float = 2.0,
+) -> Plan:
+    """The cost model's prediction for one configuration (to compare with a measured run).
+
+    w = N / depth; m = B / (w b). Without ``balance`` the best split is searched (under the
+    memory limit if one fits, else the fastest). The plan's ``fits`` says if it fits memory.
+    """
+    pset = _as_profiles(profiles)
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster must be a Cluster, got {type(cluster).__name__}")
+    check_schedule(schedule)
+    total = cluster.num_devices
+    d = _check_int("depth", depth, "use at least one stage")
+    b = _check_int("microbatch_size", microbatch_size, "use micro-batches of >= 1 sample")
+    batch = _check_int(
+        "global_batch_size", global_batch_size, "give the samples per optimizer step"
+    )
+    if total % d or d > pset.num_blocks:
+        raise ValueError(
+            f"depth={d} must divide num_devices={total} and be <= the {pset.num_blocks} blocks; "
+            f"use one of {[k for k in _divisors(total) if k <= pset.num_blocks]}"
+        )
+    w = total // d
+    if batch % (w * b):
+        raise ValueError(
+            f"global_batch_size={batch} is not a multiple of data_parallel x microbatch_size = "
+            f"{w} x {b}; use a batch of {w * b * max(1, batch // (w * b))}"
+        )
+    m = batch // (w * b)
+    if schedule == "2bw" and m < d:
+        raise ValueError(f"2bw needs m >= d, got m={m} for d={d}; use a larger batch or smaller b")
+    model = CostModel(
+        pset.at(b), cluster, schedule, w, d, m, _check_ratio(optimizer_bytes_per_param_byte)
+    )
+    flags = (bool(recompute),) * d if isinstance(recompute, bool) else tuple(recompute)
+    if len(flags) != d:
+        raise ValueError(f"recompute has {len(flags)} flags for depth={d}; give one per stage")
+    if balance is None:
+        # without a memory limit every split of n >= d blocks is valid, so this finds one
+        found = best_partition(model, flags, cluster.memory_bytes) or best_partition(model, flags)
+        balance = found[0] if found else _even(pset.num_blocks, d)
+    balance = tuple(balance)
+    if len(balance) != d or any(k < 1 for k in balance) or sum(balance) != pset.num_blocks:
+        raise ValueError(
+            f"balance {list(balance)} must have {d} entries >= 1 summing to the "
+            f"{pset.num_blocks} blocks (it sums to {sum(balance)})"
+        )
+    return _make_plan(model, balance, flags, cluster.memory_bytes)
+
+
+def simulate_plan(
+    plan: Plan, profiles: ProfilesLike, cluster: Cluster, *, batches: int = 3
+) -> float:
+    """The step time of ``plan`` simulated on the schedule the engine runs.
+
+    Each stage's incoming transfers are folded into its compute: the activation from s - 1
+    into its forward, the gradient from s + 1 into its backward (a receive blocks the stage for
+    its transfer time, as in the formula; ``Costs.comm`` stays 0). Flush schedules: the
+    simulated makespan of ``get_schedule(name, d, m)``, then each stage's all-reduce after its
+    last action. 2BW and PipeDream: the steady-state time of one batch, the makespan over
+    ``batches + 1`` batches minus that over ``batches`` (fill and drain cancel), or the
+    slowest all-reduce if longer (it overlaps the next batch).
+    """
+    pset = _as_profiles(profiles)
+    if plan.num_devices != cluster.num_devices or sum(plan.balance) != pset.num_blocks:
+        raise ValueError(
+            f"the plan uses {plan.num_devices} devices and {sum(plan.balance)} blocks, the cluster "
+            f"has {cluster.num_devices} and the profile {pset.num_blocks}; simulate a plan with "
+            "the cluster and profile it was made for"
+        )
+    d, m = plan.depth, plan.num_microbatches
+    model = CostModel(
+        pset.at(plan.microbatch_size), cluster, plan.schedule, plan.data_parallel, d, m
+    )
+    stages, lo = [], 0
+    for s, (k, rc) in enumerate(zip(plan.balance, plan.recompute, strict=True)):
+        stages.append(model.stage(s, lo, lo + k, rc))
+        lo += k
+    costs = Costs(
+        forward=[st.forward_s + st.recv_activation_s for st in stages],
+        backward=[st.backward_s + st.recv_gradient_s for st in stages],
+    )
+    if plan.schedule in FLUSH_SCHEDULES:
+        result = simulate(get_schedule(plan.schedule, d, m), costs)
+        ends = [row[-1][2] if row else 0.0 for row in result.timeline]
+        return max(end + st.allreduce_s for end, st in zip(ends, stages, strict=True))
+    build = two_bw if plan.schedule == "2bw" else pipedream
+    longer = simulate(build(d, m, batches + 1), costs).step_time
+    shorter = simulate(build(d, m, batches), costs).step_time
+    return max(longer - shorter, max(st.allreduce_s for st in stages))
