@@ -51,7 +51,8 @@ class StrategyConfig:
     schedule: str = "2bw"
     microbatches: int | None = 4
     flush_every: int | None = None
-    balance: list[int] | None = None
+    # blocks per stage, e.g. [3, 3], or a mode: "uniform", "params", "auto" (profile and plan)
+    balance: Any = None
     body: str | None = None
     # "auto": "popen" for a single run, "spawn" under --multirun (see resolve_start_method)
     start_method: str = "auto"
@@ -59,6 +60,7 @@ class StrategyConfig:
     timeout_s: float | None = None  # process-group timeout; None: the strategy default (3 min)
     state_dict_type: str = "full"  # "full": one consolidated file; "sharded": DCP directory
     data_parallel: int = 1  # pipeline replicas (devices must be a multiple)
+    recompute: Any = False  # recompute activations in the backward: a bool, or one per stage
 
 
 @dataclass
@@ -190,19 +192,31 @@ def check_config(cfg: TrainConfig) -> None:
             f"strategy.microbatches={s.microbatches} must be between 1 and "
             f"data.batch_size={d.batch_size} (each micro-batch needs at least one sample)"
         )
-    stages = t.devices * t.num_nodes
+    world = t.devices * t.num_nodes
+    stages = world // max(s.data_parallel, 1)
     blocks = m.n_layer + 2  # embeddings, the transformer blocks, the head
     if t.devices < 1 or t.num_nodes < 1:
         problems.append(
             f"trainer.devices={t.devices} and trainer.num_nodes={t.num_nodes} must be positive "
             "(one pipeline stage per device)"
         )
+    elif s.data_parallel < 1 or world % s.data_parallel != 0:
+        problems.append(
+            f"strategy.data_parallel={s.data_parallel} must divide the {world} devices "
+            "(trainer.devices * trainer.num_nodes)"
+        )
+    elif isinstance(s.balance, str):
+        if s.balance not in ("uniform", "params", "auto"):
+            problems.append(
+                f"strategy.balance={s.balance!r} is unknown; valid: a list of block counts, "
+                "uniform, params, auto"
+            )
     elif s.balance is not None:
         if len(s.balance) != stages or sum(s.balance) != blocks:
             problems.append(
                 f"strategy.balance={s.balance} must list {stages} stages "
-                f"(trainer.devices * trainer.num_nodes) summing to {blocks} blocks "
-                f"(model.n_layer + 2)"
+                f"(trainer.devices * trainer.num_nodes / strategy.data_parallel) summing to "
+                f"{blocks} blocks (model.n_layer + 2)"
             )
     elif stages > blocks:
         problems.append(
@@ -236,6 +250,13 @@ def resolve_start_method(method: str, multirun: bool) -> str:
     return "spawn" if multirun else "popen"
 
 
+def _balance(value: Any) -> Any:
+    """A config's balance as the strategy takes it: a mode's name (checked there), or ints."""
+    if value is None or isinstance(value, str):
+        return value
+    return [int(b) for b in value]
+
+
 def build_strategy(cfg: StrategyConfig, *, multirun: bool = False) -> Pipe2BWStrategy:
     """The ``Pipe2BWStrategy`` that ``cfg`` describes."""
     kwargs: dict[str, Any] = {}
@@ -245,12 +266,15 @@ def build_strategy(cfg: StrategyConfig, *, multirun: bool = False) -> Pipe2BWStr
         schedule=cfg.schedule,
         microbatches=cfg.microbatches,
         flush_every=cfg.flush_every,
-        balance=list(cfg.balance) if cfg.balance is not None else None,
+        balance=_balance(cfg.balance),
         body=cfg.body,
         start_method=resolve_start_method(cfg.start_method, multirun),  # type: ignore[arg-type]
         process_group_backend=cfg.process_group_backend,
         state_dict_type=cfg.state_dict_type,  # type: ignore[arg-type]
         data_parallel=cfg.data_parallel,
+        recompute=(
+            cfg.recompute if isinstance(cfg.recompute, bool) else [bool(r) for r in cfg.recompute]
+        ),
         **kwargs,
     )
 

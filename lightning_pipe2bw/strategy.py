@@ -64,7 +64,8 @@ from lightning_pipe2bw.checkpoint import (
     stage_optimizer_state,
 )
 from lightning_pipe2bw.launcher import PipeSpawnLauncher
-from lightning_pipe2bw.partition import Partition, build_stage, find_body
+from lightning_pipe2bw.partition import BodyRef, Partition, build_stage, find_body
+from lightning_pipe2bw.partition.balance import balance_by_params
 from lightning_pipe2bw.runtime import P2PTransport, PipelineEngine, StageBody, merge_outputs
 from lightning_pipe2bw.runtime.engine import step_loss
 from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure, action_of, wait_limits
@@ -81,6 +82,7 @@ __all__ = ["Pipe2BWStrategy"]
 log = logging.getLogger(__name__)
 
 _StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+_BALANCE_MODES = ("uniform", "params", "auto")
 
 
 def _say(text: str) -> None:
@@ -137,13 +139,14 @@ class Pipe2BWStrategy(ParallelStrategy):
         schedule: str = "2bw",
         microbatches: int | None = None,
         flush_every: int | None = None,
-        balance: Sequence[int] | None = None,
+        balance: Sequence[int] | Literal["uniform", "params", "auto"] | None = None,
         body: str | None = None,
         start_method: _StartMethod = "popen",
         process_group_backend: str | None = None,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         state_dict_type: Literal["full", "sharded"] = "full",
         data_parallel: int = 1,
+        recompute: bool | Sequence[bool] = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -162,8 +165,14 @@ class Pipe2BWStrategy(ParallelStrategy):
             not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1
         ):
             raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
-        if balance is not None:
-            if isinstance(balance, (str, bytes)):
+        if isinstance(balance, str) and balance not in _BALANCE_MODES:
+            modes = ", ".join(repr(m) for m in _BALANCE_MODES)
+            raise ValueError(
+                f"balance={balance!r} is not a balance mode ({modes}) nor a list of block counts "
+                "per stage such as [3, 5]"
+            )
+        if balance is not None and not isinstance(balance, str):
+            if isinstance(balance, bytes):
                 raise TypeError(
                     f"balance must be a list of block counts per stage, got {balance!r}"
                 )
@@ -200,7 +209,20 @@ class Pipe2BWStrategy(ParallelStrategy):
         self.schedule_name = schedule
         self.microbatches = microbatches
         self.flush_every = flush_every
-        self.balance = tuple(balance) if balance is not None else None
+        # a list of block counts, or a mode resolved at set-up (see _resolve_balance)
+        self.balance_mode = balance if isinstance(balance, str) else None
+        self.balance = (
+            tuple(balance) if balance is not None and not isinstance(balance, str) else None
+        )
+        if isinstance(recompute, bool):
+            self.recompute: bool | tuple[bool, ...] = recompute
+        else:
+            flags = tuple(recompute)
+            if not flags or not all(isinstance(f, bool) for f in flags):
+                raise TypeError(
+                    f"recompute must be a bool or a list of one bool per stage, got {recompute!r}"
+                )
+            self.recompute = flags
         self.body_name = body
         self._start_method: _StartMethod = start_method
         self._process_group_backend = process_group_backend
@@ -346,6 +368,11 @@ class Pipe2BWStrategy(ParallelStrategy):
                 f"balance={list(self.balance)} describes {stages} stages but {world} devices with "
                 f"data_parallel={w} make pipelines of {self.num_stages} stages; use {hint}"
             )
+        if isinstance(self.recompute, tuple) and len(self.recompute) != self.num_stages:
+            raise ValueError(
+                f"recompute={list(self.recompute)} has {len(self.recompute)} entries but the "
+                f"pipeline has {self.num_stages} stages; give one bool per stage, or one bool for all"
+            )
         self._make_groups()
 
     def _make_groups(self) -> None:
@@ -460,7 +487,8 @@ class Pipe2BWStrategy(ParallelStrategy):
             "schedule": self.schedule_name,
             "microbatches": self.num_microbatches,
             "flush_every": self.flush_every,
-            "balance": self.balance,
+            "balance": self.balance if self.balance_mode is None else self.balance_mode,
+            "recompute": self.recompute,
             "data_parallel": self.data_parallel,
             "body": self.body_name,
             "state_dict_type": self.state_dict_type,
@@ -476,14 +504,33 @@ class Pipe2BWStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         ref = find_body(module, self.body_name)
+        balance = self._resolve_balance(ref)
         body, self.partition = build_stage(
-            module, ref, self.stage, self.num_stages, self.balance, self.root_device
+            module, ref, self.stage, self.num_stages, balance, self.root_device
+        )
+        body.recompute = (
+            self.recompute if isinstance(self.recompute, bool) else self.recompute[self.stage]
         )
         log.info(
             "pipe2bw: rank %d runs stage %d/%d with blocks %s of %r",
             self.global_rank, self.stage, self.num_stages, body.indices, ref.path,
         )  # fmt: skip
         self._setup_engine(body)
+
+    def _resolve_balance(self, ref: BodyRef) -> Sequence[int] | None:
+        """The blocks per stage: the user's list, an even split (``None``/``"uniform"``), or one
+        evening out the blocks' parameter counts (``"params"``). The same on every rank."""
+        mode = self.balance_mode
+        if mode is None:
+            return self.balance
+        if isinstance(ref.module, StageBody):  # partitioned by an earlier trainer call
+            return ref.module.balance
+        if mode == "uniform":
+            return None
+        blocks = list(ref.module.children())
+        if mode == "params":
+            return balance_by_params(blocks, self.num_stages)
+        raise NotImplementedError(mode)
 
     def _setup_engine(self, body: StageBody) -> None:
         stage = self.stage

@@ -66,6 +66,9 @@ def fit(
         "stage": strategy.stage,
         "versions": strategy.version_log,
         "engine_versions": strategy.engine.stats.max_weight_versions if strategy.engine else 0,
+        "peak_activation_bytes": (
+            strategy.engine.stats.peak_activation_bytes if strategy.engine else 0
+        ),
         "val_runs": record.val_runs,
     }
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 __all__ = ["BodyCall", "StageBody"]
 
@@ -43,13 +44,23 @@ class StageBody(nn.Module):
             self.add_module(str(index), block)
             self.indices.append(index)
         self._call: BodyCall | None = None
+        self.recompute = False  # recompute the blocks' activations in the backward
 
     def run_blocks(self, x: Any, weights: Mapping[str, Tensor] | None = None) -> Any:
         """Apply the owned blocks in order, with ``nn.Sequential`` semantics (one input each).
 
         ``weights`` (names as in ``self.named_parameters()``) replace the parameters for this
         call (``torch.func.functional_call``): a weight version other than the live one.
+
+        With :attr:`recompute`, autograd keeps only the stage's input: the blocks run again,
+        with the same weights and random state, when the backward needs their activations
+        (``torch.utils.checkpoint``, non-reentrant).
         """
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self._run_blocks, x, weights, use_reentrant=False)
+        return self._run_blocks(x, weights)
+
+    def _run_blocks(self, x: Any, weights: Mapping[str, Tensor] | None) -> Any:
         if weights is None:
             return self._apply_blocks(x)
         saved = self._call
