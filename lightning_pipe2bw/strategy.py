@@ -36,7 +36,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -50,6 +50,7 @@ from lightning_pipe2bw.agreement import (
     check_same_setup,
     make_clipping_global,
 )
+from lightning_pipe2bw.autoplan import AutoPlanInputs, auto_plan
 from lightning_pipe2bw.checkpoint import (
     gather_named,
     gather_optimizer_state,
@@ -66,6 +67,7 @@ from lightning_pipe2bw.checkpoint import (
 from lightning_pipe2bw.launcher import PipeSpawnLauncher
 from lightning_pipe2bw.partition import BodyRef, Partition, build_stage, find_body
 from lightning_pipe2bw.partition.balance import balance_by_params
+from lightning_pipe2bw.partition.plans import PlanResult
 from lightning_pipe2bw.runtime import P2PTransport, PipelineEngine, StageBody, merge_outputs
 from lightning_pipe2bw.runtime.engine import step_loss
 from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure, action_of, wait_limits
@@ -146,7 +148,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         state_dict_type: Literal["full", "sharded"] = "full",
         data_parallel: int = 1,
-        recompute: bool | Sequence[bool] = False,
+        recompute: bool | Sequence[bool] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -214,8 +216,8 @@ class Pipe2BWStrategy(ParallelStrategy):
         self.balance = (
             tuple(balance) if balance is not None and not isinstance(balance, str) else None
         )
-        if isinstance(recompute, bool):
-            self.recompute: bool | tuple[bool, ...] = recompute
+        if recompute is None or isinstance(recompute, bool):
+            self.recompute: bool | tuple[bool, ...] | None = recompute
         else:
             flags = tuple(recompute)
             if not flags or not all(isinstance(f, bool) for f in flags):
@@ -235,6 +237,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         self.driver: TwoBWDriver | None = None
         self._reports: ReportChannel | None = None  # the last stage's step values, for 2BW
         self._report_group: Any = None
+        self.plan: PlanResult | None = None  # what balance="auto" chose (saved in checkpoints)
         self._pipe_group: Any = None  # this replica's pipeline (None: the whole world is one)
         self._stage_group: Any = None  # this stage's replicas (None: no data parallelism)
 
@@ -508,9 +511,8 @@ class Pipe2BWStrategy(ParallelStrategy):
         body, self.partition = build_stage(
             module, ref, self.stage, self.num_stages, balance, self.root_device
         )
-        body.recompute = (
-            self.recompute if isinstance(self.recompute, bool) else self.recompute[self.stage]
-        )
+        recompute = self.plan.best.recompute if self.plan is not None else self.recompute
+        body.recompute = recompute[self.stage] if isinstance(recompute, tuple) else bool(recompute)
         log.info(
             "pipe2bw: rank %d runs stage %d/%d with blocks %s of %r",
             self.global_rank, self.stage, self.num_stages, body.indices, ref.path,
@@ -528,9 +530,36 @@ class Pipe2BWStrategy(ParallelStrategy):
         if mode == "uniform":
             return None
         blocks = list(ref.module.children())
-        if mode == "params":
-            return balance_by_params(blocks, self.num_stages)
-        raise NotImplementedError(mode)
+        module = self.lightning_module
+        assert module is not None
+        if mode == "auto" and module.trainer.state.fn == TrainerFn.FITTING:
+            return self._plan_auto(module, ref)
+        # "params", or "auto" outside fit (no training batch to profile with)
+        return balance_by_params(blocks, self.num_stages)
+
+    def _plan_auto(self, module: LightningModule, ref: BodyRef) -> Sequence[int]:
+        """Profile, plan and apply the plan: partition, micro-batches (unless given) and
+        recomputation (unless given). Every rank gets rank 0's profile, so every rank applies the
+        same plan; it is logged on rank 0 and saved in checkpoints (``strategy.plan``)."""
+        loader = module.trainer.fit_loop._data_source.dataloader()
+        batch = next(iter(loader))  # type: ignore[call-overload]
+        inputs = AutoPlanInputs(
+            self.schedule_name,
+            self.data_parallel,
+            self.microbatches,
+            self.recompute,
+            self.root_device,
+            self.world_size,
+            self.num_processes,
+        )
+        result = auto_plan(module, ref, batch, inputs)
+        best = result.best
+        self.plan = result
+        self.microbatches = best.num_microbatches
+        if self.global_rank == 0:
+            log.info("pipe2bw: balance='auto' planned\n%s", result.explain())
+            rank_zero_info(f"pipe2bw: balance='auto' chose {best.summary()}")
+        return best.balance
 
     def _setup_engine(self, body: StageBody) -> None:
         stage = self.stage
@@ -927,7 +956,10 @@ class Pipe2BWStrategy(ParallelStrategy):
             "schedule": self.schedule_name,
             "num_stages": self.num_stages,
             "balance": list(self.partition.balance),
+            "data_parallel": self.data_parallel,
         }
+        if self.plan is not None:  # JSON-ready: loads with weights_only=True
+            state["plan"] = self.plan.best.to_dict()
         driver = self.driver
         if driver is None:
             return state

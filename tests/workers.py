@@ -31,7 +31,7 @@ class RecordLoss(Callback):
 
 def fit(
     schedule: str,
-    microbatches: int,
+    microbatches: int | None,
     steps: int,
     optimizer: str = "adamw",
     batch_size: int = 8,
@@ -66,6 +66,7 @@ def fit(
         "stage": strategy.stage,
         "versions": strategy.version_log,
         "engine_versions": strategy.engine.stats.max_weight_versions if strategy.engine else 0,
+        "microbatches": strategy.num_microbatches,
         "peak_activation_bytes": (
             strategy.engine.stats.peak_activation_bytes if strategy.engine else 0
         ),
@@ -145,8 +146,9 @@ def fit_late_built(width: int, num_blocks: int) -> dict[str, Any]:
 
 def fit_error(schedule: str, **strategy_kwargs: Any) -> str:
     """The message of the error a short fit raises ("no error" if it trains)."""
+    microbatches = strategy_kwargs.pop("microbatches", 4)
     try:
-        fit(schedule, 4, 2, **strategy_kwargs)
+        fit(schedule, microbatches, 2, **strategy_kwargs)
     except (ValueError, TypeError) as err:
         return str(err)
     return "no error"

@@ -131,6 +131,7 @@ def plan(
     recompute: str = "search",
     optimizer_bytes_per_param_byte: float = 2.0,
     keep: int = 10,
+    data_parallel: int | None = None,
 ) -> PlanResult:
     """Search every (w, d) with w d = N and d <= blocks, every micro-batch size b dividing the
     per-replica batch B / w (or those in ``microbatch_sizes``), m = B / (w b), and recompute
@@ -140,6 +141,7 @@ def plan(
     Exact: candidates are visited by a throughput upper bound (compute / d) and the search
     stops once no remaining one can enter the top ``keep``. 2BW needs m >= d; others are not
     limited. Raises ValueError when nothing fits, with the smallest memory any split needed.
+    ``data_parallel`` fixes w (the strategy's ``balance="auto"`` plans for the width it was given).
     """
     started = time.perf_counter()
     pset = _as_profiles(profiles)
@@ -168,6 +170,8 @@ def plan(
         if total % d:
             continue
         w = total // d
+        if data_parallel is not None and w != data_parallel:
+            continue
         if batch % w:
             skipped.append(f"w={w} (d={d}): {batch} samples do not split over {w} replicas")
             continue

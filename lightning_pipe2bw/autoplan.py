@@ -1,0 +1,205 @@
+"""``balance="auto"``: profile the body on rank 0, measure the link, plan, and agree on the plan."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from torch import nn
+
+from lightning_pipe2bw.partition.costmodel import Cluster
+from lightning_pipe2bw.partition.planner import plan
+from lightning_pipe2bw.partition.plans import PlanResult
+from lightning_pipe2bw.partition.profile import ProfileSet
+from lightning_pipe2bw.partition.profiler import profile_sizes
+from lightning_pipe2bw.partition.split import BodyRef
+from lightning_pipe2bw.runtime.microbatch import batch_size_of, split_batch
+
+__all__ = ["AutoPlanInputs", "auto_plan", "body_input", "local_cluster", "measure_bandwidth"]
+
+
+class _Captured(Exception):
+    def __init__(self, value: Any) -> None:
+        super().__init__("body input captured")
+        self.value = value
+
+
+def body_input(module: LightningModule, ref: BodyRef, batch: Any, size: int) -> Any:
+    """What the user's ``training_step`` passes to the body for a micro-batch of ``size``
+    samples of ``batch``: the step runs up to the body call, which is stopped there."""
+    whole = batch_size_of(batch)
+    parts, _ = split_batch(batch, max(whole // size, 1))
+    sample = parts[0]
+
+    def capture(_: nn.Module, args: tuple[Any, ...]) -> None:
+        raise _Captured(args[0] if len(args) == 1 else args)
+
+    handle = ref.module.register_forward_pre_hook(capture)
+    try:
+        with torch.no_grad():
+            module.training_step(sample, 0)
+    except _Captured as got:
+        return got.value
+    finally:
+        handle.remove()
+    raise ValueError(
+        f"balance='auto' ran training_step on one micro-batch to find the input of the body "
+        f"{ref.path!r}, but the step never called it; call self.{ref.path}(x) (or self(x)) in "
+        "training_step, or give balance as a list"
+    )
+
+
+def measure_bandwidth(device: torch.device, peer: int, nbytes: int = 8 << 20) -> float:
+    """Bytes per second from global rank 0 to ``peer`` (median of 3 round trips of ``nbytes``
+    out and a byte back); collective over the default group: every rank gets the figure."""
+    rank = dist.get_rank()
+    result = torch.zeros(1, dtype=torch.float64, device=device)
+    if rank in (0, peer):
+        payload = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+        ack = torch.zeros(1, device=device)
+        times = []
+        for _ in range(4):  # the first round trip sets up the connection: not counted
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(payload, dst=peer)
+                dist.recv(ack, src=peer)
+            else:
+                dist.recv(payload, src=0)
+                dist.send(ack, dst=0)
+            times.append(time.perf_counter() - start)
+        result.fill_(nbytes / statistics.median(times[1:]))
+    dist.broadcast(result, src=0)
+    return float(result.item())
+
+
+def local_cluster(
+    device: torch.device,
+    world_size: int,
+    processes_per_node: int,
+    memory_fraction: float = 0.9,
+) -> Cluster:
+    """The cluster the run is on: device memory (a CUDA device's, or this machine's RAM shared
+    by its processes) and the measured bandwidth inside a node and across nodes."""
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // processes_per_node
+    intra = inter = 1e12  # one process: nothing crosses a link
+    if world_size > 1:
+        intra = measure_bandwidth(device, 1 if processes_per_node > 1 else 0)
+        inter = (
+            measure_bandwidth(device, processes_per_node)
+            if world_size > processes_per_node
+            else intra
+        )
+    return Cluster(
+        num_devices=world_size,
+        devices_per_node=min(processes_per_node, world_size),
+        memory_bytes=memory * memory_fraction,
+        intra_node_bandwidth=intra,
+        inter_node_bandwidth=inter,
+    )
+
+
+class AutoPlanInputs:
+    """What the strategy knows when it plans: its options and its topology."""
+
+    def __init__(
+        self,
+        schedule: str,
+        data_parallel: int,
+        microbatches: int | None,
+        recompute: bool | Sequence[bool] | None,
+        device: torch.device,
+        world_size: int,
+        processes_per_node: int,
+    ) -> None:
+        self.schedule = schedule
+        self.data_parallel = data_parallel
+        self.microbatches = microbatches
+        self.recompute = recompute
+        self.device = device
+        self.world_size = world_size
+        self.processes_per_node = processes_per_node
+
+    @property
+    def depth(self) -> int:
+        return self.world_size // self.data_parallel
+
+
+def _candidate_sizes(inputs: AutoPlanInputs, local_batch: int) -> list[int]:
+    m = inputs.microbatches
+    if m is not None:
+        if local_batch % m:
+            raise ValueError(
+                f"balance='auto' with microbatches={m} needs a batch size divisible by {m}, got "
+                f"{local_batch}; leave microbatches unset to let the planner choose"
+            )
+        return [local_batch // m]
+    sizes = [b for b in range(1, local_batch + 1) if local_batch % b == 0]
+    if inputs.schedule == "2bw":
+        sizes = [b for b in sizes if local_batch // b >= inputs.depth]
+    if not sizes:
+        raise ValueError(
+            f"balance='auto': a batch of {local_batch} samples cannot give the {inputs.depth} "
+            f"micro-batches schedule={inputs.schedule!r} needs; use a larger batch"
+        )
+    return sizes
+
+
+def auto_plan(
+    module: LightningModule, ref: BodyRef, batch: Any, inputs: AutoPlanInputs
+) -> PlanResult:
+    """Profile the body at the smallest and the largest candidate micro-batch size (on global
+    rank 0, on this run's device), broadcast the profile, measure the links, and plan for the
+    strategy's schedule and data-parallel width. Collective; every rank returns the same plan."""
+    local_batch = batch_size_of(batch)
+    sizes = _candidate_sizes(inputs, local_batch)
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        blocks = list(ref.module.children())
+        if any(p.is_meta for b in blocks for p in b.parameters()):
+            box[0] = ValueError(
+                "balance='auto' profiles the whole body on rank 0, but it was built on the meta "
+                "device (configure_model); build it in __init__, or give balance as a list or "
+                "'params'"
+            )
+        else:
+            try:
+                box[0] = profile_sizes(
+                    blocks,
+                    lambda b: body_input(module, ref, batch, b),
+                    sorted({sizes[0], sizes[-1]}),
+                    device=inputs.device,
+                )
+            except (ValueError, TypeError) as err:
+                box[0] = err
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    profiles: ProfileSet = box[0]
+    cluster = local_cluster(inputs.device, inputs.world_size, inputs.processes_per_node)
+    if inputs.recompute is None:
+        mode = "search"
+    elif isinstance(inputs.recompute, bool):
+        mode = "on" if inputs.recompute else "off"
+    else:
+        raise ValueError(
+            "balance='auto' chooses recomputation itself (or takes recompute=True/False for "
+            f"every stage); got a per-stage list {list(inputs.recompute)}"
+        )
+    return plan(
+        profiles,
+        cluster,
+        local_batch * inputs.data_parallel,
+        inputs.schedule,
+        microbatch_sizes=sizes,
+        recompute=mode,
+        data_parallel=inputs.data_parallel,
+    )
