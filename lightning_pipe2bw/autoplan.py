@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import statistics
 import time
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from torch import nn
 
 from lightning_pipe2bw.partition.costmodel import Cluster
@@ -20,8 +22,16 @@ from lightning_pipe2bw.partition.profile import ProfileSet
 from lightning_pipe2bw.partition.profiler import profile_sizes
 from lightning_pipe2bw.partition.split import BodyRef
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, split_batch
+from lightning_pipe2bw.runtime.transport import P2PTransport
 
-__all__ = ["AutoPlanInputs", "auto_plan", "body_input", "local_cluster", "measure_bandwidth"]
+__all__ = [
+    "AutoPlanInputs",
+    "auto_plan",
+    "body_input",
+    "local_cluster",
+    "measure_bandwidth",
+    "measure_latency",
+]
 
 
 class _Captured(Exception):
@@ -78,6 +88,33 @@ def measure_bandwidth(device: torch.device, peer: int, nbytes: int = 8 << 20) ->
     return float(result.item())
 
 
+def measure_latency(device: torch.device, peer: int, rounds: int = 50) -> float:
+    """Seconds one small message takes from global rank 0 to ``peer`` and is unpacked, through
+    the pipeline's own transport (its framing and Python overhead included): half the median
+    round trip. Collective over the default group: every rank gets the figure."""
+    rank = dist.get_rank()
+    result = torch.zeros(1, dtype=torch.float64, device=device)
+    if rank in (0, peer):
+        transport = P2PTransport(None, device)
+        other = peer if rank == 0 else 0
+        message = torch.zeros(16, device=device)
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            if rank == 0:
+                transport.send(message, other)
+                transport.recv(other)
+            else:
+                transport.recv(other)
+                transport.send(message, other)
+            times.append(time.perf_counter() - start)
+            transport.settle()
+        transport.wait_sends()
+        result.fill_(statistics.median(times[rounds // 5 :]) / 2)
+    dist.broadcast(result, src=0)
+    return float(result.item())
+
+
 def local_cluster(
     device: torch.device,
     world_size: int,
@@ -91,7 +128,9 @@ def local_cluster(
     else:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // processes_per_node
     intra = inter = 1e12  # one process: nothing crosses a link
+    latency = 0.0
     if world_size > 1:
+        latency = measure_latency(device, 1)
         intra = measure_bandwidth(device, 1 if processes_per_node > 1 else 0)
         inter = (
             measure_bandwidth(device, processes_per_node)
@@ -104,6 +143,7 @@ def local_cluster(
         memory_bytes=memory * memory_fraction,
         intra_node_bandwidth=intra,
         inter_node_bandwidth=inter,
+        latency_s=latency,
     )
 
 
@@ -133,6 +173,23 @@ class AutoPlanInputs:
         return self.world_size // self.data_parallel
 
 
+def _optimizer_factory(module: LightningModule) -> Any:
+    """A function building the run's (first) optimizer, with its settings, over given
+    parameters; ``None`` when ``configure_optimizers`` gives none."""
+    try:
+        optimizers, _ = _init_optimizers_and_lr_schedulers(module)
+    except Exception:  # e.g. it needs state that exists only once fit runs: plan without updates
+        return None
+    if not optimizers:
+        return None
+    first = optimizers[0]
+    kind = type(first)
+    accepted = inspect.signature(kind).parameters
+    # the settings its constructor takes (``defaults`` may hold derived ones it does not)
+    settings = {k: v for k, v in first.defaults.items() if k in accepted}
+    return lambda params: kind(params, **settings)
+
+
 def _candidate_sizes(inputs: AutoPlanInputs, local_batch: int) -> list[int]:
     m = inputs.microbatches
     if m is not None:
@@ -156,30 +213,34 @@ def _candidate_sizes(inputs: AutoPlanInputs, local_batch: int) -> list[int]:
 def auto_plan(
     module: LightningModule, ref: BodyRef, batch: Any, inputs: AutoPlanInputs
 ) -> PlanResult:
-    """Profile the body at the smallest and the largest candidate micro-batch size (on global
-    rank 0, on this run's device), broadcast the profile, measure the links, and plan for the
-    strategy's schedule and data-parallel width. Collective; every rank returns the same plan."""
+    """Profile the body at the smallest and the largest candidate micro-batch size, with the
+    run's optimizer for the update times, broadcast global rank 0's profile, measure the links,
+    and plan for the strategy's schedule and data-parallel width. Collective; every rank returns
+    the same plan.
+
+    Every rank profiles at the same time, on its own device (moving one block there at a time),
+    so that the figures include what ranks sharing a machine cost each other (cores, memory
+    bandwidth); only rank 0's are used."""
     local_batch = batch_size_of(batch)
     sizes = _candidate_sizes(inputs, local_batch)
     box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        blocks = list(ref.module.children())
-        if any(p.is_meta for b in blocks for p in b.parameters()):
-            box[0] = ValueError(
-                "balance='auto' profiles the whole body on rank 0, but it was built on the meta "
-                "device (configure_model); build it in __init__, or give balance as a list or "
-                "'params'"
+    blocks = list(ref.module.children())
+    if any(p.is_meta for b in blocks for p in b.parameters()):
+        box[0] = ValueError(
+            "balance='auto' profiles the whole body, but it was built on the meta device "
+            "(configure_model); build it in __init__, or give balance as a list or 'params'"
+        )
+    else:
+        try:
+            box[0] = profile_sizes(
+                blocks,
+                lambda b: body_input(module, ref, batch, b),
+                sorted({sizes[0], sizes[-1]}),
+                device=inputs.device,
+                optimizer=_optimizer_factory(module),
             )
-        else:
-            try:
-                box[0] = profile_sizes(
-                    blocks,
-                    lambda b: body_input(module, ref, batch, b),
-                    sorted({sizes[0], sizes[-1]}),
-                    device=inputs.device,
-                )
-            except (ValueError, TypeError) as err:
-                box[0] = err
+        except (ValueError, TypeError) as err:
+            box[0] = err
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], Exception):
         raise box[0]

@@ -60,7 +60,9 @@ class StrategyConfig:
     timeout_s: float | None = None  # process-group timeout; None: the strategy default (3 min)
     state_dict_type: str = "full"  # "full": one consolidated file; "sharded": DCP directory
     data_parallel: int = 1  # pipeline replicas (devices must be a multiple)
-    recompute: Any = False  # recompute activations in the backward: a bool, or one per stage
+    # recompute activations in the backward: a bool, or one per stage; null: off, or the
+    # planner's choice with balance=auto
+    recompute: Any = None
 
 
 @dataclass

@@ -172,9 +172,16 @@ class CostModel:
         w, d, m = data_parallel, depth, num_microbatches
         self.w, self.d, self.m, self.n = w, d, m, profile.num_blocks
         blocks = profile.blocks
+        # the optimizer update runs once per step: spread over the m micro-batches, it is what a
+        # stage spends per micro-batch in steady state (exact for 2BW, a little over for flushes)
         self.fwd, self.fb, self.par, self.sav = _prefix(
             [
-                (b.forward_s, b.forward_s + b.backward_s, b.param_bytes, b.saved_bytes)
+                (
+                    b.forward_s,
+                    b.forward_s + b.backward_s + b.update_s / m,
+                    b.param_bytes,
+                    b.saved_bytes,
+                )
                 for b in blocks
             ]
         )

@@ -27,9 +27,10 @@ class BlockProfile:
     output_bytes: int  # the block's output: what crosses a stage boundary after it
     saved_bytes: int  # tensors autograd saves for the block's backward (activation memory)
     param_bytes: int  # the block's parameters (one weight version)
+    update_s: float = 0.0  # the optimizer's update of the block's parameters (once per step)
 
     def __post_init__(self) -> None:
-        for label in ("forward_s", "backward_s"):
+        for label in ("forward_s", "backward_s", "update_s"):
             value = getattr(self, label)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"BlockProfile {self.name}: {label} must be >= 0, got {value!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 import weakref
@@ -15,7 +16,10 @@ from torch.utils import _pytree as pytree
 
 from lightning_pipe2bw.partition.profile import BlockProfile, Profile, ProfileSet
 
-__all__ = ["profile_blocks", "profile_sizes"]
+__all__ = ["profile_blocks", "profile_sizes", "update_times"]
+
+# builds the run's optimizer over some parameters, e.g. ``lambda ps: torch.optim.AdamW(ps)``
+MakeOptimizer = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
 def profile_blocks(
@@ -115,8 +119,11 @@ def profile_sizes(
     warmup: int = 2,
     repeats: int = 5,
     device: torch.device | str | None = None,
+    optimizer: MakeOptimizer | None = None,
 ) -> ProfileSet:
-    """Profile the blocks at each micro-batch size; ``make_sample(b)`` gives a sample of size b."""
+    """Profile the blocks at each micro-batch size; ``make_sample(b)`` gives a sample of size b.
+    With ``optimizer``, each block's ``update_s`` is its parameters' update (see
+    :func:`update_times`)."""
     if not sizes:
         raise ValueError("profile_sizes needs at least one micro-batch size")
     profiles = []
@@ -130,7 +137,56 @@ def profile_sizes(
                 f"{profile.microbatch_size}; dimension 0 of its first tensor must be {size}"
             )
         profiles.append(profile)
+    if optimizer is not None:
+        updates = update_times(blocks, optimizer, warmup=warmup, repeats=repeats, device=device)
+        profiles = [
+            dataclasses.replace(
+                p,
+                blocks=tuple(
+                    dataclasses.replace(b, update_s=u)
+                    for b, u in zip(p.blocks, updates, strict=True)
+                ),
+            )
+            for p in profiles
+        ]
     return ProfileSet(tuple(profiles))
+
+
+def update_times(
+    blocks: Sequence[nn.Module] | nn.Sequential,
+    optimizer: MakeOptimizer,
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+    device: torch.device | str | None = None,
+) -> list[float]:
+    """Median seconds of one ``optimizer`` step over each block's trainable parameters.
+
+    The step runs on copies of the parameters, with random gradients, so the blocks and their
+    gradients are untouched; the optimizer's state is created by the warm-up steps (Adam's first
+    step allocates its moments), so the figure is a steady-state step's.
+    """
+    times = []
+    for block in blocks:
+        params = [p for p in dict.fromkeys(block.parameters()) if p.requires_grad]
+        if not params:
+            times.append(0.0)
+            continue
+        dev = torch.device(device) if device is not None else params[0].device
+        copies = [nn.Parameter(p.detach().to(dev).clone()) for p in params]
+        for c in copies:
+            c.grad = torch.randn_like(c)
+        opt = optimizer(copies)
+        runs = []
+        for run in range(warmup + max(repeats, 1)):
+            _sync(dev)
+            start = time.perf_counter()
+            opt.step()
+            _sync(dev)
+            if run >= warmup:
+                runs.append(time.perf_counter() - start)
+        times.append(statistics.median(runs))
+    return times
 
 
 def _profile_one(
