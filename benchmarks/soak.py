@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 import tracemalloc
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -116,8 +117,11 @@ class MemorySampler(Callback):
         threads: int,
         timeline: bool,
         trim: bool,
+        mid_step: int = 0,
     ) -> None:
         self.out_dir = out_dir
+        self.mid_step = mid_step  # Python objects are counted by type here and at the end
+        self.type_counts: dict[str, Counter[str]] = {}
         self.every = every
         self.gc_every = gc_every
         self.threads = threads
@@ -171,6 +175,7 @@ class MemorySampler(Callback):
             "timeline_maxlen": strategy.engine.stats.timeline.maxlen,  # type: ignore[attr-defined]
             "samples": self.samples,
             "events": self.events,
+            "type_growth": _growth(self.type_counts),
         }
         path = self.out_dir / f"rank{trainer.global_rank}.json"
         path.write_text(json.dumps(record) + "\n")
@@ -204,8 +209,23 @@ class MemorySampler(Callback):
             sample.update(report_sends=len(reports._sends), report_backlog=reports.backlog)
         if kind != "step" or (self.gc_every and step % self.gc_every == 0):
             sample["gc_objects"] = len(gc.get_objects())  # after the RSS reading above
+        if (kind == "step" and step >= self.mid_step and "mid" not in self.type_counts) or (
+            kind == "fit_end"
+        ):  # what kinds of Python object accumulate (after the RSS reading above)
+            label = "end" if kind == "fit_end" else "mid"
+            self.type_counts[label] = Counter(type(o).__qualname__ for o in gc.get_objects())
+            sample[f"type_counts_{label}"] = True
         self.samples.append(sample)
         return sample
+
+
+def _growth(counts: dict[str, Counter[str]]) -> list[tuple[str, int]]:
+    """The object types whose count grew most between the middle and the end of the run."""
+    if "mid" not in counts or "end" not in counts:
+        return []
+    delta = counts["end"].copy()
+    delta.subtract(counts["mid"])
+    return [(name, n) for name, n in delta.most_common(8) if n > 0]
 
 
 def slope_per_1000(points: list[tuple[float, float]]) -> float:
@@ -218,6 +238,16 @@ def slope_per_1000(points: list[tuple[float, float]]) -> float:
     sxx = sum((x - mx) ** 2 for x, _ in points)
     sxy = sum((x - mx) * (y - my) for x, y in points)
     return 1000.0 * sxy / sxx if sxx else float("nan")
+
+
+def _filling_rate(samples: list[dict[str, Any]], maxlen: int | None) -> float:
+    """Timeline entries per step while the timeline fills (before it reaches ``maxlen``)."""
+    filling = [s for s in samples if maxlen is None or s["timeline"] < maxlen]
+    if len(filling) < 2 or filling[-1]["step"] == filling[0]["step"]:
+        return 0.0
+    return (filling[-1]["timeline"] - filling[0]["timeline"]) / (
+        filling[-1]["step"] - filling[0]["step"]
+    )
 
 
 def summarize(
@@ -257,7 +287,8 @@ def summarize(
         "allocated_blocks_slope_second_half_per_1000": slope_per_1000(blocks),
         "pending_bytes_max": max(s["pending_bytes"] for s in steps),
         "report_sends_max": max(s.get("report_sends", 0) for s in steps),
-        "timeline_per_step": (last["timeline"] - first["timeline"]) / span,
+        "timeline_per_step": _filling_rate(record["samples"], record["timeline_maxlen"]),
+        "type_growth_second_half": record.get("type_growth", []),
         "timeline_share_mib_per_1000": 1000.0
         * (half_timeline[-1][1] - half_timeline[0][1])
         / max(half_timeline[-1][0] - half_timeline[0][0], 1)
@@ -369,7 +400,13 @@ def run(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
         every_n_train_steps=args.ckpt_every,
     )
     sampler = MemorySampler(
-        tmp, args.sample_every, args.gc_every, args.threads, args.timeline, args.malloc_trim
+        tmp,
+        args.sample_every,
+        args.gc_every,
+        args.threads,
+        args.timeline,
+        args.malloc_trim,
+        mid_step=args.steps // 2,
     )
     trainer = Trainer(
         accelerator="cpu",
@@ -535,6 +572,9 @@ def main() -> None:
             f"the 2nd-half slope {s['timeline_share_mib_per_1000']:+.2f} MiB/1000 steps, the rest "
             f"{s['slope_second_half_mib_per_1000'] - s['timeline_share_mib_per_1000']:+.2f}"
         )
+    for s in summaries:
+        growth = ", ".join(f"{name} +{n}" for name, n in s["type_growth_second_half"]) or "none"
+        print(f"rank {s['rank']}: Python objects that grew over the 2nd half, by type: {growth}")
     print(f"checkpoint files left: {records[0]['checkpoint_files_at_end']}")
     print(f"load before {load_before}")
     print(f"load after  {load_after}")

@@ -275,7 +275,9 @@ def build_strategy(cfg: StrategyConfig, *, multirun: bool = False) -> Pipe2BWStr
         state_dict_type=cfg.state_dict_type,  # type: ignore[arg-type]
         data_parallel=cfg.data_parallel,
         recompute=(
-            cfg.recompute if isinstance(cfg.recompute, bool) else [bool(r) for r in cfg.recompute]
+            cfg.recompute
+            if cfg.recompute is None or isinstance(cfg.recompute, bool)
+            else [bool(r) for r in cfg.recompute]
         ),
         **kwargs,
     )

@@ -363,7 +363,8 @@ class Pipe2BWStrategy(ParallelStrategy):
         if self.balance is not None and len(self.balance) != self.num_stages:
             stages = len(self.balance)
             hint = (
-                f"data_parallel={world // stages} ({world} devices as pipelines of {stages} stages)"
+                f"data_parallel={world // stages} ({world // stages} pipelines of {stages} stages) "
+                f"or devices={stages * w}"
                 if world % stages == 0
                 else f"a device count divisible by {stages}"
             )

@@ -279,13 +279,21 @@ def test_balance_with_empty_stage(balance: list[int]) -> None:
     assert str(balance) in message
 
 
-@pytest.mark.parametrize("balance", [[4.0, 4.0], [4, "4"], "44", [True, 7], [4, None]])
+@pytest.mark.parametrize("balance", [[4.0, 4.0], [4, "4"], [True, 7], [4, None], b"44"])
 def test_balance_with_non_int_entries(balance: Any) -> None:
     with pytest.raises(TypeError) as info:
         Pipe2BWStrategy(balance=balance)
     message = str(info.value)
     assert "balance must be a list of block counts per stage" in message
     assert repr(balance) in message
+
+
+def test_balance_string_that_is_no_mode() -> None:
+    with pytest.raises(ValueError) as info:
+        Pipe2BWStrategy(balance="44")  # type: ignore[arg-type]
+    message = str(info.value)
+    assert "balance='44' is not a balance mode ('uniform', 'params', 'auto')" in message
+    assert "a list of block counts per stage such as [3, 5]" in message
 
 
 @pytest.mark.parametrize(
@@ -340,15 +348,18 @@ def test_balance_not_summing_to_block_count(pools: Any, balance: list[int]) -> N
 def test_balance_entries_not_dividing_device_count(pools: Any) -> None:
     message = fit_error(pools(2), "regression", {"balance": [2, 3, 3]})
     assert message == (
-        "ValueError: 2 devices cannot be split into pipelines of 3 stages (balance=[2, 3, 3]); "
-        "use a device count divisible by 3"
+        "ValueError: balance=[2, 3, 3] describes 3 stages but 2 devices with data_parallel=1 "
+        "make pipelines of 2 stages; use a device count divisible by 3"
     )
 
 
 def test_balance_fewer_stages_than_devices(pools: Any) -> None:
     message = fit_error(pools(2), "regression", {"balance": [8]})
-    assert message.startswith("ValueError: balance=[8] describes 1 stages but 2 devices were given")
-    assert "use devices=1" in message
+    assert message.startswith(
+        "ValueError: balance=[8] describes 1 stages but 2 devices with data_parallel=1 make "
+        "pipelines of 2 stages"
+    )
+    assert "use data_parallel=2 (2 pipelines of 1 stages) or devices=1" in message
 
 
 def test_empty_balance() -> None:

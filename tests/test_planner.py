@@ -472,3 +472,19 @@ def test_planner_time_for_64_devices_and_100_blocks() -> None:
         worst = max(worst, elapsed)
         print(f"planner, N=64, 100 blocks, {schedule}: {elapsed:.3f} s, {result.best.summary()}")
     assert worst < 5.0
+
+
+def test_the_update_is_spread_over_the_microbatches() -> None:
+    """A block's ``update_s`` adds ``update_s / m`` to each micro-batch of its stage: a step of
+    2BW (m t) pays the slowest stage's update once."""
+    import dataclasses
+
+    base = profile([0.01] * 4, b=4)
+    slow = dataclasses.replace(
+        base, blocks=tuple(dataclasses.replace(x, update_s=0.08) for x in base.blocks)
+    )
+    two = cluster(n=2)
+    plain = predict(base, two, 16, schedule="2bw", depth=2, microbatch_size=4, balance=[2, 2])
+    updated = predict(slow, two, 16, schedule="2bw", depth=2, microbatch_size=4, balance=[2, 2])
+    # 2 blocks of 0.08 s per stage: 0.16 s of update per step over m = 4 micro-batches
+    assert updated.step_time == pytest.approx(plain.step_time + 0.16)

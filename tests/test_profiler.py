@@ -244,3 +244,30 @@ def test_cuda_profiles_a_cpu_model_and_moves_it_back() -> None:
     assert all(q.device.type == "cpu" and q.grad is None for q in body.parameters())
     for k, v in body.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_update_times_leave_the_blocks_alone_and_scale_with_parameters() -> None:
+    """The update is timed on copies: the blocks' weights and ``.grad`` stay as they were; a
+    block 64x larger takes longer; a block without parameters costs nothing."""
+    from lightning_pipe2bw.partition.profiler import update_times
+
+    torch.manual_seed(0)
+    small, large, empty = nn.Linear(16, 16), nn.Linear(512, 512), nn.ReLU()
+    before = {k: v.clone() for k, v in large.state_dict().items()}
+    times = update_times(
+        [small, large, empty], lambda ps: torch.optim.AdamW(ps, lr=0.1), warmup=2, repeats=9
+    )
+    assert times[2] == 0.0
+    assert times[1] > times[0] > 0.0
+    assert all(torch.equal(v, large.state_dict()[k]) for k, v in before.items())
+    assert all(p.grad is None for p in large.parameters())
+
+
+def test_profile_sizes_records_the_update_in_every_size() -> None:
+    body = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    profiles = profile_sizes(
+        body, lambda b: torch.randn(b, 8), [2, 4], optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1)
+    )
+    for profile in profiles.profiles:
+        assert profile.blocks[0].update_s > 0 and profile.blocks[1].update_s == 0.0
+    assert profiles.at(3).blocks[0].update_s == profiles.profiles[0].blocks[0].update_s
