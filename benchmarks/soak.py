@@ -213,7 +213,13 @@ class MemorySampler(Callback):
             kind == "fit_end"
         ):  # what kinds of Python object accumulate (after the RSS reading above)
             label = "end" if kind == "fit_end" else "mid"
-            self.type_counts[label] = Counter(type(o).__qualname__ for o in gc.get_objects())
+            objects = gc.get_objects()
+            counts = Counter(type(o).__qualname__ for o in objects)
+            # classes made while training (a class per call somewhere) show up by their names
+            counts.update(
+                f"class {o.__module__}.{o.__qualname__}" for o in objects if isinstance(o, type)
+            )
+            self.type_counts[label] = counts
             sample[f"type_counts_{label}"] = True
         self.samples.append(sample)
         return sample
@@ -225,7 +231,7 @@ def _growth(counts: dict[str, Counter[str]]) -> list[tuple[str, int]]:
         return []
     delta = counts["end"].copy()
     delta.subtract(counts["mid"])
-    return [(name, n) for name, n in delta.most_common(8) if n > 0]
+    return [(name, n) for name, n in delta.most_common(12) if n > 0]
 
 
 def slope_per_1000(points: list[tuple[float, float]]) -> float:

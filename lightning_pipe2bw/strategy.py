@@ -472,6 +472,12 @@ class Pipe2BWStrategy(ParallelStrategy):
                 f"microbatches={self.num_microbatches} for {self.num_stages} stages; use "
                 f"microbatches={self.num_stages} or more"
             )
+        if trainer.state.fn == TrainerFn.PREDICTING and self.data_parallel > 1:
+            raise ValueError(
+                f"trainer.predict with data_parallel={self.data_parallel} would split the data "
+                "over the replicas and return only replica 0's predictions; predict with a "
+                "strategy of data_parallel=1 (the checkpoint loads with any layout)"
+            )
         if self.schedule_name == "pipedream" and self.data_parallel > 1:
             raise ValueError(
                 "schedule='pipedream' updates each stage in the middle of the pipeline, with no "

@@ -69,3 +69,24 @@ def test_data_parallel_must_divide_the_devices() -> None:
 
     with pytest.raises(ValueError, match="data_parallel must be a positive int"):
         Pipe2BWStrategy(data_parallel=0)
+
+
+def _predict_with_replicas() -> str:
+    import torch.distributed as dist
+    from models import RegressionModel, loader, quiet_trainer
+
+    from lightning_pipe2bw import Pipe2BWStrategy
+
+    strategy = Pipe2BWStrategy(schedule="1f1b", microbatches=2, data_parallel=2)
+    trainer = quiet_trainer(devices=dist.get_world_size(), strategy=strategy)
+    try:
+        trainer.predict(RegressionModel(), loader(8))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_predict_with_replicas_is_refused(pools) -> None:
+    """Predictions would be split over the replicas and only replica 0's returned: refused."""
+    for message in pools(4).run(_predict_with_replicas):
+        assert message.startswith("trainer.predict with data_parallel=2 would split the data")
