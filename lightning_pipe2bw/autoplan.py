@@ -7,6 +7,7 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -147,26 +148,17 @@ def local_cluster(
     )
 
 
+@dataclass(frozen=True)
 class AutoPlanInputs:
     """What the strategy knows when it plans: its options and its topology."""
 
-    def __init__(
-        self,
-        schedule: str,
-        data_parallel: int,
-        microbatches: int | None,
-        recompute: bool | Sequence[bool] | None,
-        device: torch.device,
-        world_size: int,
-        processes_per_node: int,
-    ) -> None:
-        self.schedule = schedule
-        self.data_parallel = data_parallel
-        self.microbatches = microbatches
-        self.recompute = recompute
-        self.device = device
-        self.world_size = world_size
-        self.processes_per_node = processes_per_node
+    schedule: str
+    data_parallel: int
+    microbatches: int | None
+    recompute: bool | Sequence[bool] | None
+    device: torch.device
+    world_size: int
+    processes_per_node: int
 
     @property
     def depth(self) -> int:
