@@ -549,7 +549,13 @@ class Pipe2BWStrategy(ParallelStrategy):
         recomputation (unless given). Every rank gets rank 0's profile, so every rank applies the
         same plan; it is logged on rank 0 and saved in checkpoints (``strategy.plan``)."""
         loader = module.trainer.fit_loop._data_source.dataloader()
-        batch = next(iter(loader))  # type: ignore[call-overload]
+        if not isinstance(loader, DataLoader):
+            raise ValueError(
+                "balance='auto' profiles the body with the first batch of the training "
+                f"DataLoader, but train_dataloader() returned a {type(loader).__name__}; give "
+                "balance as a list of block counts or 'params'"
+            )
+        batch = next(iter(loader))
         inputs = AutoPlanInputs(
             self.schedule_name,
             self.data_parallel,
