@@ -135,7 +135,6 @@ def main(argv: Sequence[str] | None = None) -> None:
             rank0 = next(r for r in ranks if r["rank"] == 0)
             measured = statistics.median(rank0["step_s"])
             steps = max(rank0["steps"], 1)
-            last = plan.to_dict()
             # where rank 0's (the last stage's) step went, per step: compute, waiting in receives,
             # sends, and the rest (optimizer update, Lightning's loop, logging)
             split = {
@@ -144,7 +143,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "send_s": rank0["send_s"] / steps,
             }
             split["other_s"] = rank0["wall_s"] / steps - sum(split.values())
-            predicted_compute = m * last["compute_s"][-1]
+            # the last stage's own blocks at this micro-batch size: forwards and backwards, and
+            # (apart) the optimizer update, which the model spreads over the micro-batches
+            blocks = profiles.at(args.batch_size // m).blocks[-(8 // depth) :]
+            predicted_compute = m * sum(b.forward_s + b.backward_s for b in blocks)
+            predicted_update = sum(b.update_s for b in blocks)
             error = (plan.step_time - measured) / measured
             shared = depth > (os.cpu_count() or 1)
             rows.append(
@@ -159,6 +162,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     "cores_shared": shared,
                     "measured_split": split,
                     "predicted_compute_s": predicted_compute,
+                    "predicted_update_s": predicted_update,
                     "plan": plan.to_dict(),
                 }
             )
@@ -181,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print()
     print(
         "| schedule | d | m | b | predicted ms | measured ms | error | last stage: predicted "
-        "compute ms | measured compute / recv wait / send / other ms |"
+        "compute + update ms | measured compute / recv wait / send / other ms |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
@@ -190,7 +194,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(
             f"| {r['schedule']} | {r['depth']} | {r['microbatches']} | {r['microbatch_size']} | "
             f"{r['predicted_step_s'] * 1e3:.2f} | {r['measured_step_s'] * 1e3:.2f} | "
-            f"{r['error']:+.0%}{mark} | {r['predicted_compute_s'] * 1e3:.1f} | "
+            f"{r['error']:+.0%}{mark} | {r['predicted_compute_s'] * 1e3:.1f} + "
+            f"{r['predicted_update_s'] * 1e3:.1f} | "
             f"{x['compute_s']:.1f} / {x['recv_s']:.1f} / {x['send_s']:.1f} / {x['other_s']:.1f} |"
         )
     print()
