@@ -1,0 +1,5 @@
+"""Callbacks that observe or steer the pipeline."""
+
+from lightning_pipe2bw.callbacks.memory import StageMemoryMonitor, stage_memory
+
+__all__ = ["StageMemoryMonitor", "stage_memory"]
