@@ -95,8 +95,10 @@ def measure_latency(device: torch.device, peer: int, rounds: int = 50) -> float:
     round trip. Collective over the default group: every rank gets the figure."""
     rank = dist.get_rank()
     result = torch.zeros(1, dtype=torch.float64, device=device)
+    # made on every rank: transports are numbered in creation order, and failure notices match
+    # by that number, so every rank must create the same transports (failure.new_run)
+    transport = P2PTransport(None, device)
     if rank in (0, peer):
-        transport = P2PTransport(None, device)
         other = peer if rank == 0 else 0
         message = torch.zeros(16, device=device)
         times = []

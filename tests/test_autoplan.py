@@ -75,3 +75,23 @@ def test_auto_trains_like_the_reference(pools, schedule: str) -> None:
     assert m is not None
     ref = reference_2bw(4, m) if schedule == "2bw" else reference_train(4, m)[0]
     assert max_abs_diff(results[0]["state"], ref) <= 1e-5
+
+
+def _transport_run() -> int:
+    import torch.distributed as dist
+    from models import RegressionModel, loader, quiet_trainer
+
+    from lightning_pipe2bw import Pipe2BWStrategy
+
+    strategy = Pipe2BWStrategy(schedule="1f1b", balance="auto")
+    trainer = quiet_trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=1)
+    trainer.fit(RegressionModel(), loader(8))
+    assert strategy.engine is not None
+    return strategy.engine.transport.run
+
+
+def test_planning_keeps_the_transports_numbered_alike(pools) -> None:
+    """Failure notices match by transport number; measuring the link (ranks 0 and 1 only) must
+    not leave the ranks with different numbers, or a notice between ranks 1 and 2 is dropped."""
+    runs = pools(3).run(_transport_run)
+    assert len(set(runs)) == 1, runs
