@@ -21,7 +21,7 @@ from omegaconf import II, DictConfig, OmegaConf
 
 from lightning_pipe2bw.gpt import GPT, StdlibTextDataModule
 from lightning_pipe2bw.schedule import SCHEDULES
-from lightning_pipe2bw.strategy import Pipe2BWStrategy
+from lightning_pipe2bw.strategy import BALANCE_MODES, Pipe2BWStrategy
 
 __all__ = [
     "START_METHODS",
@@ -208,10 +208,10 @@ def check_config(cfg: TrainConfig) -> None:
             "(trainer.devices * trainer.num_nodes)"
         )
     elif isinstance(s.balance, str):
-        if s.balance not in ("uniform", "params", "auto"):
+        if s.balance not in BALANCE_MODES:
             problems.append(
                 f"strategy.balance={s.balance!r} is unknown; valid: a list of block counts, "
-                "uniform, params, auto"
+                f"{', '.join(BALANCE_MODES)}"
             )
     elif s.balance is not None:
         if len(s.balance) != stages or sum(s.balance) != blocks:

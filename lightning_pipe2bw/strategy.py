@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import lightning
 import torch
@@ -84,7 +84,8 @@ __all__ = ["Pipe2BWStrategy"]
 log = logging.getLogger(__name__)
 
 _StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-_BALANCE_MODES = ("uniform", "params", "auto")
+BalanceMode = Literal["uniform", "params", "auto"]
+BALANCE_MODES: tuple[str, ...] = get_args(BalanceMode)
 
 
 def _say(text: str) -> None:
@@ -141,7 +142,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         schedule: str = "2bw",
         microbatches: int | None = None,
         flush_every: int | None = None,
-        balance: Sequence[int] | Literal["uniform", "params", "auto"] | None = None,
+        balance: Sequence[int] | BalanceMode | None = None,
         body: str | None = None,
         start_method: _StartMethod = "popen",
         process_group_backend: str | None = None,
@@ -167,8 +168,8 @@ class Pipe2BWStrategy(ParallelStrategy):
             not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1
         ):
             raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
-        if isinstance(balance, str) and balance not in _BALANCE_MODES:
-            modes = ", ".join(repr(m) for m in _BALANCE_MODES)
+        if isinstance(balance, str) and balance not in BALANCE_MODES:
+            modes = ", ".join(repr(m) for m in BALANCE_MODES)
             raise ValueError(
                 f"balance={balance!r} is not a balance mode ({modes}) nor a list of block counts "
                 "per stage such as [3, 5]"
