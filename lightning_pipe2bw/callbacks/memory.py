@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
-from torch import Tensor
+
+from lightning_pipe2bw.partition.profiler import storage_bytes
 
 __all__ = ["StageMemoryMonitor", "stage_memory"]
 
@@ -31,15 +32,6 @@ FIELDS = (
 )
 
 
-def _bytes(tensors: Any) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if isinstance(t, Tensor) and t.device.type != "meta":
-            storage = t.untyped_storage()
-            seen[storage.data_ptr() or -id(t)] = storage.nbytes()
-    return sum(seen.values())
-
-
 def stage_memory(trainer: Trainer) -> dict[str, int]:
     """This rank's stage: parameter, weight-version, gradient and optimizer-state bytes, live and
     peak stashed activation bytes (counted by the engine through ``saved_tensors_hooks``,
@@ -52,11 +44,12 @@ def stage_memory(trainer: Trainer) -> dict[str, int]:
     driver = getattr(strategy, "driver", None)
     buffers = driver.versions.num_buffers if driver is not None else 1
     states = [t for opt in trainer.optimizers for s in opt.state.values() for t in s.values()]
+    param_bytes = storage_bytes(params)
     out = {
-        "params": _bytes(params),
-        "weight_versions": buffers * _bytes(params),
-        "grads": _bytes(p.grad for p in params),
-        "optimizer_state": _bytes(states),
+        "params": param_bytes,
+        "weight_versions": buffers * param_bytes,
+        "grads": storage_bytes(p.grad for p in params),
+        "optimizer_state": storage_bytes(states),
         "activations": 0,
         "activations_peak": 0,
         "p2p_in_flight": 0,

@@ -6,7 +6,7 @@ import dataclasses
 import statistics
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_pipe2bw.partition.profile import BlockProfile, Profile, ProfileSet
 
-__all__ = ["profile_blocks", "profile_sizes", "update_times"]
+__all__ = ["profile_blocks", "profile_sizes", "storage_bytes", "storage_key", "update_times"]
 
 # builds the run's optimizer over some parameters, e.g. ``lambda ps: torch.optim.AdamW(ps)``
 MakeOptimizer = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -193,9 +193,9 @@ def _profile_one(
     block: nn.Module, x: Any, index: int, name: str, dev: torch.device, warmup: int, repeats: int
 ) -> tuple[BlockProfile, Any]:
     """One block's profile, and its detached output (the next block's input)."""
-    exclude = {_storage_key(t)[0] for t in (*block.parameters(), *block.buffers())}
+    exclude = {storage_key(t)[0] for t in (*block.parameters(), *block.buffers())}
     inp = _fresh(x)
-    exclude |= {_storage_key(t)[0] for t in pytree.tree_leaves(inp) if isinstance(t, Tensor)}
+    exclude |= {storage_key(t)[0] for t in pytree.tree_leaves(inp) if isinstance(t, Tensor)}
     packed: list[weakref.ref[Tensor]] = []
 
     def pack(t: Tensor) -> Tensor:
@@ -211,7 +211,7 @@ def _profile_one(
     for ref in packed:
         t = ref()
         if t is not None:
-            key, size = _storage_key(t)
+            key, size = storage_key(t)
             if key not in exclude:
                 storages[key] = size
     del inp
@@ -286,7 +286,7 @@ def _leaf_bytes(tree: Any) -> int:
     return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, Tensor))
 
 
-def _storage_key(t: Tensor) -> tuple[int, int]:
+def storage_key(t: Tensor) -> tuple[int, int]:
     """(key, bytes) of the storage behind ``t``; tensors without one count alone, by id."""
     try:
         storage = t.untyped_storage()
@@ -295,6 +295,15 @@ def _storage_key(t: Tensor) -> tuple[int, int]:
     except (RuntimeError, NotImplementedError):
         pass
     return -id(t), t.numel() * t.element_size()
+
+
+def storage_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes of the distinct storages behind the tensors among ``tensors`` (meta tensors and
+    anything else skipped): views and shared tensors count once."""
+    seen = dict(
+        storage_key(t) for t in tensors if isinstance(t, Tensor) and t.device.type != "meta"
+    )
+    return sum(seen.values())
 
 
 def _default_device(mods: list[nn.Module], first_leaf: Tensor) -> torch.device:
