@@ -18,47 +18,12 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from schedules import _env, _lightning_module, _make_timer, _quiet, make_data
+from schedules import _env, _quiet, run_ours
 
 from lightning_pipe2bw.pool import RankPool
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def run(monitor: bool, m: int, batch_size: int, warmup: int, steps: int, folder: str) -> Any:
-    """Runs on every rank: median step time, and the monitor's peaks on rank 0."""
-    import torch.distributed as dist
-    from lightning.pytorch import Trainer
-    from lightning.pytorch.loggers import CSVLogger
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from lightning_pipe2bw import Pipe2BWStrategy, StageMemoryMonitor
-
-    _quiet()
-    x, y = make_data(batch_size, warmup + steps)
-    timer = _make_timer(warmup, steps)
-    watch = StageMemoryMonitor(log_every_n_steps=1, plot=False) if monitor else None
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=dist.get_world_size(),
-        strategy=Pipe2BWStrategy(schedule="2bw", microbatches=m),
-        max_steps=warmup + steps,
-        callbacks=[timer, watch] if watch else [timer],
-        logger=CSVLogger(folder) if monitor else False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    trainer.fit(_lightning_module(), DataLoader(TensorDataset(x, y), batch_size=batch_size))
-    return {
-        "rank": dist.get_rank(),
-        "step_s": statistics.median(timer.step_s),
-        "peaks": watch.peaks() if watch and dist.get_rank() == 0 else None,
-    }
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -79,12 +44,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             for _ in range(args.repeats):
                 for monitor in (False, True):
                     ranks = pool.run(
-                        run, monitor, args.microbatches, args.batch_size, args.warmup,
-                        args.steps, folder, timeout=600,
+                        run_ours, "2bw", args.microbatches, args.batch_size, args.warmup,
+                        args.steps, folder if monitor else None, timeout=600,
                     )  # fmt: skip
                     rank0 = next(r for r in ranks if r["rank"] == 0)
-                    times[monitor].append(rank0["step_s"])
-                    peaks = rank0["peaks"] or peaks
+                    times[monitor].append(statistics.median(rank0["step_s"]))
+                    peaks = rank0["memory_peaks"] or peaks
         finally:
             pool.close()
     without, with_ = statistics.median(times[False]), statistics.median(times[True])

@@ -207,27 +207,37 @@ def _timeline_split(timeline: Sequence[Any], t0: float, t1: float) -> dict[str, 
     return out
 
 
-def run_ours(schedule: str, m: int, batch_size: int, warmup: int, steps: int) -> dict[str, Any]:
-    """Runs on every rank: fit a Trainer with ``Pipe2BWStrategy`` and read its counters."""
+def run_ours(
+    schedule: str,
+    m: int,
+    batch_size: int,
+    warmup: int,
+    steps: int,
+    memory_dir: str | None = None,
+) -> dict[str, Any]:
+    """Runs on every rank: fit a Trainer with ``Pipe2BWStrategy`` and read its counters. With
+    ``memory_dir``, a ``StageMemoryMonitor`` also logs every step to a CSV logger there."""
     import torch.distributed as dist
     from lightning.pytorch import Trainer
+    from lightning.pytorch.loggers import CSVLogger
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_pipe2bw import Pipe2BWStrategy
+    from lightning_pipe2bw import Pipe2BWStrategy, StageMemoryMonitor
 
     _quiet()  # Lightning sets its loggers' levels when imported
     x, y = make_data(batch_size, warmup + steps)
     loader = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
     strategy = Pipe2BWStrategy(schedule=schedule, microbatches=m)
     timer = _make_timer(warmup, steps)
+    monitor = StageMemoryMonitor(log_every_n_steps=1, plot=False) if memory_dir else None
     trainer = Trainer(
         accelerator="cpu",
         devices=dist.get_world_size(),
         strategy=strategy,
         max_steps=warmup + steps,
-        callbacks=[timer],
+        callbacks=[timer, monitor] if monitor else [timer],
         enable_progress_bar=False,
-        logger=False,
+        logger=CSVLogger(memory_dir) if memory_dir else False,
         enable_checkpointing=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -250,6 +260,7 @@ def run_ours(schedule: str, m: int, batch_size: int, warmup: int, steps: int) ->
         "peak_activation_bytes": stats.peak_activation_bytes,
         "peak_inflight": stats.peak_inflight,
         "final_loss": timer.loss,
+        "memory_peaks": monitor.peaks() if monitor and dist.get_rank() == 0 else None,
     }
 
 
