@@ -6,7 +6,7 @@ import inspect
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,56 +66,74 @@ def body_input(module: LightningModule, ref: BodyRef, batch: Any, size: int) -> 
     )
 
 
-def measure_bandwidth(device: torch.device, peer: int, nbytes: int = 8 << 20) -> float:
-    """Bytes per second from global rank 0 to ``peer`` (median of 3 round trips of ``nbytes``
-    out and a byte back); collective over the default group: every rank gets the figure."""
+def _median_round_trip(
+    device: torch.device,
+    peer: int,
+    exchange: Callable[[bool], None],
+    rounds: int,
+    skip: int,
+    after: Callable[[], None] | None = None,
+) -> float:
+    """Median seconds of ``exchange`` (one round trip: ``exchange(True)`` on global rank 0,
+    ``exchange(False)`` on ``peer``) over ``rounds`` rounds, the first ``skip`` not counted;
+    ``after`` runs untimed after each round. Collective over the default group: every rank
+    gets rank 0's figure."""
     rank = dist.get_rank()
     result = torch.zeros(1, dtype=torch.float64, device=device)
     if rank in (0, peer):
-        payload = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
-        ack = torch.zeros(1, device=device)
         times = []
-        for _ in range(4):  # the first round trip sets up the connection: not counted
+        for _ in range(rounds):
             start = time.perf_counter()
-            if rank == 0:
-                dist.send(payload, dst=peer)
-                dist.recv(ack, src=peer)
-            else:
-                dist.recv(payload, src=0)
-                dist.send(ack, dst=0)
+            exchange(rank == 0)
             times.append(time.perf_counter() - start)
-        result.fill_(nbytes / statistics.median(times[1:]))
+            if after is not None:
+                after()
+        result.fill_(statistics.median(times[skip:]))
     dist.broadcast(result, src=0)
     return float(result.item())
+
+
+def measure_bandwidth(device: torch.device, peer: int, nbytes: int = 8 << 20) -> float:
+    """Bytes per second from global rank 0 to ``peer`` (median of 3 round trips of ``nbytes``
+    out and a byte back); collective over the default group: every rank gets the figure."""
+    payload = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+    ack = torch.zeros(1, device=device)
+
+    def exchange(first: bool) -> None:
+        if first:
+            dist.send(payload, dst=peer)
+            dist.recv(ack, src=peer)
+        else:
+            dist.recv(payload, src=0)
+            dist.send(ack, dst=0)
+
+    # the first round trip sets up the connection: not counted
+    return nbytes / _median_round_trip(device, peer, exchange, rounds=4, skip=1)
 
 
 def measure_latency(device: torch.device, peer: int, rounds: int = 50) -> float:
     """Seconds one small message takes from global rank 0 to ``peer`` and is unpacked, through
     the pipeline's own transport (its framing and Python overhead included): half the median
     round trip. Collective over the default group: every rank gets the figure."""
-    rank = dist.get_rank()
-    result = torch.zeros(1, dtype=torch.float64, device=device)
     # made on every rank: transports are numbered in creation order, and failure notices match
     # by that number, so every rank must create the same transports (failure.new_run)
     transport = P2PTransport(None, device)
-    if rank in (0, peer):
-        other = peer if rank == 0 else 0
-        message = torch.zeros(16, device=device)
-        times = []
-        for _ in range(rounds):
-            start = time.perf_counter()
-            if rank == 0:
-                transport.send(message, other)
-                transport.recv(other)
-            else:
-                transport.recv(other)
-                transport.send(message, other)
-            times.append(time.perf_counter() - start)
-            transport.settle()
+    message = torch.zeros(16, device=device)
+
+    def exchange(first: bool) -> None:
+        if first:
+            transport.send(message, peer)
+            transport.recv(peer)
+        else:
+            transport.recv(0)
+            transport.send(message, 0)
+
+    seconds = _median_round_trip(
+        device, peer, exchange, rounds=rounds, skip=rounds // 5, after=transport.settle
+    )
+    if dist.get_rank() in (0, peer):
         transport.wait_sends()
-        result.fill_(statistics.median(times[rounds // 5 :]) / 2)
-    dist.broadcast(result, src=0)
-    return float(result.item())
+    return seconds / 2
 
 
 def local_cluster(
