@@ -9,15 +9,17 @@ residual MLP blocks, width 256, fp32, AdamW) is
   micro-batch size the plans use, and the AdamW update of each block
   (``lightning_pipe2bw.partition.profiler``);
 * predicted by the cost model (``lightning_pipe2bw.partition.planner.predict``) on a cluster of
-  d devices with the point-to-point bandwidth measured between two ranks here;
+  d devices with the point-to-point bandwidth and per-message latency measured between two
+  ranks here, and the training loop's own cost per step (``Cluster.step_overhead_s``) measured
+  apart, per schedule: a one-rank run of a one-block model, its step time less its compute;
 * measured: a real ``Trainer`` with ``Pipe2BWStrategy`` on d spawned CPU ranks (one thread
   each); the median step time on global rank 0 after the warm-up steps.
 
 It prints one table (predicted and measured step time, error) and the median absolute error,
 and writes the data to ``benchmarks/results/planner_accuracy.json``::
 
-    python benchmarks/planner_accuracy.py            # about 2 minutes on 2 quiet cores
-    python benchmarks/planner_accuracy.py --steps 20
+    python benchmarks/planner_accuracy.py            # batch 128: about a minute on 2 cores
+    python benchmarks/planner_accuracy.py --batch-size 32 --steps 30   # small micro-batches
 
 Four ranks on a 2-core machine share cores, which the model (one device per stage) does not
 know: those rows are marked and left out of the headline median. Nothing here is asserted by
@@ -65,6 +67,14 @@ def _link() -> tuple[float, float]:
     return measure_bandwidth(device, 1), measure_latency(device, 1)
 
 
+def loop_overhead(schedule: str, m: int, batch_size: int, warmup: int, steps: int) -> float:
+    """Runs on one rank: seconds per step outside the compute actions, with a one-block model
+    (the loop, the strategy's bookkeeping and the block's tiny update)."""
+    result = run_ours(schedule, m, batch_size, warmup, steps, blocks=1)
+    compute = result["compute_s"] / max(result["steps"], 1)
+    return max(statistics.median(result["step_s"]) - compute, 0.0)
+
+
 def profile(batch_size: int, plans: Sequence[tuple[str, int, int]], repeats: int) -> str:
     """Runs on every rank: the profile as JSON (only rank 0's is used)."""
     sizes = sorted({batch_size // m for _, _, m in plans})
@@ -81,9 +91,9 @@ def profile(batch_size: int, plans: Sequence[tuple[str, int, int]], repeats: int
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--repeats", type=int, default=15, help="profiler repeats per block")
     parser.add_argument("--out", default=str(RESULTS / "planner_accuracy.json"))
     args = parser.parse_args(argv)
@@ -100,9 +110,23 @@ def main(argv: Sequence[str] | None = None) -> None:
             bandwidth, latency = pool.run(_link)[0]
         finally:
             pool.close()
+        one = RankPool(1)
+        try:
+            overhead = {
+                name: one.run(
+                    loop_overhead, name, 4, args.batch_size, args.warmup, args.steps, timeout=600
+                )[0]
+                for name in sorted({schedule for schedule, _, _ in PLANS})
+            }
+        finally:
+            one.close()
     print(
         f"between two ranks: {bandwidth / 1e9:.2f} GB/s, {latency * 1e3:.2f} ms per message "
         "(the pipeline's transport)"
+    )
+    print(
+        "the loop's own cost per step (one rank, one block, less its compute): "
+        + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in overhead.items())
     )
 
     rows: list[dict[str, Any]] = []
@@ -116,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 intra_node_bandwidth=bandwidth,
                 inter_node_bandwidth=bandwidth,
                 latency_s=latency,
+                step_overhead_s=overhead[schedule],
             )
             plan = predict(
                 profiles,
@@ -212,6 +237,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "config": vars(args),
                 "bandwidth_bytes_per_s": bandwidth,
                 "latency_s": latency,
+                "step_overhead_s": overhead,
                 "profile": json.loads(profiles.to_json()),
                 "rows": rows,
                 "median_abs_error": statistics.median(headline),

@@ -86,10 +86,10 @@ class ResidualBlock(nn.Module):
         return x + self.fc2(nn.functional.gelu(self.fc1(x)))
 
 
-def make_body() -> nn.Sequential:
+def make_body(blocks: int = BLOCKS) -> nn.Sequential:
     """The whole model, with the same initial weights in every process."""
     torch.manual_seed(SEED)
-    return nn.Sequential(*[ResidualBlock() for _ in range(BLOCKS)])
+    return nn.Sequential(*[ResidualBlock() for _ in range(blocks)])
 
 
 def make_data(batch_size: int, num_batches: int) -> tuple[Tensor, Tensor]:
@@ -107,14 +107,14 @@ def param_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def _lightning_module() -> Any:
+def _lightning_module(blocks: int = BLOCKS) -> Any:
     """The LightningModule (built lazily: Lightning is imported only where it is used)."""
     from lightning.pytorch import LightningModule
 
     class BenchModel(LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.body = make_body()
+            self.body = make_body(blocks)
 
         def forward(self, x: Tensor) -> Tensor:
             return self.body(x)
@@ -214,9 +214,11 @@ def run_ours(
     warmup: int,
     steps: int,
     memory_dir: str | None = None,
+    blocks: int = BLOCKS,
 ) -> dict[str, Any]:
     """Runs on every rank: fit a Trainer with ``Pipe2BWStrategy`` and read its counters. With
-    ``memory_dir``, a ``StageMemoryMonitor`` also logs every step to a CSV logger there."""
+    ``memory_dir``, a ``StageMemoryMonitor`` also logs every step to a CSV logger there.
+    ``blocks`` shortens the model (the planner benchmark times the loop with one block)."""
     import torch.distributed as dist
     from lightning.pytorch import Trainer
     from lightning.pytorch.loggers import CSVLogger
@@ -243,7 +245,7 @@ def run_ours(
         num_sanity_val_steps=0,
         limit_val_batches=0,
     )
-    model = _lightning_module()
+    model = _lightning_module(blocks)
     trainer.fit(model, loader)
     stats = strategy.engine.stats
     driver = strategy.driver

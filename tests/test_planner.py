@@ -7,6 +7,7 @@ import json
 import math
 import random
 import time
+from typing import Any
 
 import pytest
 
@@ -474,9 +475,11 @@ def test_planner_time_for_64_devices_and_100_blocks() -> None:
     assert worst < 5.0
 
 
-def test_the_update_is_spread_over_the_microbatches() -> None:
-    """A block's ``update_s`` adds ``update_s / m`` to each micro-batch of its stage: a step of
-    2BW (m t) pays the slowest stage's update once."""
+def test_updates_and_loop_overhead_are_paid_per_step() -> None:
+    """After a flush the stages update side by side: a block's ``update_s`` adds ``update_s / m``
+    to each micro-batch of its stage. Without a flush (2BW) every stage's update and loop
+    overhead sit on the critical path one after the other; the schedule simulator, which places
+    them between the calls of each stage's stream, agrees."""
     import dataclasses
 
     base = profile([0.01] * 4, b=4)
@@ -484,7 +487,25 @@ def test_the_update_is_spread_over_the_microbatches() -> None:
         base, blocks=tuple(dataclasses.replace(x, update_s=0.08) for x in base.blocks)
     )
     two = cluster(n=2)
-    plain = predict(base, two, 16, schedule="2bw", depth=2, microbatch_size=4, balance=[2, 2])
-    updated = predict(slow, two, 16, schedule="2bw", depth=2, microbatch_size=4, balance=[2, 2])
-    # 2 blocks of 0.08 s per stage: 0.16 s of update per step over m = 4 micro-batches
-    assert updated.step_time == pytest.approx(plain.step_time + 0.16)
+    busy = dataclasses.replace(two, step_overhead_s=0.05)
+    kw: dict[str, Any] = {"depth": 2, "microbatch_size": 4, "balance": [2, 2]}
+    plain = predict(base, two, 16, schedule="2bw", **kw)
+    updated = predict(slow, two, 16, schedule="2bw", **kw)
+    # 2 blocks of 0.08 s per stage, 2 stages in turn
+    assert updated.step_time == pytest.approx(plain.step_time + 0.32)
+    assert predict(base, busy, 16, schedule="2bw", **kw).step_time == pytest.approx(
+        plain.step_time + 2 * 0.05
+    )
+    flushed = predict(base, two, 16, schedule="1f1b", **kw)
+    # m + d - 1 = 5 micro-batch times, each 0.16 / 4 longer on the updating stages
+    assert predict(slow, two, 16, schedule="1f1b", **kw).step_time == pytest.approx(
+        flushed.step_time + 5 * 0.16 / 4
+    )
+    assert predict(base, busy, 16, schedule="1f1b", **kw).step_time == pytest.approx(
+        flushed.step_time + 0.05
+    )
+    for schedule in ("2bw", "1f1b"):
+        for prof, clu in ((slow, busy), (base, busy), (slow, two)):
+            formula = predict(prof, clu, 16, schedule=schedule, **kw).step_time
+            simulated = simulate_plan(predict(prof, clu, 16, schedule=schedule, **kw), prof, clu)
+            assert simulated == pytest.approx(formula, rel=0.05), (schedule, clu)

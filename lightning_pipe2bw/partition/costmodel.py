@@ -55,7 +55,10 @@ class Cluster:
 
     ``memory_bytes`` is what one device may use for the stage (weights, gradients, optimizer
     state, activations); bandwidths are bytes/s of one point-to-point link, inside a node and
-    across nodes; ``latency_s`` is added once per message.
+    across nodes; ``latency_s`` is added once per message. ``step_overhead_s`` is what every
+    rank spends once per optimizer step outside the schedule and the update: the training loop's
+    hooks, logging and the strategy's bookkeeping (measure it on the machine; see
+    ``docs/planner.md``).
     """
 
     num_devices: int
@@ -64,6 +67,7 @@ class Cluster:
     intra_node_bandwidth: float
     inter_node_bandwidth: float
     latency_s: float = 0.0
+    step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         n = _positive_int("Cluster.num_devices", self.num_devices, "count the devices to use")
@@ -79,6 +83,9 @@ class Cluster:
         for label in ("intra_node_bandwidth", "inter_node_bandwidth"):
             _positive_number(f"Cluster.{label}", getattr(self, label), "give bytes/s, e.g. 3.125e9")
         _positive_number("Cluster.latency_s", self.latency_s, "give seconds, e.g. 1e-5", True)
+        _positive_number(
+            "Cluster.step_overhead_s", self.step_overhead_s, "give seconds, e.g. 2e-3", True
+        )
 
     @property
     def num_nodes(self) -> int:
@@ -142,7 +149,8 @@ class CostModel:
 
     * compute: sum of forward + backward; with recompute the forward runs twice,
       forward + (forward + backward), which is the paper's 4/3 x compute when backward = 2 x
-      forward;
+      forward; flush schedules add the stage's update / m (see :meth:`step_time` for the
+      others);
     * comm: activation bytes entering the stage (output of block lo - 1) plus gradient bytes
       entering it (same size as the output of block hi - 1), each over its link's bandwidth
       (inter-node if the two devices are on different nodes for any replica), plus latency;
@@ -172,19 +180,28 @@ class CostModel:
         w, d, m = data_parallel, depth, num_microbatches
         self.w, self.d, self.m, self.n = w, d, m, profile.num_blocks
         blocks = profile.blocks
-        # the optimizer update runs once per step: spread over the m micro-batches, it is what a
-        # stage spends per micro-batch in steady state (exact for 2BW, a little over for flushes)
+        flush = self.schedule in FLUSH_SCHEDULES
+        # the optimizer update runs once per step. After a flush every stage updates at once:
+        # spread over the m micro-batches it is what a stage spends per micro-batch (a little
+        # over). Without a flush (2BW, PipeDream) each stage's update sits between two calls of
+        # its 1F1B stream, on the critical path of every other stage: the stream is tight, so a
+        # stage that pauses holds up its neighbours' next micro-batch, and a step pays every
+        # stage's update and loop overhead one after the other (see ``serial_s``)
         self.fwd, self.fb, self.par, self.sav = _prefix(
             [
                 (
                     b.forward_s,
-                    b.forward_s + b.backward_s + b.update_s / m,
+                    b.forward_s + b.backward_s + (b.update_s / m if flush else 0.0),
                     b.param_bytes,
                     b.saved_bytes,
                 )
                 for b in blocks
             ]
         )
+        updates = sum(b.update_s for b in blocks)
+        # seconds per step outside the micro-batches' time: once after a flush (the stages pay
+        # it side by side), else every stage's update and overhead in turn
+        self.serial_s = cluster.step_overhead_s if flush else updates + d * cluster.step_overhead_s
         # bytes entering block i (its input) and leaving it
         self.in_bytes = [float(profile.input_bytes)] + [float(b.output_bytes) for b in blocks[:-1]]
         self.out_bytes = [float(b.output_bytes) for b in blocks]
@@ -222,9 +239,16 @@ class CostModel:
     def flush(self) -> bool:
         return self.schedule in FLUSH_SCHEDULES
 
+    @property
+    def slots(self) -> int:
+        """Micro-batch times per step: flush schedules pay the fill and drain, m + d - 1;
+        2BW and PipeDream m."""
+        return self.m + self.d - 1 if self.flush else self.m
+
     def step_time(self, time_per_microbatch: float) -> float:
-        """Flush schedules pay the fill and drain, (m + d - 1) t; 2BW and PipeDream m t."""
-        return (self.m + self.d - 1 if self.flush else self.m) * time_per_microbatch
+        """(m + d - 1) t + overhead for flush schedules; m t + the stages' updates and
+        overheads, one after the other, for 2BW and PipeDream (``serial_s``)."""
+        return self.slots * time_per_microbatch + self.serial_s
 
     def throughput(self, time_per_microbatch: float) -> float:
         """Samples per second of all replicas: w b m / step time."""
@@ -255,7 +279,7 @@ class CostModel:
     def time_for_throughput(self, samples_per_s: float) -> float:
         """The time per micro-batch at which this configuration delivers ``samples_per_s``."""
         b = self.profile.microbatch_size
-        return self.w * b * self.m / (self.step_time(1.0) * samples_per_s)
+        return (self.w * b * self.m / samples_per_s - self.serial_s) / self.slots
 
     def stage(self, s: int, lo: int, hi: int, recompute: bool) -> StageCost:
         """The cost of blocks ``lo .. hi - 1`` placed as stage ``s``."""

@@ -17,7 +17,15 @@ from lightning_pipe2bw.partition.costmodel import (
 from lightning_pipe2bw.partition.partitioner import best_partition, smallest_peak_memory
 from lightning_pipe2bw.partition.plans import Plan, PlanResult
 from lightning_pipe2bw.partition.profile import Profile, ProfileSet
-from lightning_pipe2bw.schedule import Costs, get_schedule, pipedream, simulate, two_bw
+from lightning_pipe2bw.schedule import (
+    ActionKind,
+    Costs,
+    add_communication,
+    get_schedule,
+    pipedream,
+    simulate,
+    two_bw,
+)
 
 __all__ = [
     "RECOMPUTE_MODES",
@@ -336,9 +344,12 @@ def simulate_plan(
     into its forward, the gradient from s + 1 into its backward (a receive blocks the stage for
     its transfer time, as in the formula; ``Costs.comm`` stays 0). Flush schedules: the
     simulated makespan of ``get_schedule(name, d, m)``, then each stage's all-reduce after its
-    last action. 2BW and PipeDream: the steady-state time of one batch, the makespan over
-    ``batches + 1`` batches minus that over ``batches`` (fill and drain cancel), or the
-    slowest all-reduce if longer (it overlaps the next batch).
+    last action, plus the cluster's ``step_overhead_s``. 2BW and PipeDream: the steady-state
+    time of one batch, the makespan over ``batches + 1`` batches minus that over ``batches``
+    (fill and drain cancel), or the slowest all-reduce if longer (it overlaps the next batch).
+    There, each stage's optimizer update and ``step_overhead_s`` are work between two calls of
+    its stream, just before the first forward of every batch after the first (where the engine
+    does them), so the simulation finds for itself how the stages' pauses add up.
     """
     pset = _as_profiles(profiles)
     if plan.num_devices != cluster.num_devices or sum(plan.balance) != pset.num_blocks:
@@ -348,22 +359,34 @@ def simulate_plan(
             "the cluster and profile it was made for"
         )
     d, m = plan.depth, plan.num_microbatches
-    model = CostModel(
-        pset.at(plan.microbatch_size), cluster, plan.schedule, plan.data_parallel, d, m
-    )
-    stages, lo = [], 0
+    profile = pset.at(plan.microbatch_size)
+    model = CostModel(profile, cluster, plan.schedule, plan.data_parallel, d, m)
+    stages, updates, lo = [], [], 0
     for s, (k, rc) in enumerate(zip(plan.balance, plan.recompute, strict=True)):
         stages.append(model.stage(s, lo, lo + k, rc))
+        updates.append(sum(b.update_s for b in profile.blocks[lo : lo + k]))
         lo += k
     costs = Costs(
         forward=[st.forward_s + st.recv_activation_s for st in stages],
         backward=[st.backward_s + st.recv_gradient_s for st in stages],
     )
+    overhead = cluster.step_overhead_s
     if plan.schedule in FLUSH_SCHEDULES:
         result = simulate(get_schedule(plan.schedule, d, m), costs)
         ends = [row[-1][2] if row else 0.0 for row in result.timeline]
-        return max(end + st.allreduce_s for end, st in zip(ends, stages, strict=True))
+        return max(end + st.allreduce_s for end, st in zip(ends, stages, strict=True)) + overhead
     build = two_bw if plan.schedule == "2bw" else pipedream
-    longer = simulate(build(d, m, batches + 1), costs).step_time
-    shorter = simulate(build(d, m, batches), costs).step_time
-    return max(longer - shorter, max(st.allreduce_s for st in stages))
+
+    def makespan(k: int) -> float:
+        schedule = add_communication(build(d, m, k))
+        delays = {
+            (s, i): updates[s] + overhead
+            for s, row in enumerate(schedule.stages)
+            for i, action in enumerate(row)
+            if action.kind is ActionKind.FORWARD
+            and action.microbatch % m == 0
+            and action.microbatch
+        }
+        return simulate(schedule, costs, delays).step_time
+
+    return max(makespan(batches + 1) - makespan(batches), max(st.allreduce_s for st in stages))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -103,15 +103,26 @@ def _recv_channel(stage: int, kind: ActionKind) -> _Channel:
     return (stage + step, stage, direction)
 
 
-def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
+def simulate(
+    schedule: Schedule,
+    costs: Costs | None = None,
+    delays: Mapping[tuple[int, int], float] | None = None,
+) -> SimResult:
     """Run ``schedule`` on an idealised machine (one action at a time per stage).
 
     Compute takes the stage's cost; a send takes no time on the sender and its item reaches the
     receiver ``costs.comm`` later; a receive blocks until the matching item has arrived. The
     k-th receive on a channel consumes the k-th send (FIFO). Compute-only schedules get
     :func:`add_communication` first. Raises :class:`DeadlockError` if the stages get stuck.
+
+    ``delays[(stage, slot)]`` is work the stage does outside the schedule just before the action
+    in that slot (of the schedule as simulated, with communication), e.g. the optimizer step and
+    the training loop between two calls of a 2BW stream; it counts as busy time.
     """
     costs = Costs() if costs is None else costs
+    delays = dict(delays or {})
+    for (ds, di), seconds in delays.items():
+        _check_cost(f"delays[({ds}, {di})]", seconds)
     p = schedule.num_stages
     compute = {
         ActionKind.FORWARD: costs.per_stage("forward", p),
@@ -136,6 +147,9 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
         while i < len(actions):
             action = actions[i]
             kind = action.kind
+            extra = delays.pop((s, i), 0.0)  # popped: a blocked receive comes back to this slot
+            t += extra
+            busy[s] += extra
             end = t
             if kind in compute:
                 end = t + compute[kind][s]
