@@ -348,8 +348,12 @@ def simulate_plan(
     time of one batch, the makespan over ``batches + 1`` batches minus that over ``batches``
     (fill and drain cancel), or the slowest all-reduce if longer (it overlaps the next batch).
     There, each stage's optimizer update and ``step_overhead_s`` are work between two calls of
-    its stream, just before the first forward of every batch after the first (where the engine
-    does them), so the simulation finds for itself how the stages' pauses add up.
+    its stream, just before the first forward of every batch after the first. (The engine
+    pauses just before that forward's receive; simulated there, the pauses overlap with the
+    wait for the input and a step pays less than their sum. The runs measured in
+    ``benchmarks/planner_accuracy.py`` pay the sum: the receive waits are the neighbour's pause.
+    Each rank's step also starts with a broadcast from global rank 0 in Lightning's loop, which
+    lines the pauses up.)
     """
     pset = _as_profiles(profiles)
     if plan.num_devices != cluster.num_devices or sum(plan.balance) != pset.num_blocks:
