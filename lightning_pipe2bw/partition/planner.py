@@ -351,9 +351,8 @@ def simulate_plan(
     its stream, just before the first forward of every batch after the first. (The engine
     pauses just before that forward's receive; simulated there, the pauses overlap with the
     wait for the input and a step pays less than their sum. The runs measured in
-    ``benchmarks/planner_accuracy.py`` pay the sum: the receive waits are the neighbour's pause.
-    Each rank's step also starts with a broadcast from global rank 0 in Lightning's loop, which
-    lines the pauses up.)
+    ``benchmarks/planner_accuracy.py`` pay the sum: the receive waits are the neighbour's pause;
+    why the engine overlaps less than this simulation says is not pinned down yet.)
     """
     pset = _as_profiles(profiles)
     if plan.num_devices != cluster.num_devices or sum(plan.balance) != pset.num_blocks:
