@@ -42,8 +42,8 @@ def profile_blocks(
     and on a CPU that made blocks look 25-50% faster than they run in a stage. The backward is
     ``torch.autograd.backward`` of the output's grad-requiring floating leaves with gradients of
     ones (``backward_s`` is 0 when no output leaf requires grad); gradients accumulate into
-    ``.grad`` as in gradient accumulation. Every block is on ``device`` during the timing. ``output_bytes`` sums the
-    output's tensor leaves; ``param_bytes`` the block's distinct parameters.
+    ``.grad`` as in gradient accumulation. ``output_bytes`` sums the output's tensor leaves;
+    ``param_bytes`` the block's distinct parameters.
 
     ``saved_bytes`` is what autograd keeps alive for the block's backward: the tensors packed by
     ``torch.autograd.graph.saved_tensors_hooks`` during one forward that are still referenced by
@@ -56,8 +56,8 @@ def profile_blocks(
     The blocks run in train mode; every module's mode, the parameters' ``.grad``, the buffers
     (e.g. batch-norm running statistics) and the RNG state are restored afterwards, and no
     parameter is updated. ``device`` defaults to the blocks' (else the sample's) device; the
-    sample is moved there, and a block on another device is moved there for its measurement
-    and back afterwards. ``names`` default to the ``nn.Sequential``'s child names, else indices.
+    sample is moved there, and blocks on another device are moved there (all of them, as the
+    timing runs them in sequence) and back afterwards. ``names`` default to the ``nn.Sequential``'s child names, else indices.
     """
     mods = list(blocks)  # not .children(), which would drop a block listed twice
     if not mods:
@@ -94,15 +94,13 @@ def profile_blocks(
     with _kept_state(mods), rng, torch.inference_mode(False), torch.enable_grad():
         x = _tree_map(lambda t: t.detach().to(dev), sample)
         inputs = []
-        for i, (name, block) in enumerate(zip(labels, mods, strict=True)):
-            with _on_device(block, dev, i):
+        with ExitStack() as moved:
+            for i, (name, block) in enumerate(zip(labels, mods, strict=True)):
+                moved.enter_context(_on_device(block, dev, i))
                 block.train()
                 inputs.append(x)
                 profile, x = _measure_bytes(block, x, i, name)
-            results.append(profile)
-        with ExitStack() as moved:
-            for i, block in enumerate(mods):
-                moved.enter_context(_on_device(block, dev, i))
+                results.append(profile)
             forward, backward = _time_in_sequence(mods, labels, inputs, dev, warmup, repeats)
         results = [
             dataclasses.replace(r, forward_s=f, backward_s=b)
@@ -284,9 +282,6 @@ def _time_in_sequence(
             outs[i] = None  # its graph is freed, as a stage frees it after the backward
             del roots, ones
         del ins, outs
-    for block in blocks:
-        for p in block.parameters():
-            p.grad = None
     return [statistics.median(f) for f in forward], [statistics.median(b) for b in backward]
 
 
