@@ -46,6 +46,9 @@ _NAMES = {
     "RECV_F": "recv activations",
     "SEND_B": "send gradients",
     "RECV_B": "recv gradients",
+    "EVICT": "evict activations",
+    "RETURN": "return activations",
+    "LOAD": "load activations",
 }
 _COLORS = {
     "F": "#4c72b0",
@@ -54,6 +57,9 @@ _COLORS = {
     "SEND_B": "#7f7f7f",
     "RECV_F": "#c7c7c7",
     "RECV_B": "#c7c7c7",
+    "EVICT": "#8172b3",
+    "RETURN": "#8172b3",
+    "LOAD": "#8172b3",
 }
 
 

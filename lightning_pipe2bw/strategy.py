@@ -51,6 +51,11 @@ from lightning_pipe2bw.agreement import (
     make_clipping_global,
 )
 from lightning_pipe2bw.autoplan import AutoPlanInputs, auto_plan
+from lightning_pipe2bw.callbacks.balancer import (
+    ActivationBudget,
+    evict_share,
+    stashed_microbatches,
+)
 from lightning_pipe2bw.checkpoint import (
     gather_named,
     gather_optimizer_state,
@@ -72,10 +77,19 @@ from lightning_pipe2bw.runtime import P2PTransport, PipelineEngine, StageBody, m
 from lightning_pipe2bw.runtime.engine import step_loss
 from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure, action_of, wait_limits
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, split_batch
+from lightning_pipe2bw.runtime.peer import PeerLink
 from lightning_pipe2bw.runtime.reports import ReportChannel
+from lightning_pipe2bw.runtime.stash import check_memory_plan
 from lightning_pipe2bw.runtime.twobw import PipeDreamDriver, TwoBWDriver
 from lightning_pipe2bw.runtime.versions import TwoBWOptimizer, WeightVersions
-from lightning_pipe2bw.schedule import SCHEDULES, Schedule, add_communication, get_schedule
+from lightning_pipe2bw.schedule import (
+    SCHEDULES,
+    Schedule,
+    add_communication,
+    add_offload_schedule,
+    get_schedule,
+    offload_stages,
+)
 from lightning_pipe2bw.schedule.generators import forward_only
 from lightning_pipe2bw.steplog import LogRecorder, replay
 
@@ -133,6 +147,16 @@ class Pipe2BWStrategy(ParallelStrategy):
             device (gathered on rank 0); ``"sharded"`` writes a directory in which every rank
             saves its own stage with ``torch.distributed.checkpoint`` under the original
             parameter names, so it reloads with any number of stages.
+        recompute: recompute every block's activations in the backward (a bool, or one per
+            stage); with ``balance="auto"`` and ``None``, the planner decides.
+        memory_plan: what each block does with the activations it saves for the backward,
+            ``{block index: "keep" | "recompute" | "swap" | "evict"}`` (blocks not named keep
+            theirs): ``"swap"`` moves them to host memory until the backward, ``"evict"`` to the
+            partner stage p-1-s (only stages with s < p-1-s have one). See ``docs/memory.md``.
+        balance_activations: BPipe: ``True`` makes each early stage hand the balanced share of
+            its saved activations to its partner p-1-s; a number is a budget in micro-batches of
+            its own saved activations an evicting stage keeps at its peak (the
+            ``ActivationBalancer`` callback also takes a budget in bytes).
     """
 
     strategy_name = "pipe2bw"
@@ -150,9 +174,18 @@ class Pipe2BWStrategy(ParallelStrategy):
         state_dict_type: Literal["full", "sharded"] = "full",
         data_parallel: int = 1,
         recompute: bool | Sequence[bool] | None = None,
+        memory_plan: Mapping[int, str] | None = None,
+        balance_activations: bool | float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.memory_plan = check_memory_plan(memory_plan) if memory_plan is not None else None
+        if isinstance(balance_activations, bool) or balance_activations is None:
+            budget = ActivationBudget() if balance_activations else None
+        else:
+            budget = ActivationBudget(microbatches=balance_activations)
+        # BPipe's budget (None: off); the ActivationBalancer callback sets it too
+        self.activation_budget: ActivationBudget | None = budget
         if (
             not isinstance(data_parallel, int)
             or isinstance(data_parallel, bool)
@@ -240,6 +273,8 @@ class Pipe2BWStrategy(ParallelStrategy):
         self._report_group: Any = None
         self.plan: PlanResult | None = None  # what balance="auto" chose (saved in checkpoints)
         self._pipe_group: Any = None  # this replica's pipeline (None: the whole world is one)
+        self._offload_groups: dict[tuple[int, int], Any] = {}  # (src rank, dst rank) -> group
+        self._offload_stages: frozenset[int] = frozenset()  # the stages that evict, this fit
         self._stage_group: Any = None  # this stage's replicas (None: no data parallelism)
 
     # ------------------------------------------------------------------ topology
@@ -425,6 +460,7 @@ class Pipe2BWStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
             if self.schedule_name in ("2bw", "pipedream"):
                 self._setup_async(trainer)
+            self._setup_offload()
         self._agree_across_stages()
 
     def _setup_async(self, trainer: Trainer) -> None:
@@ -500,6 +536,8 @@ class Pipe2BWStrategy(ParallelStrategy):
             "flush_every": self.flush_every,
             "balance": self.balance if self.balance_mode is None else self.balance_mode,
             "recompute": self.recompute,
+            "memory_plan": self.memory_plan,
+            "activation_budget": self.activation_budget,
             "data_parallel": self.data_parallel,
             "body": self.body_name,
             "state_dict_type": self.state_dict_type,
@@ -521,11 +559,118 @@ class Pipe2BWStrategy(ParallelStrategy):
         )
         recompute = self.plan.best.recompute if self.plan is not None else self.recompute
         body.recompute = recompute[self.stage] if isinstance(recompute, tuple) else bool(recompute)
+        self._apply_memory_plan(body)
         log.info(
             "pipe2bw: rank %d runs stage %d/%d with blocks %s of %r",
             self.global_rank, self.stage, self.num_stages, body.indices, ref.path,
         )  # fmt: skip
         self._setup_engine(body)
+
+    def _apply_memory_plan(self, body: StageBody) -> None:
+        """Give the stage its blocks' memory policies, after checking the plan against the
+        partition (every rank checks the same plan, so every rank raises alike)."""
+        plan = self.memory_plan
+        if not plan:
+            body.policy = {}
+            return
+        partition = Partition(body.balance)
+        check_memory_plan(plan, partition.num_blocks)
+        if body.recompute and any(policy != "keep" for policy in plan.values()):
+            raise ValueError(
+                "recompute=True already recomputes every block of the stage; give either "
+                "recompute or a memory_plan (whose 'recompute' entries pick the blocks)"
+            )
+        p = self.num_stages
+        for index, policy in sorted(plan.items()):
+            stage = next(s for s in range(p) if index in partition.blocks_of(s))
+            if policy == "evict" and not stage < p - 1 - stage:
+                evicting = offload_stages(p)
+                where = f"stages {list(evicting)}" if evicting else "no stage (one stage only)"
+                raise ValueError(
+                    f"memory_plan[{index}] = 'evict', but block {index} runs on stage {stage} of "
+                    f"{p}, which has no partner that stashes less: {where} can evict. Use 'swap' "
+                    "or 'recompute' for this block"
+                )
+        if self.activation_budget is not None and "evict" in plan.values():
+            raise ValueError(
+                "the activation balancer chooses what to evict itself; give either "
+                "balance_activations / ActivationBalancer or 'evict' entries in memory_plan"
+            )
+        body.policy = {i: plan[i] for i in body.indices if i in plan}
+
+    def _setup_offload(self) -> None:
+        """BPipe: decide which stages evict (the same on every rank), make the two-rank groups
+        of each pair (collective, once per strategy) and this rank's link to its partner."""
+        engine = self.engine
+        assert engine is not None
+        p, stage = self.num_stages, self.stage
+        budget = self.activation_budget
+        engine.stash.policy = dict(engine.body.policy)
+        engine.stash.evictable = False
+        evicting: set[int] = set()
+        if budget is not None:
+            if self.schedule_name == "gpipe" and budget == ActivationBudget():
+                raise ValueError(
+                    "schedule='gpipe' stashes all m micro-batches on every stage, so the balanced "
+                    "share moves nothing; balance activations with '1f1b', '2bw' or 'pipedream', "
+                    "or give a budget"
+                )
+            evicting = set(offload_stages(p))
+        elif self.memory_plan:
+            partition = Partition(engine.body.balance)
+            evicting = {
+                s
+                for i, policy in self.memory_plan.items()
+                if policy == "evict"
+                for s in range(p)
+                if i in partition.blocks_of(s)
+            }
+        self._offload_stages = frozenset(evicting)
+        if self.driver is not None:
+            self.driver.offload = self._offload_stages
+        self._schedules.clear()
+        if not evicting:
+            return
+        for replica in range(self.data_parallel):
+            for s in sorted(evicting):
+                a, b = self.rank_of_stage(s, replica), self.rank_of_stage(p - 1 - s, replica)
+                for pair in ((a, b), (b, a)):
+                    if pair not in self._offload_groups:  # collective: all ranks, same order
+                        self._offload_groups[pair] = dist.new_group(sorted(pair))
+        partner = p - 1 - stage
+        if stage not in evicting and partner not in evicting:
+            return
+        me, other = self.global_rank, self.rank_of_stage(partner)
+        timeout = self._timeout.total_seconds() if self._timeout is not None else 1800.0
+        engine.link = PeerLink(
+            other,
+            partner,
+            self._offload_groups[(me, other)],
+            self._offload_groups[(other, me)],
+            self.root_device,
+            holder=stage not in evicting,
+            timeout_s=timeout,
+        )
+        if stage in evicting:
+            engine.stash.evictable = budget is not None
+            if budget is not None:
+                m = self.num_microbatches
+                mine = stashed_microbatches(self.schedule_name, stage, p, m)
+                theirs = stashed_microbatches(self.schedule_name, partner, p, m)
+                stash = engine.stash
+                engine.evict_share = lambda i: evict_share(
+                    budget, mine, theirs, stash.saved_bytes(i)
+                )
+        log.info(
+            "pipe2bw: rank %d (stage %d) offloads activations with stage %d (rank %d)",
+            me, stage, partner, other,
+        )  # fmt: skip
+
+    def _close_offload(self) -> None:
+        engine = self.engine
+        if engine is not None and engine.link is not None:
+            engine.link.close()
+            engine.link = None
 
     def _resolve_balance(self, ref: BodyRef) -> Sequence[int] | None:
         """The blocks per stage: the user's list, an even split (``None``/``"uniform"``), or one
@@ -598,7 +743,10 @@ class Pipe2BWStrategy(ParallelStrategy):
                 sched = get_schedule(self.schedule_name, self.num_stages, num_microbatches)
             else:
                 sched = forward_only(self.num_stages, num_microbatches)
-            self._schedules[key] = add_communication(sched)
+            with_comm = add_communication(sched)
+            if train and self._offload_stages:
+                with_comm = add_offload_schedule(with_comm, self._offload_stages)
+            self._schedules[key] = with_comm
         return self._schedules[key]
 
     # ------------------------------------------------------------------ steps
@@ -852,6 +1000,8 @@ class Pipe2BWStrategy(ParallelStrategy):
             # popen launcher's observer kills rank 0 when a worker exits with an error)
             _say(f"pipe2bw: {record.describe()}\n" + "".join(traceback.format_exception(exception)))
         peers = [r for r in (engine.prev_rank, engine.next_rank) if r is not None and r != source]
+        if engine.link is not None and engine.link.partner != source:
+            engine.link.fail(record)  # the partner may be waiting for activations
         try:
             engine.transport.notify(record, peers)
         except Exception as err:  # a neighbour that is gone already; the failure stands
@@ -886,6 +1036,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         self.flush()
         if self._reports is not None:
             self._reports.drain()  # the last step's values, owed to the other ranks
+        self._close_offload()
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

@@ -7,8 +7,7 @@ import os
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +17,9 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure, mark_action
+from lightning_pipe2bw.runtime.peer import PeerLink
 from lightning_pipe2bw.runtime.stage import StageBody
+from lightning_pipe2bw.runtime.stash import ActivationStash
 from lightning_pipe2bw.runtime.transport import P2PTransport
 from lightning_pipe2bw.schedule import Action, ActionKind, Schedule
 
@@ -70,6 +71,7 @@ class _Slot:
     body_calls: int = 0
     weight: float = 0.0  # the loss weight of this micro-batch (n_i / N)
     saved_bytes: int = 0  # bytes autograd saved for this micro-batch's backward
+    loading: bool = False  # its evicted activations are on their way back from the partner
     params: Mapping[str, Tensor] | None = None  # the weight version it computes with
     upstream_batch: Any = None  # the previous stage's micro-batch signature, to compare
 
@@ -81,9 +83,13 @@ class EngineStats:
     peak_inflight: int = 0
     busy_s: float = 0.0
     # bytes autograd saved for backward in this stage's forwards (storage de-duplicated, weights
-    # excluded), counted through saved_tensors_hooks: live now, and the peak
+    # excluded), counted through saved_tensors_hooks, that are on this stage's device: its own
+    # micro-batches' and those it holds for its partner (BPipe); live now, and the peak
     activation_bytes: int = 0
     peak_activation_bytes: int = 0
+    host_bytes: int = 0  # saved bytes swapped out to the host pool (memory plan "swap")
+    partner_bytes: int = 0  # saved bytes of the partner's micro-batches held here (BPipe)
+    evicted_bytes: int = 0  # this stage's saved bytes now at its partner
     # distinct weight buffers the stage's parameters and in-flight micro-batches reference,
     # checked after every action: 1 for flush schedules, <= 2 for 2BW, <= p - s for stashing
     max_weight_versions: int = 0
@@ -150,6 +156,13 @@ class PipelineEngine:
         self.wait_limits: tuple[float | None, float | None] = (None, None)
         self.record_timeline = True
         self.slots: dict[int, _Slot] = {}  # in-flight micro-batches, by id
+        # saved activations: counted, and moved by the memory plan and the balancer
+        self.stash = ActivationStash(next(body.parameters(), torch.empty(0)).device)
+        body.stash = self.stash
+        # BPipe: the link to the partner stage, and the share of each micro-batch's saved bytes
+        # to evict (given its saved bytes; None: the memory plan's "evict" blocks)
+        self.link: PeerLink | None = None
+        self.evict_share: Callable[[int], float | None] = lambda _: None
         self.inflight = 0
         # called after every action (e.g. to count weight versions alive)
         self.observer: Callable[[Action], None] | None = None
@@ -192,6 +205,8 @@ class PipelineEngine:
             raise RuntimeError(
                 f"micro-batches {sorted(self.slots)} are still in flight after a flush"
             )
+        if self.link is not None:
+            self.link.settle()  # every offload send of the batch has been taken by now
         return [results[i] for i in range(len(microbatches))] if self.is_last else []
 
     def execute(
@@ -233,13 +248,21 @@ class PipelineEngine:
                         self._peer(self.prev_rank), self.wait_limits[0]
                     )
                 elif kind is ActionKind.FORWARD:
+                    if train and self.link is not None and not self.link.holder:
+                        self.link.settle()  # earlier evictions have left before new saves
                     if not self.is_first:
                         self._check_same_batch(slot, microbatches[i], i)
                     slot.weight = loss_weights.get(i, 0.0)
                     slot.params = weights_for(i) if weights_for is not None else None
                     if train:
-                        with self._count_saved(slot):
-                            self._forward(slot, microbatches[i], step, i)
+                        weights = [*self.body.parameters(), *(slot.params or {}).values()]
+                        self.body.microbatch = i
+                        try:
+                            with self.stash.recording(i, weights):
+                                self._forward(slot, microbatches[i], step, i)
+                        finally:
+                            self.body.microbatch = None
+                        slot.saved_bytes = self.stash.saved_bytes(i)
                     else:
                         self._forward(slot, microbatches[i], step, i)
                     if self.is_last:
@@ -261,16 +284,30 @@ class PipelineEngine:
                         del slots[i]
                         self.inflight -= 1
                 elif kind is ActionKind.RECV_B:
+                    self.stash.prefetch(i)  # swapped activations start coming back
                     slot.grads_in = self.transport.recv(
                         self._peer(self.next_rank), self.wait_limits[1]
                     )
                 elif kind is ActionKind.BACKWARD:
                     assert backward is not None, "training needs a backward function"
+                    self.stash.prefetch(i)
+                    if slot.loading:
+                        self.stash.restore(i, self._link().loaded(i))
+                        slot.loading = False
                     self._backward(slot, i, slot.weight, backward)
+                    self.stash.release(i)
                     self.inflight -= 1
-                    self.stats.activation_bytes -= slot.saved_bytes
                     if self.is_first:
                         del slots[i]
+                elif kind is ActionKind.EVICT:
+                    # what the engine holds anyway: sending it would free nothing
+                    keep = (slot.inputs, slot.outputs, microbatches.get(i))
+                    self._link().evict(i, self.stash.evict(i, self.evict_share(i), keep))
+                elif kind is ActionKind.LOAD:
+                    self._link().load(i, self.stash.away_size(i))
+                    slot.loading = True
+                elif kind is ActionKind.RETURN:
+                    self._link().give_back(i)
                 elif kind is ActionKind.SEND_B:
                     self.transport.send(slot.grads_out, self._peer(self.prev_rank))
                     del slots[i]
@@ -283,6 +320,7 @@ class PipelineEngine:
                         self._rank, self.stage, action, action.microbatch, end,
                         (end - start) * 1e3,
                     )  # fmt: skip
+                self._sample_memory()
                 if action.is_compute:
                     self.stats.busy_s += end - start
                     self.stats.max_weight_versions = max(
@@ -350,25 +388,23 @@ class PipelineEngine:
                 ptrs.add(next(iter(slot.params.values())).untyped_storage().data_ptr())
         return len(ptrs)
 
-    @contextmanager
-    def _count_saved(self, slot: _Slot) -> Iterator[None]:
-        """Count the bytes autograd saves for backward while ``slot``'s forward runs."""
-        weights = [*self.body.parameters(), *(slot.params or {}).values()]
-        skip = {t.untyped_storage().data_ptr() for t in weights}
-        storages: dict[int, int] = {}
+    def _link(self) -> PeerLink:
+        if self.link is None:
+            raise RuntimeError(
+                "the schedule has offload actions (EVICT/LOAD/RETURN) but this stage has no link "
+                "to a partner stage; offload actions come from the activation balancer or a memory "
+                "plan, which set the link up"
+            )
+        return self.link
 
-        def pack(t: Tensor) -> Tensor:
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr not in skip and ptr not in storages:
-                storages[ptr] = storage.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield
-        slot.saved_bytes = sum(storages.values())
-        stats = self.stats
-        stats.activation_bytes += slot.saved_bytes
+    def _sample_memory(self) -> None:
+        """Update the activation figures after an action (the link's threads move bytes too)."""
+        stats, stash = self.stats, self.stash
+        partner = self.link.held_bytes if self.link is not None else 0
+        stats.partner_bytes = partner
+        stats.host_bytes = stash.host_bytes
+        stats.evicted_bytes = stash.away_bytes
+        stats.activation_bytes = stash.resident_bytes + partner
         stats.peak_activation_bytes = max(stats.peak_activation_bytes, stats.activation_bytes)
 
     def _check_same_batch(self, slot: _Slot, microbatch: Any, index: int) -> None:

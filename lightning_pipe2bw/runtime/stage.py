@@ -9,6 +9,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_pipe2bw.runtime.stash import ActivationStash
+
 __all__ = ["BodyCall", "StageBody"]
 
 # Called with (stage body, the input the user's step passed to the body); returns what the body
@@ -45,34 +47,46 @@ class StageBody(nn.Module):
             self.indices.append(index)
         self._call: BodyCall | None = None
         self.recompute = False  # recompute the blocks' activations in the backward
+        # per block (by index): "keep", "recompute", "swap" or "evict" (see runtime.stash)
+        self.policy: dict[int, str] = {}
+        self.stash: ActivationStash | None = None  # told which block runs, when it is set
+        self.microbatch: int | None = None  # the micro-batch being forwarded (for the stash)
 
     def run_blocks(self, x: Any, weights: Mapping[str, Tensor] | None = None) -> Any:
         """Apply the owned blocks in order, with ``nn.Sequential`` semantics (one input each).
 
         ``weights`` (names as in ``self.named_parameters()``) replace the parameters for this
-        call (``torch.func.functional_call``): a weight version other than the live one.
+        call (``torch.func.functional_call``, block by block): a weight version other than the
+        live one.
 
         With :attr:`recompute`, autograd keeps only the stage's input: the blocks run again,
         with the same weights and random state, when the backward needs their activations
-        (``torch.utils.checkpoint``, non-reentrant).
+        (``torch.utils.checkpoint``, non-reentrant). A block whose :attr:`policy` is
+        ``"recompute"`` is checkpointed on its own.
         """
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._run_blocks, x, weights, use_reentrant=False)
-        return self._run_blocks(x, weights)
+            return checkpoint(self._apply_blocks, x, weights, use_reentrant=False)
+        return self._apply_blocks(x, weights)
 
-    def _run_blocks(self, x: Any, weights: Mapping[str, Tensor] | None) -> Any:
-        if weights is None:
-            return self._apply_blocks(x)
-        saved = self._call
-        self._call = lambda body, inp: body._apply_blocks(inp)
-        try:
-            return torch.func.functional_call(self, dict(weights), (x,), strict=False)
-        finally:
-            self._call = saved
-
-    def _apply_blocks(self, x: Any) -> Any:
-        for block in self.children():
-            x = block(x)
+    def _apply_blocks(self, x: Any, weights: Mapping[str, Tensor] | None) -> Any:
+        stash = self.stash
+        for index, block in zip(self.indices, self.children(), strict=True):
+            own = None
+            if weights is not None:
+                prefix = f"{index}."
+                own = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+            if stash is not None:
+                stash.current_block = index
+            try:
+                if self.policy.get(index) == "recompute" and torch.is_grad_enabled():
+                    if stash is not None and self.microbatch is not None:
+                        stash.note_held(self.microbatch, x)  # checkpoint keeps the input
+                    x = checkpoint(_call_block, block, own, x, use_reentrant=False)
+                else:
+                    x = _call_block(block, own, x)
+            finally:
+                if stash is not None:
+                    stash.current_block = None
         return x
 
     def set_call(self, call: BodyCall | None) -> None:
@@ -95,3 +109,9 @@ class StageBody(nn.Module):
 
     def extra_repr(self) -> str:
         return f"stage={self.stage}/{self.num_stages}, blocks={self.indices}"
+
+
+def _call_block(block: nn.Module, weights: Mapping[str, Tensor] | None, x: Any) -> Any:
+    if weights is None:
+        return block(x)
+    return torch.func.functional_call(block, dict(weights), (x,), strict=False)

@@ -9,7 +9,13 @@ from torch import Tensor
 
 from lightning_pipe2bw.runtime.engine import PipelineEngine, StepFn
 from lightning_pipe2bw.runtime.versions import TwoBWOptimizer, WeightVersions
-from lightning_pipe2bw.schedule import Action, ActionKind, OneFOneBStream, with_communication
+from lightning_pipe2bw.schedule import (
+    Action,
+    ActionKind,
+    OneFOneBStream,
+    add_offload,
+    with_communication,
+)
 
 __all__ = ["PipeDreamDriver", "TwoBWDriver"]
 
@@ -42,6 +48,7 @@ class TwoBWDriver:
         self.next_update = 0  # the oldest batch whose update has not been applied
         self.stream = self._new_stream()
         self.version_log: list[int] | None = None  # versions alive after every action, if set
+        self.offload: frozenset[int] = frozenset()  # stages that evict activations (BPipe)
         engine.observer = self.observe
         versions.reserved = self.reserved_versions
 
@@ -77,9 +84,12 @@ class TwoBWDriver:
         weights: Mapping[int, float],
         backward: Callable[[Tensor], None],
     ) -> dict[int, Any]:
-        p = self.engine.num_stages
+        p, stage = self.engine.num_stages, self.engine.stage
+        comm = [c for a in actions for c in with_communication(a, p)]
+        if self.offload:
+            comm = add_offload(comm, stage, p, self.offload)
         return self.engine.execute(
-            [c for a in actions for c in with_communication(a, p)],
+            comm,
             data,
             step,
             train=True,
@@ -140,6 +150,8 @@ class TwoBWDriver:
             return None
         self._run(self.stream.drain(), {}, _no_step, {}, backward)
         self.engine.transport.wait_sends()  # every send of the segment has been received now
+        if self.engine.link is not None:
+            self.engine.link.settle()
         self.segment_start = self.admitted
         self.stream = self._new_stream()
         last = self.admitted - 1

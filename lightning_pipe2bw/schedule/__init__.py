@@ -1,4 +1,5 @@
-"""Pipeline schedules: actions, generators, communication pass, validator and simulator."""
+"""Pipeline schedules: actions, generators, communication and offload passes, validator and
+simulator."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from .action import (
     parse_action,
     parse_actions,
     parse_stages,
+    partner,
 )
 from .comm import add_communication, with_communication
 from .generators import (
@@ -24,6 +26,7 @@ from .generators import (
     two_bw,
     two_bw_version,
 )
+from .offload import add_offload, add_offload_schedule, offload_stages
 from .simulate import Costs, DeadlockError, SimResult, simulate
 from .stream import OneFOneBStream
 from .validate import ScheduleError, validate
@@ -39,16 +42,20 @@ __all__ = [
     "ScheduleError",
     "SimResult",
     "add_communication",
+    "add_offload",
+    "add_offload_schedule",
     "check_sizes",
     "format_actions",
     "format_grid",
     "forward_only",
     "get_schedule",
     "gpipe",
+    "offload_stages",
     "one_f_one_b",
     "parse_action",
     "parse_actions",
     "parse_stages",
+    "partner",
     "pipedream",
     "simulate",
     "two_bw",

@@ -14,6 +14,7 @@ __all__ = [
     "parse_action",
     "parse_actions",
     "parse_stages",
+    "partner",
 ]
 
 
@@ -26,14 +27,32 @@ class ActionKind(str, Enum):
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"  # gradients, stage s -> s-1
     RECV_B = "RECV_B"
+    # Activation offload (BPipe) between stage s and its partner p - 1 - s, for s < p - 1 - s:
+    EVICT = "EVICT"  # on s after F(i): send part of i's saved activations to the partner
+    RETURN = "RETURN"  # on the partner: wait for i's evicted activations, then send them back
+    LOAD = "LOAD"  # on s before B(i): receive i's activations back from the partner
 
 
 _COMPUTE = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD})
+_OFFLOAD = frozenset({ActionKind.EVICT, ActionKind.RETURN, ActionKind.LOAD})
+
+
+def partner(stage: int, num_stages: int) -> int:
+    """The stage that holds ``stage``'s evicted activations: ``num_stages - 1 - stage``.
+
+    Pairs are (0, p - 1), (1, p - 2), ...; the earlier stage of a pair (``stage < partner``)
+    evicts, the later one holds and returns. The middle stage of an odd ``num_stages`` is its
+    own partner and takes part in no offload.
+    """
+    return num_stages - 1 - stage
 
 
 @dataclass(frozen=True, slots=True)
 class Action:
-    """One step of one stage: compute (F/B) or communication (SEND_*/RECV_*) for a micro-batch.
+    """One step of one stage: compute (F/B) or communication for a micro-batch.
+
+    Communication is point-to-point between neighbours (SEND_*/RECV_*) or activation offload
+    between a stage and its :func:`partner` (EVICT/RETURN/LOAD).
 
     ``version`` is the weight version the action runs with (weight-stashing schedules such as
     PipeDream-2BW); it is ``None`` for flush schedules (GPipe, 1F1B).
@@ -65,8 +84,13 @@ class Action:
 
     @property
     def is_comm(self) -> bool:
-        """True for send and receive actions."""
+        """True for send and receive actions, including the offload actions."""
         return self.kind not in _COMPUTE
+
+    @property
+    def is_offload(self) -> bool:
+        """True for the activation offload actions EVICT, RETURN and LOAD."""
+        return self.kind in _OFFLOAD
 
 
 # Longer kinds first so that e.g. "SEND_F" is never read as a bare "F".
@@ -83,7 +107,7 @@ def parse_action(text: str) -> Action:
         raise ValueError(
             f"malformed action {text!r}; expected <stage><kind><microbatch>[v<version>] with "
             f"kind one of {', '.join(k.value for k in ActionKind)}, e.g. '2F0', '1SEND_B3', "
-            "'1F5v2'"
+            "'1F5v2', '0EVICT3'"
         )
     stage, kind, microbatch, version = match.groups()
     return Action(

@@ -8,13 +8,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
-from .action import Action, ActionKind
+from .action import Action, ActionKind, partner
 from .comm import add_communication
 from .generators import Schedule, format_grid
 
 __all__ = ["Costs", "DeadlockError", "SimResult", "simulate"]
 
-# A FIFO channel: (source stage, destination stage, "F" for activations or "B" for gradients).
+# A FIFO channel: (source stage, destination stage, what it carries): "F" activations or "B"
+# gradients between neighbours, "E" evicted activations from a stage to its partner and "R" the
+# same activations returned.
 _Channel = tuple[int, int, str]
 
 
@@ -71,8 +73,8 @@ class SimResult:
 class DeadlockError(ValueError):
     """No stage can make progress while some still have actions left.
 
-    ``stuck`` holds the ``(stage, slot)`` of every blocked receive and ``reasons`` one line per
-    blocked stage; both refer to ``schedule`` (the schedule actually simulated, i.e. with
+    ``stuck`` holds the ``(stage, slot)`` of every blocked receive (RECV_F, RECV_B, LOAD, or the
+    wait of a RETURN for its EVICT) and ``reasons`` one line per blocked stage; both refer to ``schedule`` (the schedule actually simulated, i.e. with
     communication inserted).
     """
 
@@ -89,18 +91,36 @@ class DeadlockError(ValueError):
         self.schedule = schedule
 
 
-_SEND_DIR = {ActionKind.SEND_F: ("F", 1), ActionKind.SEND_B: ("B", -1)}
-_RECV_DIR = {ActionKind.RECV_F: ("F", -1), ActionKind.RECV_B: ("B", 1)}
+# The action that sends on each kind of channel (named in deadlock reports).
+_SENDER = {
+    "F": ActionKind.SEND_F,
+    "B": ActionKind.SEND_B,
+    "E": ActionKind.EVICT,
+    "R": ActionKind.RETURN,
+}
 
 
-def _send_channel(stage: int, kind: ActionKind) -> _Channel:
-    direction, step = _SEND_DIR[kind]
-    return (stage, stage + step, direction)
-
-
-def _recv_channel(stage: int, kind: ActionKind) -> _Channel:
-    direction, step = _RECV_DIR[kind]
-    return (stage + step, stage, direction)
+def _channels(
+    stage: int, kind: ActionKind, num_stages: int
+) -> tuple[_Channel | None, _Channel | None]:
+    """(the channel a communication action receives on, the channel it then sends on); None
+    where it does not. RETURN does both: it waits for the EVICT, then sends the data back."""
+    q = partner(stage, num_stages)
+    if kind is ActionKind.SEND_F:
+        return None, (stage, stage + 1, "F")
+    if kind is ActionKind.SEND_B:
+        return None, (stage, stage - 1, "B")
+    if kind is ActionKind.RECV_F:
+        return (stage - 1, stage, "F"), None
+    if kind is ActionKind.RECV_B:
+        return (stage + 1, stage, "B"), None
+    if kind is ActionKind.EVICT:
+        return None, (stage, q, "E")
+    if kind is ActionKind.RETURN:
+        return (q, stage, "E"), (stage, q, "R")
+    if kind is ActionKind.LOAD:
+        return (q, stage, "R"), None
+    raise ValueError(f"{kind.value} is not a communication action")
 
 
 def simulate(
@@ -114,6 +134,11 @@ def simulate(
     receiver ``costs.comm`` later; a receive blocks until the matching item has arrived. The
     k-th receive on a channel consumes the k-th send (FIFO). Compute-only schedules get
     :func:`add_communication` first. Raises :class:`DeadlockError` if the stages get stuck.
+
+    Activation offload takes no compute time: ``EVICT(i)`` on stage s is a send to its partner
+    q = p - 1 - s; ``RETURN(i)`` on q receives it and, when it has, sends it back; ``LOAD(i)`` on
+    s receives that. ``peak_activations`` still counts micro-batches between F and B, wherever
+    their activations are held.
 
     ``delays[(stage, slot)]`` is work the stage does outside the schedule just before the action
     in that slot (of the schedule as simulated, with communication), e.g. the optimizer step and
@@ -160,27 +185,34 @@ def simulate(
                     peak[s] = max(peak[s], in_flight[s])
                 elif kind is ActionKind.BACKWARD:
                     in_flight[s] -= 1
-            elif kind in _SEND_DIR:
-                channel = _send_channel(s, kind)
-                sent.setdefault(channel, []).append((t + costs.comm, action))
-                if channel in waiting:
-                    ready.append(waiting.pop(channel))
             else:
-                channel = _recv_channel(s, kind)
-                k = received.get(channel, 0)
-                queue = sent.get(channel, [])
-                if k >= len(queue):
-                    waiting[channel] = s
-                    break
-                arrival, send = queue[k]
-                if send.microbatch != action.microbatch:
+                if action.is_offload and partner(s, p) == s:
                     raise ValueError(
-                        f"stage {s}, slot {i}: {action} would receive the data of {send} "
-                        f"because channels are FIFO; make the receive order on stage {s} match "
-                        f"the send order on stage {channel[0]} (validate() lists all problems)"
+                        f"stage {s}, slot {i}: {action} needs a partner stage, but stage {s} is "
+                        f"the middle stage of p={p} (its own partner); remove it (validate() "
+                        "lists all problems)"
                     )
-                received[channel] = k + 1
-                end = max(t, arrival)
+                recv, send_on = _channels(s, kind, p)
+                if recv is not None:
+                    k = received.get(recv, 0)
+                    queue = sent.get(recv, [])
+                    if k >= len(queue):
+                        waiting[recv] = s
+                        break
+                    arrival, send = queue[k]
+                    if send.microbatch != action.microbatch:
+                        raise ValueError(
+                            f"stage {s}, slot {i}: {action} would receive the data of {send} "
+                            f"because channels are FIFO; make the receive order on stage {s} "
+                            f"match the send order on stage {recv[0]} (validate() lists all "
+                            "problems)"
+                        )
+                    received[recv] = k + 1
+                    end = max(t, arrival)
+                if send_on is not None:  # a RETURN sends once its receive has completed
+                    sent.setdefault(send_on, []).append((end + costs.comm, action))
+                    if send_on in waiting:
+                        ready.append(waiting.pop(send_on))
             timeline[s].append((action, t, end))
             t = end
             i += 1
@@ -213,8 +245,10 @@ def _raise_deadlock(
     for s in range(p):
         if slot[s] >= len(stages[s]):
             continue
-        action = stages[s][slot[s]]  # only receives block
-        src, _, direction = channel = _recv_channel(s, action.kind)
+        action = stages[s][slot[s]]
+        channel = _channels(s, action.kind, p)[0]
+        assert channel is not None, f"{action} cannot block"  # only receives block
+        src, _, carries = channel
         n_sent = len(sent.get(channel, []))
         if not 0 <= src < p:
             peer = f"stage {src} does not exist"
@@ -228,7 +262,8 @@ def _raise_deadlock(
         stuck.append((s, slot[s]))
         reasons.append(
             f"stage {s} is stuck at slot {slot[s]} on {action}: waits for "
-            f"{src}SEND_{direction}{action.microbatch} (send #{received.get(channel, 0) + 1} "
+            f"{src}{_SENDER[carries].value}{action.microbatch} "
+            f"(send #{received.get(channel, 0) + 1} "
             f"from stage {src} to stage {s}); {peer}"
         )
     message = "\n".join(

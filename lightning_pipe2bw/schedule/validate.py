@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .action import Action, ActionKind
+from .action import Action, ActionKind, partner
 from .comm import add_communication
 from .generators import Schedule, format_grid
 from .simulate import DeadlockError, simulate
@@ -12,9 +12,11 @@ from .simulate import DeadlockError, simulate
 __all__ = ["ScheduleError", "format_grid", "validate"]
 
 _F, _B = ActionKind.FORWARD, ActionKind.BACKWARD
+_EVICT, _RETURN, _LOAD = ActionKind.EVICT, ActionKind.RETURN, ActionKind.LOAD
 _MAX_LISTED = 40  # problems spelled out in the message; ScheduleError.problems has them all
 
-# Stage offset of the peer each comm kind talks to.
+# Stage offset of the peer each point-to-point comm kind talks to (offload kinds talk to the
+# stage's partner p - 1 - s instead).
 _PEER = {
     ActionKind.SEND_F: 1,
     ActionKind.RECV_F: -1,
@@ -65,7 +67,12 @@ def _check_stage(schedule: Schedule, s: int, has_comm: bool) -> list[_Problem]:
             msg = f"{_where(s, i, a)}: micro-batch {a.microbatch} is out of range"
             out.append(_Problem(f"{msg}; use 0..{m - 1} (num_microbatches={m})", cell))
             continue
-        if a.is_comm and not 0 <= s + _PEER[a.kind] < p:
+        if a.is_offload:
+            problem = _offload_placement(schedule, s, i, a)
+            if problem is not None:
+                out.append(problem)
+                continue
+        elif a.is_comm and not 0 <= s + _PEER[a.kind] < p:
             peer = s + _PEER[a.kind]
             msg = f"{_where(s, i, a)}: {a.kind.value} needs stage {peer}, which does not exist"
             out.append(_Problem(f"{msg} (p={p}); remove it", cell))
@@ -103,6 +110,67 @@ def _check_stage(schedule: Schedule, s: int, has_comm: bool) -> list[_Problem]:
                 out.append(_Problem(f"{msg}; a backward must use its forward's version", (s, b)))
         if has_comm:
             out += _check_comm_order(schedule, s, mb, first)
+        out += _check_offload_order(schedule, s, mb, first)
+    return out
+
+
+def _offload_placement(schedule: Schedule, s: int, i: int, a: Action) -> _Problem | None:
+    """An offload action on a stage that cannot run it: the middle stage (its own partner),
+    EVICT/LOAD on the later stage of a pair, RETURN on the earlier one, or any in a
+    forward-only schedule."""
+    p, q = schedule.num_stages, partner(s, schedule.num_stages)
+    where = _where(s, i, a)
+    if not schedule.training:
+        msg = f"{where}: offload in a forward-only (training=False) schedule, which keeps no "
+        return _Problem(f"{msg}activations for a backward; remove it", (s, i))
+    if q == s:
+        msg = f"{where}: stage {s} is the middle stage of p={p}, its own partner (p - 1 - s)"
+        return _Problem(f"{msg}, so it takes part in no offload; remove it", (s, i))
+    if a.kind is _RETURN and q > s:
+        msg = (
+            f"{where}: RETURN runs on the later stage of a pair, but stage {s}'s partner is "
+            f"stage {q} > {s}"
+        )
+        return _Problem(f"{msg}; move it to stage {q} or remove it", (s, i))
+    if a.kind is not _RETURN and q < s:
+        msg = (
+            f"{where}: {a.kind.value} runs on the evicting stage of a pair (s < p - 1 - s), "
+            f"but stage {s}'s partner is stage {q} < {s}"
+        )
+        return _Problem(f"{msg}; move it to stage {q} or remove it", (s, i))
+    return None
+
+
+def _check_offload_order(
+    schedule: Schedule, s: int, mb: int, first: dict[tuple[ActionKind, int], int]
+) -> list[_Problem]:
+    """On an evicting stage: F(i) before EVICT(i) before LOAD(i) before B(i), and an EVICT(i)
+    and a LOAD(i) together or neither."""
+    actions, out = schedule.stages[s], []
+    e, load = first.get((_EVICT, mb)), first.get((_LOAD, mb))
+    f, b = first.get((_F, mb)), first.get((_B, mb))
+    if e is not None:
+        evict = actions[e]
+        if f is not None and e < f:
+            msg = f"{_where(s, e, evict)}: must come after {actions[f]} (slot {f})"
+            out.append(_Problem(f"{msg}; move it", (s, e)))
+        if load is None:
+            need = Action(s, _LOAD, mb, evict.version)
+            msg = f"{_where(s, e, evict)}: no {need} brings the activations back"
+            fix = "insert one before the backward's RECV_B (or use add_offload)"
+            out.append(_Problem(f"{msg}; {fix}", (s, e)))
+    if load is not None:
+        loaded = actions[load]
+        if e is None:
+            need = Action(s, _EVICT, mb, loaded.version)
+            msg = f"{_where(s, load, loaded)}: no {need} sent these activations away"
+            out.append(_Problem(f"{msg}; insert one after the forward or remove this", (s, load)))
+        elif load < e:
+            msg = f"{_where(s, load, loaded)}: must come after {actions[e]} (slot {e})"
+            out.append(_Problem(f"{msg}; move it", (s, load)))
+        if b is not None and load > b:
+            msg = f"{_where(s, load, loaded)}: must come before {actions[b]} (slot {b})"
+            out.append(_Problem(f"{msg}; move it", (s, load)))
     return out
 
 
@@ -139,39 +207,52 @@ def _firsts(schedule: Schedule, stage: int, kind: ActionKind) -> list[tuple[int,
     return out
 
 
-def _check_channels(schedule: Schedule) -> list[_Problem]:
-    """Sends and receives pair up across neighbours, in the same (FIFO) order."""
+def _check_channel(
+    schedule: Schedule, send_kind: ActionKind, recv_kind: ActionKind, src: int, dst: int
+) -> list[_Problem]:
+    """``send_kind`` on ``src`` and ``recv_kind`` on ``dst`` pair up, in the same (FIFO) order."""
     out: list[_Problem] = []
-    for s in range(schedule.num_stages - 1):
-        for send_kind, recv_kind, src, dst in (
-            (ActionKind.SEND_F, ActionKind.RECV_F, s, s + 1),
-            (ActionKind.SEND_B, ActionKind.RECV_B, s + 1, s),
-        ):
-            sends, recvs = _firsts(schedule, src, send_kind), _firsts(schedule, dst, recv_kind)
-            sent = {a.microbatch for _, a in sends}
-            got = {a.microbatch for _, a in recvs}
-            for i, a in sends:
-                if a.microbatch not in got:
-                    need = f"{dst}{recv_kind.value}{a.microbatch}"
-                    msg = f"{_where(src, i, a)}: no matching {need} on stage {dst}"
-                    out.append(_Problem(f"{msg}; add one there", (src, i)))
-            for i, a in recvs:
-                if a.microbatch not in sent:
-                    need = f"{src}{send_kind.value}{a.microbatch}"
-                    msg = f"{_where(dst, i, a)}: no matching {need} on stage {src}"
-                    out.append(_Problem(f"{msg}; add one there or remove this receive", (dst, i)))
-            paired_sends = [(i, a) for i, a in sends if a.microbatch in got]
-            paired_recvs = [(i, a) for i, a in recvs if a.microbatch in sent]
-            # Channels are FIFO: the k-th receive gets the k-th send's data, whatever its id.
-            for (si, sa), (ri, ra) in zip(paired_sends, paired_recvs, strict=False):
-                if sa.microbatch != ra.microbatch:
-                    msg = (
-                        f"{_where(dst, ri, ra)}: the FIFO channel {src}->{dst} delivers {sa} "
-                        f"(stage {src}, slot {si}) here"
-                    )
-                    fix = f"receive in the order stage {src} sends"
-                    out.append(_Problem(f"{msg}; {fix}", (dst, ri)))
-                    break  # later mismatches on this channel follow from the first
+    sends, recvs = _firsts(schedule, src, send_kind), _firsts(schedule, dst, recv_kind)
+    sent = {a.microbatch for _, a in sends}
+    got = {a.microbatch for _, a in recvs}
+    for i, a in sends:
+        if a.microbatch not in got:
+            need = f"{dst}{recv_kind.value}{a.microbatch}"
+            msg = f"{_where(src, i, a)}: no matching {need} on stage {dst}"
+            out.append(_Problem(f"{msg}; add one there", (src, i)))
+    for i, a in recvs:
+        if a.microbatch not in sent:
+            need = f"{src}{send_kind.value}{a.microbatch}"
+            msg = f"{_where(dst, i, a)}: no matching {need} on stage {src}"
+            out.append(_Problem(f"{msg}; add one there or remove this receive", (dst, i)))
+    paired_sends = [(i, a) for i, a in sends if a.microbatch in got]
+    paired_recvs = [(i, a) for i, a in recvs if a.microbatch in sent]
+    # Channels are FIFO: the k-th receive gets the k-th send's data, whatever its id.
+    for (si, sa), (ri, ra) in zip(paired_sends, paired_recvs, strict=False):
+        if sa.microbatch != ra.microbatch:
+            msg = (
+                f"{_where(dst, ri, ra)}: the FIFO channel {src}->{dst} delivers {sa} "
+                f"(stage {src}, slot {si}) here"
+            )
+            fix = f"receive in the order stage {src} sends"
+            out.append(_Problem(f"{msg}; {fix}", (dst, ri)))
+            break  # later mismatches on this channel follow from the first
+    return out
+
+
+def _check_channels(schedule: Schedule) -> list[_Problem]:
+    """Sends and receives pair up across neighbours, and offload actions across partners
+    (EVICT on s with RETURN on p - 1 - s, RETURN with LOAD back on s), in FIFO order."""
+    out: list[_Problem] = []
+    p = schedule.num_stages
+    for s in range(p - 1):
+        out += _check_channel(schedule, ActionKind.SEND_F, ActionKind.RECV_F, s, s + 1)
+        out += _check_channel(schedule, ActionKind.SEND_B, ActionKind.RECV_B, s + 1, s)
+    for s in range(p):
+        q = partner(s, p)
+        if s < q:  # the evicting side of a pair; misplaced offload actions are per-stage problems
+            out += _check_channel(schedule, _EVICT, _RETURN, s, q)
+            out += _check_channel(schedule, _RETURN, _LOAD, q, s)
     return out
 
 
@@ -203,7 +284,10 @@ def validate(schedule: Schedule) -> None:
     Checks stage fields, micro-batch ranges, exactly one F and one B per micro-batch per stage
     with F before B and the same weight version (one F and no B if ``training=False``), and, for
     schedules with communication, send/receive placement, pairing and FIFO order across
-    neighbours. A compute-only schedule is also checked after :func:`add_communication`.
+    neighbours. Activation offload (:mod:`~lightning_pipe2bw.schedule.offload`): EVICT and LOAD
+    only on the earlier stage of a pair (s < p - 1 - s), RETURN only on the later one, F(i)
+    before EVICT(i) before LOAD(i) before B(i), one LOAD per EVICT, and EVICT/RETURN and
+    RETURN/LOAD paired across partners in FIFO order. A compute-only schedule is also checked after :func:`add_communication`.
     Finally the schedule is simulated to rule out deadlock (only once everything else passes,
     so the deadlock report is meaningful).
     """
