@@ -215,10 +215,12 @@ def run_ours(
     steps: int,
     memory_dir: str | None = None,
     blocks: int = BLOCKS,
+    **strategy_kwargs: Any,
 ) -> dict[str, Any]:
     """Runs on every rank: fit a Trainer with ``Pipe2BWStrategy`` and read its counters. With
     ``memory_dir``, a ``StageMemoryMonitor`` also logs every step to a CSV logger there.
-    ``blocks`` shortens the model (the planner benchmark times the loop with one block)."""
+    ``blocks`` shortens the model (the planner benchmark times the loop with one block);
+    ``strategy_kwargs`` go to the strategy (e.g. ``balance_activations=True``)."""
     import torch.distributed as dist
     from lightning.pytorch import Trainer
     from lightning.pytorch.loggers import CSVLogger
@@ -229,7 +231,7 @@ def run_ours(
     _quiet()  # Lightning sets its loggers' levels when imported
     x, y = make_data(batch_size, warmup + steps)
     loader = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
-    strategy = Pipe2BWStrategy(schedule=schedule, microbatches=m)
+    strategy = Pipe2BWStrategy(schedule=schedule, microbatches=m, **strategy_kwargs)
     timer = _make_timer(warmup, steps)
     monitor = StageMemoryMonitor(log_every_n_steps=1, plot=False) if memory_dir else None
     trainer = Trainer(
@@ -251,6 +253,7 @@ def run_ours(
     driver = strategy.driver
     return {
         "rank": dist.get_rank(),
+        "stage": strategy.stage,
         "threads": torch.get_num_threads(),
         "wall_s": timer.t1 - timer.t0,
         "steps": len(timer.step_s),

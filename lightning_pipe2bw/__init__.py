@@ -6,10 +6,10 @@ Importing the package registers the strategy names (``"pipe2bw"``, ``"pipe2bw_sp
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_pipe2bw.callbacks import StageMemoryMonitor
+from lightning_pipe2bw.callbacks import ActivationBalancer, StageMemoryMonitor
 from lightning_pipe2bw.strategy import Pipe2BWStrategy
 
-__all__ = ["Pipe2BWStrategy", "StageMemoryMonitor"]
+__all__ = ["ActivationBalancer", "Pipe2BWStrategy", "StageMemoryMonitor"]
 __version__ = "0.1.0"
 
 Pipe2BWStrategy.register_strategies(StrategyRegistry)

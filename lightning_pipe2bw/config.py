@@ -63,6 +63,10 @@ class StrategyConfig:
     # recompute activations in the backward: a bool, or one per stage; null: off, or the
     # planner's choice with balance=auto
     recompute: Any = None
+    # per block index: "keep", "recompute", "swap" (to host) or "evict" (to the partner stage)
+    memory_plan: Any = None
+    # BPipe: true (the balanced share), or a budget in micro-batches per evicting stage
+    balance_activations: Any = None
 
 
 @dataclass
@@ -279,6 +283,12 @@ def build_strategy(cfg: StrategyConfig, *, multirun: bool = False) -> Pipe2BWStr
             if cfg.recompute is None or isinstance(cfg.recompute, bool)
             else [bool(r) for r in cfg.recompute]
         ),
+        memory_plan=(
+            None
+            if cfg.memory_plan is None
+            else {int(k): str(v) for k, v in cfg.memory_plan.items()}
+        ),
+        balance_activations=cfg.balance_activations,
         **kwargs,
     )
 

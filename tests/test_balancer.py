@@ -12,7 +12,7 @@ import pytest
 import workers
 from models import max_abs_diff
 
-from lightning_pipe2bw import Pipe2BWStrategy
+from lightning_pipe2bw import ActivationBalancer, Pipe2BWStrategy
 from lightning_pipe2bw.callbacks.balancer import ActivationBudget, evict_share
 
 STEPS = 3
@@ -51,13 +51,42 @@ def test_a_budget_in_microbatches_bounds_the_evicting_stages(pools) -> None:
     assert after[0] < 0.75 * before[0]
 
 
-@pytest.mark.parametrize("policy", ["swap", "recompute", "evict"])
-def test_each_memory_plan_lever_is_exact_and_frees_stage_memory(pools, policy: str) -> None:
-    plan = {1: policy, 2: policy, 3: policy}  # the blocks of stage 0 of 2 (8 blocks)
+def test_the_callback_takes_a_budget_in_bytes(pools) -> None:
     plain = pools(2).run(workers.fit, "1f1b", 4, STEPS, batch_size=16)
-    moved = pools(2).run(workers.fit, "1f1b", 4, STEPS, batch_size=16, memory_plan=plan)
+    budget = _by_stage(plain)[0] // 2  # half of what stage 0 stashes now
+    capped = pools(2).run(
+        workers.fit,
+        "1f1b",
+        4,
+        STEPS,
+        batch_size=16,
+        callbacks=[ActivationBalancer(budget_bytes=budget)],
+    )
+    before, after = _by_stage(plain), _by_stage(capped)
+    print(f"BPIPE ActivationBalancer(budget_bytes={budget}), p=2: {before} -> {after}")
+    assert max_abs_diff(capped[0]["state"], plain[0]["state"]) == 0.0
+    assert after[0] < before[0]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "policy"),
+    [
+        ("1f1b", "swap"),
+        ("1f1b", "recompute"),
+        ("1f1b", "evict"),
+        ("2bw", "swap"),
+        ("2bw", "recompute"),
+    ],
+)
+def test_each_memory_plan_lever_is_exact_and_frees_stage_memory(
+    pools, schedule: str, policy: str
+) -> None:
+    # 2BW: recomputing a block must run it with the micro-batch's own weight version again
+    plan = {1: policy, 2: policy, 3: policy}  # the blocks of stage 0 of 2 (8 blocks)
+    plain = pools(2).run(workers.fit, schedule, 4, STEPS, batch_size=16)
+    moved = pools(2).run(workers.fit, schedule, 4, STEPS, batch_size=16, memory_plan=plan)
     before, after = _by_stage(plain), _by_stage(moved)
-    print(f"MEMORY PLAN {policy}: peak saved bytes per stage {before} -> {after}")
+    print(f"MEMORY PLAN {schedule} {policy}: peak saved bytes per stage {before} -> {after}")
     assert max_abs_diff(moved[0]["state"], plain[0]["state"]) == 0.0
     assert after[0] < 0.7 * before[0]
     if policy == "evict":

@@ -41,11 +41,16 @@ def fit(
     model = RegressionModel(optimizer=optimizer)
     trainer_kwargs = strategy_kwargs.pop("trainer_kwargs", {})
     val_batches = strategy_kwargs.pop("val_batches", 0)
+    callbacks = strategy_kwargs.pop("callbacks", [])
     strategy = Pipe2BWStrategy(schedule=schedule, microbatches=microbatches, **strategy_kwargs)
     strategy.version_log = []
     record = RecordLoss()
     trainer = quiet_trainer(
-        devices=world, strategy=strategy, max_steps=steps, callbacks=[record], **trainer_kwargs
+        devices=world,
+        strategy=strategy,
+        max_steps=steps,
+        callbacks=[record, *callbacks],
+        **trainer_kwargs,
     )
     val = loader(batch_size, n=8 * val_batches) if val_batches else None
     trainer.fit(model, loader(batch_size), val)

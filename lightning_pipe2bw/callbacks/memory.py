@@ -26,6 +26,8 @@ FIELDS = (
     "optimizer_state",
     "activations",
     "activations_peak",
+    "activations_partner",
+    "activations_host",
     "p2p_in_flight",
     "cuda_allocated_peak",
     "cuda_reserved",
@@ -35,7 +37,9 @@ FIELDS = (
 def stage_memory(trainer: Trainer) -> dict[str, int]:
     """This rank's stage: parameter, weight-version, gradient and optimizer-state bytes, live and
     peak stashed activation bytes (counted by the engine through ``saved_tensors_hooks``,
-    storages de-duplicated, weights excluded; the peak since the previous call, which resets it),
+    storages de-duplicated, weights excluded, including what the stage holds for its partner
+    under BPipe; the peak since the previous call, which resets it), the partner's bytes held
+    here and this stage's bytes swapped to host memory (memory plan ``"swap"``),
     bytes of sends not yet completed, and on CUDA the allocator's peak and reserved bytes."""
     strategy: Any = trainer.strategy
     module = trainer.lightning_module
@@ -52,6 +56,8 @@ def stage_memory(trainer: Trainer) -> dict[str, int]:
         "optimizer_state": storage_bytes(states),
         "activations": 0,
         "activations_peak": 0,
+        "activations_partner": 0,
+        "activations_host": 0,
         "p2p_in_flight": 0,
         "cuda_allocated_peak": 0,
         "cuda_reserved": 0,
@@ -61,6 +67,8 @@ def stage_memory(trainer: Trainer) -> dict[str, int]:
         out["activations"] = stats.activation_bytes
         out["activations_peak"] = stats.peak_activation_bytes
         stats.peak_activation_bytes = stats.activation_bytes  # a peak per logging interval
+        out["activations_partner"] = stats.partner_bytes
+        out["activations_host"] = stats.host_bytes
         out["p2p_in_flight"] = engine.transport.pending_bytes
     device = strategy.root_device
     if device.type == "cuda":
@@ -79,7 +87,8 @@ class StageMemoryMonitor(Callback):
 
     Figures (see :func:`stage_memory`): ``params``, ``weight_versions`` (every weight buffer:
     2 with 2BW), ``grads``, ``optimizer_state``, ``activations`` and ``activations_peak``
-    (stashed for backward, exact), ``p2p_in_flight`` (send buffers), ``cuda_allocated_peak`` and
+    (stashed for backward, exact), ``activations_partner`` (held for the partner stage, BPipe),
+    ``activations_host`` (swapped to host memory), ``p2p_in_flight`` (send buffers), ``cuda_allocated_peak`` and
     ``cuda_reserved`` (0 off CUDA). It reads counters only: training is unchanged. Collecting the
     figures is one ``all_gather_object`` per logging step.
     """
