@@ -120,6 +120,23 @@ def test_a_failure_travels_along_a_longer_pipeline(tmp_path: Path, mode: str, ra
             assert first in stop_line(other), out[-4000:]
 
 
+@pytest.mark.parametrize(("mode", "rank"), [("raise", 3), ("kill", 0)])
+def test_a_failure_at_either_end_of_a_balanced_pair_stops_every_rank(
+    tmp_path: Path, mode: str, rank: int
+) -> None:
+    """With BPipe on 4 stages, stage 0 (rank 3) and stage 3 (rank 0) also exchange activations
+    over their offload link, on threads of the holding stage: a failure at either end of that
+    pair still stops every rank well before the timeout."""
+    options = ("--devices", "4", "--in-block", "--balance-activations")
+    proc, elapsed = _run_job(tmp_path, mode, rank, *options)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert elapsed < LIMIT_S
+    if mode == "raise":
+        assert "rank 3 (stage 0) failed in action 0F" in out, out[-4000:]
+        assert "pipe2bw: rank 0 (stage 3) stops: rank 3 (stage 0) failed in" in out, out[-4000:]
+
+
 def _fit_with_rank_dependent_options(option: str) -> str:
     import torch.distributed as dist
     from models import RegressionModel, loader, quiet_trainer

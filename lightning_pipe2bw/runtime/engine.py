@@ -157,7 +157,7 @@ class PipelineEngine:
         self.record_timeline = True
         self.slots: dict[int, _Slot] = {}  # in-flight micro-batches, by id
         # saved activations: counted, and moved by the memory plan and the balancer
-        self.stash = ActivationStash(next(body.parameters(), torch.empty(0)).device)
+        self.stash = ActivationStash(transport.device)
         body.stash = self.stash
         # BPipe: the link to the partner stage, and the share of each micro-batch's saved bytes
         # to evict (given its saved bytes; None: the memory plan's "evict" blocks)

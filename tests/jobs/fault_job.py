@@ -68,11 +68,17 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=None, help="seconds")
     parser.add_argument("--token", default="")
+    parser.add_argument("--balance-activations", action="store_true", help="BPipe on")
     args = parser.parse_args()
     timeout = {"timeout": timedelta(seconds=args.timeout)} if args.timeout else {}
     trainer = quiet_trainer(
         devices=args.devices,
-        strategy=Pipe2BWStrategy(schedule=args.schedule, microbatches=args.devices, **timeout),
+        strategy=Pipe2BWStrategy(
+            schedule=args.schedule,
+            microbatches=args.devices,
+            balance_activations=args.balance_activations or None,
+            **timeout,
+        ),
         max_steps=args.step + 3,
     )
     trainer.fit(FaultyModel(args.mode, args.rank, args.step, args.in_block), loader(8))
