@@ -67,6 +67,9 @@ class StrategyConfig:
     memory_plan: Any = None
     # BPipe: true (the balanced share), or a budget in micro-batches per evicting stage
     balance_activations: Any = None
+    # vPipe: check the stages' measured times every this many steps and move blocks (null: off)
+    repartition_every: int | None = None
+    repartition_threshold: float = 0.15  # move when the slowest stage is this much over the best
 
 
 @dataclass
@@ -283,12 +286,11 @@ def build_strategy(cfg: StrategyConfig, *, multirun: bool = False) -> Pipe2BWStr
             if cfg.recompute is None or isinstance(cfg.recompute, bool)
             else [bool(r) for r in cfg.recompute]
         ),
-        memory_plan=(
-            None
-            if cfg.memory_plan is None
-            else {int(k): str(v) for k, v in cfg.memory_plan.items()}
-        ),
+        # the strategy checks the keys and values and names a bad one
+        memory_plan=None if cfg.memory_plan is None else dict(cfg.memory_plan.items()),
         balance_activations=cfg.balance_activations,
+        repartition_every=cfg.repartition_every,
+        repartition_threshold=cfg.repartition_threshold,
         **kwargs,
     )
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections import OrderedDict
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -70,9 +71,16 @@ from lightning_pipe2bw.checkpoint import (
     stage_optimizer_state,
 )
 from lightning_pipe2bw.launcher import PipeSpawnLauncher
-from lightning_pipe2bw.partition import BodyRef, Partition, build_stage, find_body
+from lightning_pipe2bw.partition import BodyRef, Partition, build_stage, find_body, make_partition
 from lightning_pipe2bw.partition.balance import balance_by_params
 from lightning_pipe2bw.partition.plans import PlanResult
+from lightning_pipe2bw.repartition import (
+    Repartition,
+    StageTiming,
+    load_optimizer_state_by_name,
+    optimizer_state_by_name,
+    plan_repartition,
+)
 from lightning_pipe2bw.runtime import P2PTransport, PipelineEngine, StageBody, merge_outputs
 from lightning_pipe2bw.runtime.engine import step_loss
 from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure, action_of, wait_limits
@@ -157,6 +165,14 @@ class Pipe2BWStrategy(ParallelStrategy):
             its saved activations to its partner p-1-s; a number is a budget in micro-batches of
             its own saved activations an evicting stage keeps at its peak (the
             ``ActivationBalancer`` callback also takes a budget in bytes).
+        repartition_every: vPipe: every this many steps, measure each block's time and move
+            whole blocks between stages when the slowest stage is more than
+            ``repartition_threshold`` slower than the best split of the measured times
+            (``None``: off). Blocks move at a flush point (2BW drains the pipeline first, unless
+            ``flush_every`` already did), with their weights, 2BW weight versions and optimizer
+            state; the math is unchanged. See ``docs/repartition.md``.
+        repartition_threshold: how much slower (0.15: 15%) the slowest stage must be than the
+            best split's before blocks move.
     """
 
     strategy_name = "pipe2bw"
@@ -176,9 +192,32 @@ class Pipe2BWStrategy(ParallelStrategy):
         recompute: bool | Sequence[bool] | None = None,
         memory_plan: Mapping[int, str] | None = None,
         balance_activations: bool | float | None = None,
+        repartition_every: int | None = None,
+        repartition_threshold: float = 0.15,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if repartition_every is not None and (
+            not isinstance(repartition_every, int)
+            or isinstance(repartition_every, bool)
+            or repartition_every < 1
+        ):
+            raise ValueError(
+                f"repartition_every must be a positive int (steps) or None, got {repartition_every!r}"
+            )
+        if (
+            isinstance(repartition_threshold, bool)
+            or not isinstance(repartition_threshold, (int, float))
+            or not 0 <= repartition_threshold < 10
+        ):
+            raise ValueError(
+                "repartition_threshold must be a fraction >= 0 such as 0.15 (15% slower), got "
+                f"{repartition_threshold!r}"
+            )
+        self.repartition_every = repartition_every
+        self.repartition_threshold = float(repartition_threshold)
+        self.repartitions: list[Repartition] = []  # the repartitions of this run, in order
+        self._last_check = 0
         self.memory_plan = check_memory_plan(memory_plan) if memory_plan is not None else None
         if isinstance(balance_activations, bool) or balance_activations is None:
             budget = ActivationBudget() if balance_activations else None
@@ -461,6 +500,8 @@ class Pipe2BWStrategy(ParallelStrategy):
             if self.schedule_name in ("2bw", "pipedream"):
                 self._setup_async(trainer)
             self._setup_offload()
+            if self.repartition_every is not None:
+                self._start_repartition_window()
         self._agree_across_stages()
 
     def _setup_async(self, trainer: Trainer) -> None:
@@ -481,19 +522,27 @@ class Pipe2BWStrategy(ParallelStrategy):
                     "stage finishes a batch, so no global gradient norm or inf check exists at update "
                     "time; remove gradient_clip_val / 16-mixed, or use schedule='2bw'"
                 )
-        bound = 2 if name == "2bw" else self.num_stages - self.stage
-        versions = WeightVersions(list(engine.body.named_parameters()), max_versions=bound)
-        optimizer = TwoBWOptimizer(self.optimizers[0], versions)
-        self.optimizers = [optimizer]
-        driver_cls = TwoBWDriver if name == "2bw" else PipeDreamDriver
-        self.driver = driver_cls(engine, versions, optimizer, self.num_microbatches)
-        self.driver.version_log = self.version_log
+        self._make_driver()
         if self.num_stages > 1:
             if self._report_group is None:  # collective: every rank sets up the same schedule
                 self._report_group = dist.new_group(backend="gloo")
             last = self.rank_of_stage(self.num_stages - 1)
             members = [self.rank_of_stage(s) for s in range(self.num_stages)]
             self._reports = ReportChannel(last, self._report_group, members)
+
+    def _make_driver(self) -> None:
+        """The weight versions over this stage's parameters, the optimizer that keeps them and
+        the driver (again after a repartition)."""
+        engine = self.engine
+        assert engine is not None
+        bound = 2 if self.schedule_name == "2bw" else self.num_stages - self.stage
+        versions = WeightVersions(list(engine.body.named_parameters()), max_versions=bound)
+        optimizer = TwoBWOptimizer(_torch_optimizer(self.optimizers[0]), versions)
+        self.optimizers = [optimizer]
+        driver_cls = TwoBWDriver if self.schedule_name == "2bw" else PipeDreamDriver
+        self.driver = driver_cls(engine, versions, optimizer, self.num_microbatches)
+        self.driver.version_log = self.version_log
+        self.driver.offload = self._offload_stages
 
     def _check_trainer(self, trainer: Trainer) -> None:
         module = self.lightning_module
@@ -538,6 +587,7 @@ class Pipe2BWStrategy(ParallelStrategy):
             "recompute": self.recompute,
             "memory_plan": self.memory_plan,
             "activation_budget": self.activation_budget,
+            "repartition": (self.repartition_every, self.repartition_threshold),
             "data_parallel": self.data_parallel,
             "body": self.body_name,
             "state_dict_type": self.state_dict_type,
@@ -978,6 +1028,164 @@ class Pipe2BWStrategy(ParallelStrategy):
     version_log: list[int] | None = None
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        every = self.repartition_every
+        module = self.lightning_module
+        if every is None or module is None:
+            return
+        step = module.trainer.global_step
+        if step == 0 or step % every or step == self._last_check:
+            return
+        self._last_check = step
+        self._check_balance(step)
+
+    def _start_repartition_window(self) -> None:
+        engine = self.engine
+        assert engine is not None
+        engine.body.timing = True
+        engine.body.take_block_times()
+        engine.stats.forward_s = engine.stats.backward_s = 0.0
+
+    def _check_balance(self, step: int) -> None:
+        """Gather every stage's measured times (collective), and move blocks if the slowest
+        stage is over the threshold (every rank decides alike from the same figures)."""
+        engine = self.engine
+        assert engine is not None and self.partition is not None
+        stats = engine.stats
+        mine = StageTiming(
+            self.stage, engine.body.take_block_times(), stats.forward_s, stats.backward_s
+        )
+        stats.forward_s = stats.backward_s = 0.0
+        everyone: list[Any] = [mine]
+        if self.world_size > 1:
+            everyone = [None] * self.world_size
+            dist.all_gather_object(everyone, mine)
+        decision = plan_repartition(everyone, self.partition.balance, self.repartition_threshold)
+        log.debug("pipe2bw: balance check at step %d: %s", step, decision.describe())
+        if not decision.needed:
+            return
+        self.flush()  # 2BW: drain first (a no-op after a flush, and for flush schedules)
+        if self.global_rank == 0:
+            rank_zero_info(f"pipe2bw: repartition at step {step}: {decision.describe()}")
+        self._migrate(decision.best)
+        self.repartitions.append(decision)
+
+    def _migrate(self, balance: Sequence[int], carry_state: bool = True) -> None:
+        """Move whole blocks so that the pipeline runs ``balance`` (collective over every rank;
+        nothing may be in flight). Each moving block travels from its old stage's rank to its
+        new one in each replica, with its optimizer state (by parameter name, so Adam's moments
+        and step counts follow it) and, under 2BW, its second weight version; the optimizers are
+        then rebuilt by ``configure_optimizers`` over the new blocks and given back their state,
+        param-group values and schedulers. ``carry_state=False`` moves the blocks only (before
+        a checkpoint's state is loaded into them)."""
+        engine, module = self.engine, self.lightning_module
+        assert engine is not None and module is not None and self.partition is not None
+        body = engine.body
+        trainer = module.trainer
+        old, new = (
+            self.partition,
+            make_partition(self.partition.num_blocks, self.num_stages, balance),
+        )
+        path = next(name for name, m in module.named_modules() if m is body)
+        driver = self.driver
+        if driver is not None and driver.admitted != driver.segment_start:
+            raise RuntimeError("blocks can only move at a flush point, with nothing in flight")
+        carry = carry_state and bool(self.optimizers)
+        flat: list[dict[str, Any]] = []
+        previous: dict[str, Tensor] = {}
+        schedulers: list[Any] = []
+        if carry:
+            flat = [optimizer_state_by_name(module, _torch_optimizer(o)) for o in self.optimizers]
+            schedulers = [config.scheduler.state_dict() for config in self.lr_scheduler_configs]
+            if driver is not None:
+                kept = driver.previous_version()
+                if kept is not None:
+                    names = self._parameter_names(driver)
+                    previous = dict(zip(names, kept, strict=True))
+        owner = {b: s for s in range(old.num_stages) for b in old.blocks_of(s)}
+        moves = [
+            (b, owner[b], s)
+            for s in range(new.num_stages)
+            for b in new.blocks_of(s)
+            if owner[b] != s
+        ]
+        self._check_movable(body, [b for b, src, _ in moves if src == self.stage])
+        for block, src, dst in moves:
+            prefix = f"{path}.{block}."
+            if self.stage == src:
+                leaving = body._modules.pop(str(block))
+                assert leaving is not None
+                payload = {
+                    "module": leaving.to("cpu"),
+                    "optimizer": [
+                        {k: v for k, v in part.items() if _names_param(k, prefix)} for part in flat
+                    ],
+                    "previous": {k: v.cpu() for k, v in previous.items() if k.startswith(prefix)},
+                }
+                dist.send_object_list([payload], dst=self.rank_of_stage(dst))
+            elif self.stage == dst:
+                got: list[Any] = [None]
+                dist.recv_object_list(got, src=self.rank_of_stage(src))
+                payload = got[0]
+                body.add_module(str(block), payload["module"].to(self.root_device))
+                for part, extra in zip(flat, payload["optimizer"], strict=True):
+                    part.update(extra)
+                previous.update({k: v.to(self.root_device) for k, v in payload["previous"].items()})
+            if self.global_rank == 0 or self.stage in (src, dst):
+                log.info(
+                    "pipe2bw: rank %d: block %d moves from stage %d to stage %d",
+                    self.global_rank, block, src, dst,
+                )  # fmt: skip
+        body._modules = OrderedDict(sorted(body._modules.items(), key=lambda kv: int(kv[0])))
+        body.indices = sorted(int(k) for k in body._modules)
+        body.balance = new.balance
+        self.partition = new
+        self._apply_memory_plan(body)
+        engine.stash.policy = dict(body.policy)
+        if trainer.state.fn != TrainerFn.FITTING or not self.optimizers:
+            return
+        self.setup_optimizers(trainer)
+        _optimizers_to_device(self.optimizers, self.root_device)
+        for optimizer, state in zip(self.optimizers, flat, strict=False):  # none if not carry
+            mine = {
+                k: v
+                for k, v in state.items()
+                if any(_names_param(k, f"{path}.{b}.") for b in body.indices)
+            }
+            load_optimizer_state_by_name(module, _torch_optimizer(optimizer), mine)
+        for config, state in zip(self.lr_scheduler_configs, schedulers, strict=False):
+            config.scheduler.load_state_dict(state)
+        if driver is not None:
+            admitted = driver.admitted
+            self._make_driver()
+            assert self.driver is not None
+            names = self._parameter_names(self.driver)
+            kept_list = [previous[n] for n in names] if previous else None
+            self.driver.resume(admitted, kept_list)
+
+    def _check_movable(self, body: StageBody, blocks: list[int]) -> None:
+        """Every rank raises the same error, before anything moves, if a block that must move
+        cannot be pickled (a hook or attribute holding something that cannot travel)."""
+        problems = []
+        for block in blocks:
+            try:
+                pickle.dumps(body._modules[str(block)])
+            except Exception as err:
+                problems.append(f"block {block}: {type(err).__name__}: {err}")
+        everyone: list[Any] = [problems]
+        if self.world_size > 1:
+            everyone = [None] * self.world_size
+            dist.all_gather_object(everyone, problems)
+        found = [p for part in everyone for p in part]
+        if found:
+            raise ValueError(
+                "cannot move blocks between stages: a block travels pickled (module, weights and "
+                f"all), and {'; '.join(found)}. Keep hooks and references to the LightningModule "
+                "out of the blocks, or turn repartition_every off"
+            )
+
+    @override
     def on_validation_start(self) -> None:
         self.flush()
 
@@ -1210,6 +1418,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         assert module is not None
         meta = read_sharded_meta(path, weights_only)
         pipeline = dict(meta.get("pipe2bw", {}))
+        self._adopt_layout(pipeline)
         template: dict[str, Any] = {"state_dict": module.state_dict()}
         restoring_optimizers = self.optimizers and pipeline.get("num_optimizers")
         if restoring_optimizers:
@@ -1242,8 +1451,30 @@ class Pipe2BWStrategy(ParallelStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         module = self.lightning_module
         assert module is not None
+        if checkpoint.get("pipe2bw", {}).get("format") != "sharded":  # sharded: adopted on read
+            self._adopt_layout(checkpoint.get("pipe2bw"))
         load_stage_state_dict(module, checkpoint["state_dict"], strict)
         self._resume_pipeline(checkpoint.get("pipe2bw"))
+
+    def _adopt_layout(self, state: Mapping[str, Any] | None) -> None:
+        """Run the blocks-per-stage layout a checkpoint was written with (after a live
+        repartition it differs from the one set up), unless the user fixed a ``balance``
+        (collective: every rank reads the same checkpoint)."""
+        if not state or "balance" not in state or self.partition is None or self.balance:
+            return
+        saved = tuple(int(b) for b in state["balance"])
+        if len(saved) != self.num_stages or saved == tuple(self.partition.balance):
+            return
+        if sum(saved) != self.partition.num_blocks:
+            raise ValueError(
+                f"the checkpoint was written for balance={list(saved)} ({sum(saved)} blocks) but "
+                f"this model's body has {self.partition.num_blocks} blocks"
+            )
+        rank_zero_info(
+            f"pipe2bw: the checkpoint was written with balance={list(saved)}; moving blocks from "
+            f"{list(self.partition.balance)} to it"
+        )
+        self._migrate(saved, carry_state=False)
 
     def _resume_pipeline(self, state: Mapping[str, Any] | None) -> None:
         """Continue the 2BW version rule where the checkpoint left it. A checkpoint without it
@@ -1292,6 +1523,15 @@ class Pipe2BWStrategy(ParallelStrategy):
             )
         for name, description, init in entries:
             strategy_registry.register(name, cls, description=description, override=True, **init)
+
+
+def _names_param(key: str, prefix: str) -> bool:
+    """Whether a flattened optimizer-state key (``state.<name>.<key>`` or
+    ``param_groups.<name>.<key>``) belongs to a parameter whose name starts with ``prefix``."""
+    for head in ("state.", "param_groups."):
+        if key.startswith(head):
+            return key[len(head) :].startswith(prefix)
+    return False
 
 
 def _package_version() -> str:

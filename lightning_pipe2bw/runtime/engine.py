@@ -82,6 +82,8 @@ class EngineStats:
 
     peak_inflight: int = 0
     busy_s: float = 0.0
+    forward_s: float = 0.0  # of busy_s, in training forwards
+    backward_s: float = 0.0  # of busy_s, in backwards
     # bytes autograd saved for backward in this stage's forwards (storage de-duplicated, weights
     # excluded), counted through saved_tensors_hooks, that are on this stage's device: its own
     # micro-batches' and those it holds for its partner (BPipe); live now, and the peak
@@ -323,6 +325,10 @@ class PipelineEngine:
                 self._sample_memory()
                 if action.is_compute:
                     self.stats.busy_s += end - start
+                    if kind is ActionKind.BACKWARD:
+                        self.stats.backward_s += end - start
+                    elif train:
+                        self.stats.forward_s += end - start
                     self.stats.max_weight_versions = max(
                         self.stats.max_weight_versions, self.weight_versions_referenced()
                     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -51,6 +52,11 @@ class StageBody(nn.Module):
         self.policy: dict[int, str] = {}
         self.stash: ActivationStash | None = None  # told which block runs, when it is set
         self.microbatch: int | None = None  # the micro-batch being forwarded (for the stash)
+        # with ``timing``, each block's forward time during training, summed (live
+        # repartitioning reads and resets it); CUDA events are summed when read
+        self.timing = False
+        self._block_s: dict[int, float] = {}
+        self._block_events: list[tuple[int, Any, Any]] = []
 
     def run_blocks(self, x: Any, weights: Mapping[str, Tensor] | None = None) -> Any:
         """Apply the owned blocks in order, with ``nn.Sequential`` semantics (one input each).
@@ -77,6 +83,9 @@ class StageBody(nn.Module):
                 own = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
             if stash is not None:
                 stash.current_block = index
+            timed = self.timing and self.microbatch is not None
+            if timed:
+                start = self._clock()
             try:
                 if self.policy.get(index) == "recompute" and torch.is_grad_enabled():
                     if stash is not None and self.microbatch is not None:
@@ -87,7 +96,38 @@ class StageBody(nn.Module):
             finally:
                 if stash is not None:
                     stash.current_block = None
+            if timed:
+                self._record(index, start)
         return x
+
+    def _clock(self) -> Any:
+        if self.device_type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _record(self, index: int, start: Any) -> None:
+        if self.device_type == "cuda":
+            self._block_events.append((index, start, self._clock()))
+        else:
+            self._block_s[index] = self._block_s.get(index, 0.0) + time.perf_counter() - start
+
+    @property
+    def device_type(self) -> str:
+        first = next(self.parameters(), None)
+        return first.device.type if first is not None else "cpu"
+
+    def take_block_times(self) -> dict[int, float]:
+        """Each owned block's summed forward seconds since the previous call (training
+        forwards only), and reset."""
+        for index, start, end in self._block_events:
+            end.synchronize()
+            self._block_s[index] = self._block_s.get(index, 0.0) + start.elapsed_time(end) / 1e3
+        self._block_events = []
+        out = {i: self._block_s.get(i, 0.0) for i in self.indices}
+        self._block_s = {}
+        return out
 
     def set_call(self, call: BodyCall | None) -> None:
         self._call = call

@@ -1,0 +1,189 @@
+"""vPipe's live repartitioning: measure each block while training runs, and move whole blocks
+between stages when the slowest stage is clearly slower than the best split would be.
+
+Every ``repartition_every`` steps each rank reports what its stage measured since the previous
+check (:class:`StageTiming`): every owned block's forward time, timed around the block call,
+and the stage's total forward and backward time from the engine's actions. A block's cost is
+its forward time scaled by the stage's backward-to-forward ratio (a block's backward is not
+timed on its own); what the stage spends outside its blocks (the user's step around the body,
+the loss) stays with the stage. From these costs :func:`plan_repartition` finds the contiguous
+split with the smallest slowest stage (the planner's exact min-max programme) and proposes it
+when the current slowest stage is more than ``threshold`` slower.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_pipe2bw.partition.partitioner import minmax_partition
+from lightning_pipe2bw.partition.split import make_partition
+
+__all__ = [
+    "Repartition",
+    "StageTiming",
+    "block_costs",
+    "load_optimizer_state_by_name",
+    "optimizer_state_by_name",
+    "plan_repartition",
+]
+
+
+@dataclass(frozen=True)
+class StageTiming:
+    """What one stage measured since the previous check (seconds, summed over micro-batches)."""
+
+    stage: int
+    block_forward_s: Mapping[int, float]  # owned block index -> its forward time
+    forward_s: float  # the stage's forward actions (blocks and the user's code around them)
+    backward_s: float  # the stage's backward actions
+
+
+@dataclass(frozen=True)
+class Repartition:
+    """What :func:`plan_repartition` found: the stages' times under the current split and under
+    the best one, and whether the gap is over the threshold."""
+
+    current: tuple[int, ...]
+    best: tuple[int, ...]
+    current_s: tuple[float, ...]
+    best_s: tuple[float, ...]
+    threshold: float
+
+    @property
+    def slowdown(self) -> float:
+        """How much slower the current slowest stage is than the best split's (0.2: 20%)."""
+        best = max(self.best_s)
+        return max(self.current_s) / best - 1.0 if best > 0 else 0.0
+
+    @property
+    def needed(self) -> bool:
+        return self.best != self.current and self.slowdown > self.threshold
+
+    def moves(self) -> list[tuple[int, int, int]]:
+        """(block, from stage, to stage) for every block that changes stage."""
+        old = make_partition(sum(self.current), len(self.current), self.current)
+        new = make_partition(sum(self.best), len(self.best), self.best)
+        owner = {b: s for s in range(old.num_stages) for b in old.blocks_of(s)}
+        return [
+            (b, owner[b], s)
+            for s in range(new.num_stages)
+            for b in new.blocks_of(s)
+            if owner[b] != s
+        ]
+
+    def describe(self) -> str:
+        moved = ", ".join(f"block {b} stage {a} -> {c}" for b, a, c in self.moves()) or "nothing"
+
+        def ms(xs: Sequence[float]) -> str:
+            return "[" + ", ".join(f"{x * 1e3:.1f}" for x in xs) + "]"
+
+        return (
+            f"stage times {ms(self.current_s)} ms with balance {list(self.current)}: the slowest "
+            f"is {self.slowdown:.0%} over the best split {list(self.best)} "
+            f"({ms(self.best_s)} ms; threshold {self.threshold:.0%}); moves: {moved}"
+        )
+
+
+def block_costs(
+    timings: Sequence[StageTiming], num_blocks: int
+) -> tuple[list[float], dict[int, float]]:
+    """Per-block cost (forward and backward) and per-stage fixed cost from the stages' reports.
+    Several reports of one stage (pipeline replicas) are averaged."""
+    by_stage: dict[int, list[StageTiming]] = {}
+    for t in timings:
+        by_stage.setdefault(t.stage, []).append(t)
+    cost = [0.0] * num_blocks
+    fixed: dict[int, float] = {}
+    for stage, reports in by_stage.items():
+        n = len(reports)
+        fwd = sum(r.forward_s for r in reports) / n
+        bwd = sum(r.backward_s for r in reports) / n
+        blocks = {
+            b: sum(r.block_forward_s.get(b, 0.0) for r in reports) / n
+            for b in reports[0].block_forward_s
+        }
+        in_blocks = sum(blocks.values())
+        scale = (fwd + bwd) / fwd if fwd > 0 else 1.0
+        for b, seconds in blocks.items():
+            cost[b] = seconds * scale
+        fixed[stage] = max(fwd + bwd - in_blocks * scale, 0.0)
+    return cost, fixed
+
+
+def plan_repartition(
+    timings: Sequence[StageTiming], balance: Sequence[int], threshold: float
+) -> Repartition:
+    """The best contiguous split for the measured costs, and how the current one compares."""
+    num_stages, num_blocks = len(balance), sum(balance)
+    cost, fixed = block_costs(timings, num_blocks)
+    prefix = [0.0]
+    for c in cost:
+        prefix.append(prefix[-1] + c)
+
+    def stage_cost(s: int, lo: int, hi: int) -> float:
+        return prefix[hi] - prefix[lo] + fixed.get(s, 0.0)
+
+    current = make_partition(num_blocks, num_stages, balance)
+    current_s = tuple(
+        stage_cost(s, r.start, r.stop)
+        for s, r in enumerate(map(current.blocks_of, range(num_stages)))
+    )
+    found = minmax_partition(num_blocks, num_stages, stage_cost, stage_cost)
+    best = tuple(balance) if found is None else found[1]
+    best_partition = make_partition(num_blocks, num_stages, best)
+    best_s = tuple(
+        stage_cost(s, best_partition.blocks_of(s).start, best_partition.blocks_of(s).stop)
+        for s in range(num_stages)
+    )
+    if max(best_s) >= max(current_s) or not all(map(math.isfinite, best_s)):
+        best, best_s = tuple(balance), current_s
+    return Repartition(tuple(balance), best, current_s, best_s, threshold)
+
+
+def optimizer_state_by_name(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """``optimizer``'s state keyed by ``module``'s parameter names: ``state.<name>.<key>`` (e.g.
+    Adam's ``exp_avg`` and ``step``) and ``param_groups.<name>.<key>`` (the values of the group
+    the parameter is in), so that any set of stages can pick the entries of the blocks it owns."""
+    name_of = {id(p): name for name, p in module.named_parameters()}
+    out: dict[str, Any] = {}
+    for group in optimizer.param_groups:
+        values = {k: v for k, v in group.items() if k != "params"}
+        for param in group["params"]:
+            name = name_of[id(param)]
+            for key, value in optimizer.state.get(param, {}).items():
+                out[f"state.{name}.{key}"] = value
+            for key, value in values.items():
+                out[f"param_groups.{name}.{key}"] = value
+    return out
+
+
+def load_optimizer_state_by_name(
+    module: nn.Module, optimizer: Optimizer, flat: Mapping[str, Any]
+) -> None:
+    """Give ``optimizer`` the state :func:`optimizer_state_by_name` wrote, for the parameters
+    it holds now (every parameter must have its entries; a group takes its first parameter's
+    values)."""
+    name_of = {id(p): name for name, p in module.named_parameters()}
+    state = optimizer.state_dict()
+    index = 0
+    for group, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
+        for position, param in enumerate(group["params"]):
+            name = name_of[id(param)]
+            head = f"param_groups.{name}."
+            values = {k[len(head) :]: v for k, v in flat.items() if k.startswith(head)}
+            if not values:
+                raise KeyError(f"no optimizer state for parameter {name!r}")
+            if position == 0:
+                saved.update(values)
+            head = f"state.{name}."
+            entries = {k[len(head) :]: v for k, v in flat.items() if k.startswith(head)}
+            if entries:
+                state["state"][saved["params"][position]] = entries
+            index += 1
+    optimizer.load_state_dict(state)

@@ -1,0 +1,107 @@
+"""vPipe live repartitioning: blocks move between stages while training runs, the math does not.
+
+Blocks 2 and 3 of the 8-block regression model sleep 10 ms in each training forward, so the
+even split [4, 4] leaves stage 0 many times slower than stage 1; [3, 5] puts one on each. With ``repartition_every=2`` the
+strategy measures every block, finds the better split and moves blocks at a flush point with
+their weights, 2BW weight versions and optimizer state. Tolerance: max |dW| <= 1e-6 (fp32, CPU)
+against the same run without repartitioning; moving a block changes no operation, so it is 0
+here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import repartition_workers as rw
+from models import max_abs_diff
+
+from lightning_pipe2bw import Pipe2BWStrategy
+from lightning_pipe2bw.repartition import StageTiming, block_costs, plan_repartition
+
+STEPS = 6
+
+
+def _timings(block_s: list[float], balance: list[int], extra: float = 0.0) -> list[StageTiming]:
+    out, start = [], 0
+    for s, n in enumerate(balance):
+        blocks = {b: block_s[b] for b in range(start, start + n)}
+        fwd = sum(blocks.values()) + extra
+        out.append(StageTiming(s, blocks, fwd, 2 * fwd))
+        start += n
+    return out
+
+
+def test_plan_moves_blocks_off_the_slow_stage() -> None:
+    times = [1.0, 5.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    decision = plan_repartition(_timings(times, [4, 4]), [4, 4], threshold=0.15)
+    assert decision.needed
+    assert decision.best == (2, 6)  # 6 + 6 units forward against 8 + 6 the other way
+    assert decision.moves() == [(2, 0, 1), (3, 0, 1)]
+    assert max(decision.best_s) < max(decision.current_s)
+    print(decision.describe())
+
+
+def test_plan_keeps_a_split_within_the_threshold() -> None:
+    times = [1.0, 1.2, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    decision = plan_repartition(_timings(times, [4, 4]), [4, 4], threshold=0.15)
+    assert not decision.needed
+    assert decision.slowdown < 0.15
+
+
+def test_block_costs_scale_by_the_backward_and_keep_the_stage_overhead() -> None:
+    cost, fixed = block_costs(_timings([1.0] * 4, [2, 2], extra=0.5), 4)
+    # a stage's forward is 2.5 (0.5 outside its blocks), its backward twice that: each block
+    # costs 3x its forward and the 1.5 s outside the blocks stays with the stage
+    assert cost == pytest.approx([3.0] * 4)
+    assert fixed == {0: pytest.approx(1.5), 1: pytest.approx(1.5)}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"repartition_every": 0}, "repartition_every must be a positive int"),
+        ({"repartition_threshold": -0.1}, "repartition_threshold must be a fraction >= 0"),
+    ],
+)
+def test_bad_repartition_options(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Pipe2BWStrategy(**kwargs)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_repartitioning_moves_blocks_and_changes_no_weight(pools, schedule: str) -> None:
+    # 2BW moves blocks at flush points: the reference flushes at the same steps
+    flush = {"flush_every": 2} if schedule == "2bw" else {}
+    moved = pools(2).run(rw.fit_slow, schedule, STEPS, repartition_every=2, **flush)
+    fixed = pools(2).run(rw.fit_slow, schedule, STEPS, **flush)
+    rank0 = moved[0]
+    print(f"REPARTITION {schedule}: {rank0['repartitions']}; final balance {rank0['balance']}")
+    assert rank0["repartitions"], "the slow stage was not noticed"
+    assert rank0["balance"] == [3, 5]  # one slow block on each stage
+    assert fixed[0]["balance"] == [4, 4]
+    diff = max_abs_diff(rank0["state"], fixed[0]["state"])
+    print(f"REPARTITION {schedule}: max|dW| against no repartitioning {diff:.3e}")
+    assert diff <= 1e-6
+
+
+@pytest.mark.parametrize(
+    ("schedule", "state_dict_type"), [("1f1b", "full"), ("2bw", "full"), ("1f1b", "sharded")]
+)
+def test_a_checkpoint_after_a_repartition_resumes_exactly(
+    pools, tmp_path: Path, schedule: str, state_dict_type: str
+) -> None:
+    kwargs = {"state_dict_type": state_dict_type}
+    if schedule == "2bw":
+        kwargs["flush_every"] = 2
+    full = pools(2).run(
+        rw.fit_slow, schedule, STEPS, ckpt_dir=str(tmp_path), repartition_every=2, **kwargs
+    )
+    assert full[0]["repartitions"]
+    ckpt = tmp_path / "step=4.ckpt"  # written after the repartition at step 2
+    # a fresh strategy without repartitioning starts from [4, 4] and adopts the saved layout
+    resumed = pools(2).run(rw.fit_slow, schedule, STEPS, resume=str(ckpt), **kwargs)
+    assert resumed[0]["balance"] == full[0]["balance"] == [3, 5]
+    diff = max_abs_diff(resumed[0]["state"], full[0]["state"])
+    print(f"REPARTITION resume {schedule} {state_dict_type} from {ckpt.name}: max|dW| {diff:.3e}")
+    assert diff <= 1e-6
