@@ -1118,8 +1118,10 @@ class Pipe2BWStrategy(ParallelStrategy):
                 assert leaving is not None
                 payload = {
                     "module": leaving.to("cpu"),
+                    # on the CPU: a pickled CUDA tensor would land on the sender's device index
                     "optimizer": [
-                        {k: v for k, v in part.items() if _names_param(k, prefix)} for part in flat
+                        {k: _to_cpu(v) for k, v in part.items() if _names_param(k, prefix)}
+                        for part in flat
                     ],
                     "previous": {k: v.cpu() for k, v in previous.items() if k.startswith(prefix)},
                 }
@@ -1523,6 +1525,10 @@ class Pipe2BWStrategy(ParallelStrategy):
             )
         for name, description, init in entries:
             strategy_registry.register(name, cls, description=description, override=True, **init)
+
+
+def _to_cpu(value: Any) -> Any:
+    return value.detach().cpu() if isinstance(value, Tensor) else value
 
 
 def _names_param(key: str, prefix: str) -> bool:

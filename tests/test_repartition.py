@@ -69,19 +69,26 @@ def test_bad_repartition_options(kwargs: dict, message: str) -> None:
         Pipe2BWStrategy(**kwargs)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
-def test_repartitioning_moves_blocks_and_changes_no_weight(pools, schedule: str) -> None:
-    # 2BW moves blocks at flush points: the reference flushes at the same steps
-    flush = {"flush_every": 2} if schedule == "2bw" else {}
-    moved = pools(2).run(rw.fit_slow, schedule, STEPS, repartition_every=2, **flush)
-    fixed = pools(2).run(rw.fit_slow, schedule, STEPS, **flush)
+@pytest.mark.parametrize(("schedule", "replicas"), [("1f1b", 1), ("2bw", 1), ("1f1b", 2)])
+def test_repartitioning_moves_blocks_and_changes_no_weight(
+    pools, schedule: str, replicas: int
+) -> None:
+    # 2BW moves blocks at flush points: the reference flushes at the same steps. With two
+    # pipeline replicas (4 ranks) both move the same blocks, from their averaged timings
+    kwargs: dict = {"data_parallel": replicas}
+    if schedule == "2bw":
+        kwargs["flush_every"] = 2
+    world = 2 * replicas
+    moved = pools(world).run(rw.fit_slow, schedule, STEPS, repartition_every=2, **kwargs)
+    fixed = pools(world).run(rw.fit_slow, schedule, STEPS, **kwargs)
     rank0 = moved[0]
-    print(f"REPARTITION {schedule}: {rank0['repartitions']}; final balance {rank0['balance']}")
+    label = f"{schedule} x{replicas}"
+    print(f"REPARTITION {label}: {rank0['repartitions']}; final balance {rank0['balance']}")
     assert rank0["repartitions"], "the slow stage was not noticed"
-    assert rank0["balance"] == [3, 5]  # one slow block on each stage
+    assert all(r["balance"] == [3, 5] for r in moved)  # one slow block on each stage
     assert fixed[0]["balance"] == [4, 4]
     diff = max_abs_diff(rank0["state"], fixed[0]["state"])
-    print(f"REPARTITION {schedule}: max|dW| against no repartitioning {diff:.3e}")
+    print(f"REPARTITION {label}: max|dW| against no repartitioning {diff:.3e}")
     assert diff <= 1e-6
 
 
