@@ -29,14 +29,20 @@ class SlowBlock(nn.Module):
         return x + torch.tanh(self.fc(x))
 
 
+def _identity(x: Tensor) -> Tensor:
+    return x
+
+
 class SlowModel(RegressionModel):
     """Blocks ``slow`` sleep ``delay_s`` in every training forward."""
 
-    def __init__(self, slow: tuple[int, ...], delay_s: float) -> None:
+    def __init__(self, slow: tuple[int, ...], delay_s: float, unpicklable: bool = False) -> None:
         super().__init__()
         torch.manual_seed(99)
         for index in slow:
             self.body[index] = SlowBlock(self.body[index].fc.in_features, delay_s)
+        if unpicklable:  # a block holding a lambda cannot travel
+            self.body[3].hook = lambda x: _identity(x)
 
 
 def fit_slow(
@@ -46,6 +52,7 @@ def fit_slow(
     delay_s: float = 0.01,
     ckpt_dir: str | None = None,
     resume: str | None = None,
+    unpicklable: bool = False,
     **strategy_kwargs: Any,
 ) -> dict[str, Any]:
     """Fit ``SlowModel`` for ``steps`` steps, 2 per epoch; with ``ckpt_dir``, save a full
@@ -66,7 +73,7 @@ def fit_slow(
         callbacks=callbacks,
         enable_checkpointing=ckpt_dir is not None,
     )
-    model = SlowModel(slow, delay_s)
+    model = SlowModel(slow, delay_s, unpicklable)
     trainer.fit(model, loader(16, n=32), ckpt_path=resume)
     state = strategy.full_state_dict()
     return {
@@ -76,3 +83,12 @@ def fit_slow(
         "blocks": list(model.body.indices),
         "repartitions": [r.describe() for r in strategy.repartitions],
     }
+
+
+def fit_slow_error(**kwargs: Any) -> str:
+    """The message of the ValueError a repartitioning fit raises ("no error" if none)."""
+    try:
+        fit_slow("1f1b", 4, **kwargs)
+    except ValueError as err:
+        return str(err)
+    return "no error"

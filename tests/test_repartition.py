@@ -112,3 +112,10 @@ def test_a_checkpoint_after_a_repartition_resumes_exactly(
     diff = max_abs_diff(resumed[0]["state"], full[0]["state"])
     print(f"REPARTITION resume {schedule} {state_dict_type} from {ckpt.name}: max|dW| {diff:.3e}")
     assert diff <= 1e-6
+
+
+def test_a_block_that_cannot_travel_stops_every_rank_before_anything_moves(pools) -> None:
+    messages = pools(2).run(rw.fit_slow_error, repartition_every=2, unpicklable=True)
+    for message in messages:
+        assert "cannot move blocks between stages" in message, message
+        assert "block 3:" in message
