@@ -1468,10 +1468,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         if len(saved) != self.num_stages or saved == tuple(self.partition.balance):
             return
         if sum(saved) != self.partition.num_blocks:
-            raise ValueError(
-                f"the checkpoint was written for balance={list(saved)} ({sum(saved)} blocks) but "
-                f"this model's body has {self.partition.num_blocks} blocks"
-            )
+            return  # another model: loading its state names what does not match
         rank_zero_info(
             f"pipe2bw: the checkpoint was written with balance={list(saved)}; moving blocks from "
             f"{list(self.partition.balance)} to it"
