@@ -52,7 +52,8 @@ from typing import Any
 
 import torch
 from machine import cpu_pressure_60s
-from schedules import LR, OUR_SCHEDULES, _env, _quiet, loss_fn, make_body, make_data
+from schedules import OUR_SCHEDULES, _env, _quiet, make_data
+from schedules import _lightning_module as schedules_module
 from torch import Tensor, nn
 
 from lightning_pipe2bw.pool import RankPool
@@ -87,29 +88,12 @@ class HeavyBlock(nn.Module):
 
 
 def _lightning_module(heavy: int, extra: int, delay_s: float = 0.0) -> Any:
-    """The LightningModule: ``BLOCKS`` residual blocks, the first ``heavy`` of them heavy."""
-    from lightning.pytorch import LightningModule
-
-    class RepartitionModel(LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.body = make_body(BLOCKS)
-            for index in range(heavy):
-                self.body[index] = HeavyBlock(self.body[index], extra, delay_s)
-
-        def forward(self, x: Tensor) -> Tensor:
-            return self.body(x)
-
-        def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-            x, y = batch
-            loss = loss_fn(self(x), y)
-            self.log("train_loss", loss)
-            return loss
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=LR)
-
-    return RepartitionModel()
+    """``schedules.py``'s LightningModule with ``BLOCKS`` blocks, the first ``heavy`` of them
+    slow (the body is split into stages only when training starts)."""
+    model = schedules_module(BLOCKS)
+    for index in range(heavy):
+        model.body[index] = HeavyBlock(model.body[index], extra, delay_s)
+    return model
 
 
 def _make_step_timer() -> Any:
