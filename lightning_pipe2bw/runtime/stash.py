@@ -59,7 +59,6 @@ class _Storage:
 
     nbytes: int
     policy: str  # "keep", "swap" or "evict" (what the block that saved it first asked for)
-    order: int  # when it was first saved, within the micro-batch
     ptr: int
     data: Tensor | None = None  # the bytes, as uint8, where they are now (None: at the partner)
     where: Literal["device", "host", "peer"] = "device"
@@ -103,9 +102,10 @@ class ActivationStash:
     handle; the storage is copied back, and the tensor rebuilt with its dtype, offset, size and
     stride, when the backward unpacks it: the bytes are the same, so results are bitwise equal.
 
-    ``block_policy(block)`` gives the policy of the block that is running (``None`` outside a
-    block); ``evictable`` makes every saved storage a candidate for eviction (the balancer picks
-    how many bytes at run time).
+    :attr:`policy` maps block indices to their policy and :attr:`current_block` (set by the stage
+    body around each block call) says which block is saving; :attr:`evictable` makes every
+    saved storage of a ``keep`` block a candidate for eviction (the balancer picks how many
+    bytes at run time).
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -151,7 +151,7 @@ class ActivationStash:
             if rec is None:
                 if ptr in micro.counted:  # a kept storage that a managed block saves again
                     return t
-                rec = _Storage(storage.nbytes(), policy, len(micro.storages), ptr)
+                rec = _Storage(storage.nbytes(), policy, ptr)
                 rec.data = _bytes_of(t)
                 by_ptr[ptr] = rec
                 micro.storages.append(rec)
