@@ -22,7 +22,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_pipe2bw.partition.partitioner import minmax_partition
-from lightning_pipe2bw.partition.split import make_partition
+from lightning_pipe2bw.partition.split import Partition, make_partition
 
 __all__ = [
     "Repartition",
@@ -67,15 +67,7 @@ class Repartition:
 
     def moves(self) -> list[tuple[int, int, int]]:
         """(block, from stage, to stage) for every block that changes stage."""
-        old = make_partition(sum(self.current), len(self.current), self.current)
-        new = make_partition(sum(self.best), len(self.best), self.best)
-        owner = {b: s for s in range(old.num_stages) for b in old.blocks_of(s)}
-        return [
-            (b, owner[b], s)
-            for s in range(new.num_stages)
-            for b in new.blocks_of(s)
-            if owner[b] != s
-        ]
+        return Partition(self.current).moves_to(Partition(self.best))
 
     def describe(self) -> str:
         moved = ", ".join(f"block {b} stage {a} -> {c}" for b, a, c in self.moves()) or "nothing"
@@ -129,18 +121,15 @@ def plan_repartition(
     def stage_cost(s: int, lo: int, hi: int) -> float:
         return prefix[hi] - prefix[lo] + fixed.get(s, 0.0)
 
-    current = make_partition(num_blocks, num_stages, balance)
-    current_s = tuple(
-        stage_cost(s, r.start, r.stop)
-        for s, r in enumerate(map(current.blocks_of, range(num_stages)))
-    )
+    def stage_times(split: Sequence[int]) -> tuple[float, ...]:
+        partition = make_partition(num_blocks, num_stages, split)
+        ranges = map(partition.blocks_of, range(num_stages))
+        return tuple(stage_cost(s, r.start, r.stop) for s, r in enumerate(ranges))
+
+    current_s = stage_times(balance)
     found = minmax_partition(num_blocks, num_stages, stage_cost, stage_cost)
     best = tuple(balance) if found is None else found[1]
-    best_partition = make_partition(num_blocks, num_stages, best)
-    best_s = tuple(
-        stage_cost(s, best_partition.blocks_of(s).start, best_partition.blocks_of(s).stop)
-        for s in range(num_stages)
-    )
+    best_s = stage_times(best)
     if max(best_s) >= max(current_s) or not all(map(math.isfinite, best_s)):
         best, best_s = tuple(balance), current_s
     return Repartition(tuple(balance), best, current_s, best_s, threshold)

@@ -631,10 +631,10 @@ class Pipe2BWStrategy(ParallelStrategy):
                 "recompute or a memory_plan (whose 'recompute' entries pick the blocks)"
             )
         p = self.num_stages
+        evicting = offload_stages(p)
         for index, policy in sorted(plan.items()):
-            stage = next(s for s in range(p) if index in partition.blocks_of(s))
-            if policy == "evict" and not stage < p - 1 - stage:
-                evicting = offload_stages(p)
+            stage = partition.stage_of(index)
+            if policy == "evict" and stage not in evicting:
                 where = f"stages {list(evicting)}" if evicting else "no stage (one stage only)"
                 raise ValueError(
                     f"memory_plan[{index}] = 'evict', but block {index} runs on stage {stage} of "
@@ -669,11 +669,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         elif self.memory_plan:
             partition = Partition(engine.body.balance)
             evicting = {
-                s
-                for i, policy in self.memory_plan.items()
-                if policy == "evict"
-                for s in range(p)
-                if i in partition.blocks_of(s)
+                partition.stage_of(i) for i, policy in self.memory_plan.items() if policy == "evict"
             }
         self._offload_stages = frozenset(evicting)
         if self.driver is not None:
@@ -1103,13 +1099,7 @@ class Pipe2BWStrategy(ParallelStrategy):
                 if kept is not None:
                     names = self._parameter_names(driver)
                     previous = dict(zip(names, kept, strict=True))
-        owner = {b: s for s in range(old.num_stages) for b in old.blocks_of(s)}
-        moves = [
-            (b, owner[b], s)
-            for s in range(new.num_stages)
-            for b in new.blocks_of(s)
-            if owner[b] != s
-        ]
+        moves = old.moves_to(new)
         self._check_movable(body, [b for b, src, _ in moves if src == self.stage])
         for block, src, dst in moves:
             prefix = f"{path}.{block}."

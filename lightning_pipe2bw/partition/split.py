@@ -107,6 +107,20 @@ class Partition:
         start = sum(self.balance[:stage])
         return range(start, start + self.balance[stage])
 
+    def stage_of(self, block: int) -> int:
+        """The stage that runs ``block``."""
+        return next(s for s in range(self.num_stages) if block in self.blocks_of(s))
+
+    def moves_to(self, other: Partition) -> list[tuple[int, int, int]]:
+        """``(block, stage here, stage in other)`` for every block whose stage differs, in
+        block order (the same body split two ways)."""
+        return [
+            (b, self.stage_of(b), s)
+            for s in range(other.num_stages)
+            for b in other.blocks_of(s)
+            if self.stage_of(b) != s
+        ]
+
 
 def make_partition(num_blocks: int, num_stages: int, balance: Sequence[int] | None) -> Partition:
     """Validate ``balance`` (or split evenly when None) for a body of ``num_blocks`` blocks.
