@@ -34,10 +34,12 @@ __all__ = [
     "read_sharded_meta",
     "save_sharded",
     "stage_optimizer_state",
+    "to_cpu",
 ]
 
 
-def _to_cpu(obj: Any) -> Any:
+def to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor in it detached and on the CPU (containers kept)."""
     return apply_to_collection(obj, Tensor, lambda t: t.detach().cpu())
 
 
@@ -53,7 +55,7 @@ def gather_state_dict(module: nn.Module, rank: int, world_size: int) -> dict[str
 def gather_named(local: Mapping[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     """The union of every rank's name -> tensor dict, on CPU, on rank 0 (collective; ``{}`` on
     other ranks). A name held by several ranks keeps the lowest rank's value."""
-    local = _to_cpu(dict(local))
+    local = to_cpu(dict(local))
     if world_size == 1:
         return dict(local)
     gathered: list[Any] = [None] * world_size if rank == 0 else []
@@ -76,7 +78,7 @@ def gather_optimizer_state(
 ) -> dict[str, Any]:
     """Every stage's optimizer state, in stage order, with the layout it was written for
     (collective over ``group``: the ``num_stages`` ranks of one pipeline)."""
-    local = (stage, _to_cpu(optimizer.state_dict()))
+    local = (stage, to_cpu(optimizer.state_dict()))
     gathered: list[Any] = [None] * num_stages
     if num_stages > 1:
         dist.all_gather_object(gathered, local, group=group)

@@ -69,6 +69,7 @@ from lightning_pipe2bw.checkpoint import (
     read_sharded_meta,
     save_sharded,
     stage_optimizer_state,
+    to_cpu,
 )
 from lightning_pipe2bw.launcher import PipeSpawnLauncher
 from lightning_pipe2bw.partition import BodyRef, Partition, build_stage, find_body, make_partition
@@ -1109,11 +1110,13 @@ class Pipe2BWStrategy(ParallelStrategy):
                 payload = {
                     "module": leaving.to("cpu"),
                     # on the CPU: a pickled CUDA tensor would land on the sender's device index
-                    "optimizer": [
-                        {k: _to_cpu(v) for k, v in part.items() if _names_param(k, prefix)}
-                        for part in flat
-                    ],
-                    "previous": {k: v.cpu() for k, v in previous.items() if k.startswith(prefix)},
+                    "optimizer": to_cpu(
+                        [
+                            {k: v for k, v in part.items() if _names_param(k, prefix)}
+                            for part in flat
+                        ]
+                    ),
+                    "previous": to_cpu({k: v for k, v in previous.items() if k.startswith(prefix)}),
                 }
                 dist.send_object_list([payload], dst=self.rank_of_stage(dst))
             elif self.stage == dst:
@@ -1512,10 +1515,6 @@ class Pipe2BWStrategy(ParallelStrategy):
             )
         for name, description, init in entries:
             strategy_registry.register(name, cls, description=description, override=True, **init)
-
-
-def _to_cpu(value: Any) -> Any:
-    return value.detach().cpu() if isinstance(value, Tensor) else value
 
 
 def _names_param(key: str, prefix: str) -> bool:
