@@ -656,7 +656,6 @@ class Pipe2BWStrategy(ParallelStrategy):
         assert engine is not None
         p, stage = self.num_stages, self.stage
         budget = self.activation_budget
-        engine.stash.policy = dict(engine.body.policy)
         engine.stash.evictable = False
         evicting: set[int] = set()
         if budget is not None:
@@ -1137,7 +1136,6 @@ class Pipe2BWStrategy(ParallelStrategy):
         body.balance = new.balance
         self.partition = new
         self._apply_memory_plan(body)
-        engine.stash.policy = dict(body.policy)
         if trainer.state.fn != TrainerFn.FITTING or not self.optimizers:
             return
         self.setup_optimizers(trainer)

@@ -81,13 +81,14 @@ class StageBody(nn.Module):
             if weights is not None:
                 prefix = f"{index}."
                 own = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+            policy = self.policy.get(index, "keep")
             if stash is not None:
-                stash.current_block = index
+                stash.current_policy = policy
             timed = self.timing and self.microbatch is not None
             if timed:
                 start = self._clock()
             try:
-                if self.policy.get(index) == "recompute" and torch.is_grad_enabled():
+                if policy == "recompute" and torch.is_grad_enabled():
                     if stash is not None and self.microbatch is not None:
                         stash.note_held(self.microbatch, x)  # checkpoint keeps the input
                     x = checkpoint(_call_block, block, own, x, use_reentrant=False)
@@ -95,7 +96,7 @@ class StageBody(nn.Module):
                     x = _call_block(block, own, x)
             finally:
                 if stash is not None:
-                    stash.current_block = None
+                    stash.current_policy = None
             if timed:
                 self._record(index, start)
         return x

@@ -102,27 +102,22 @@ class ActivationStash:
     handle; the storage is copied back, and the tensor rebuilt with its dtype, offset, size and
     stride, when the backward unpacks it: the bytes are the same, so results are bitwise equal.
 
-    :attr:`policy` maps block indices to their policy and :attr:`current_block` (set by the stage
-    body around each block call) says which block is saving; :attr:`evictable` makes every
-    saved storage of a ``keep`` block a candidate for eviction (the balancer picks how many
-    bytes at run time).
+    :attr:`current_policy` is the policy of the block that is saving (set by the stage body
+    around each block call, from its memory plan; ``None`` outside the blocks);
+    :attr:`evictable` makes every saved storage of a ``keep`` block a candidate for eviction
+    (the balancer picks how many bytes at run time).
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.micro: dict[int, _Micro] = {}
-        self.current_block: int | None = None  # set by the stage body around each block
-        self.policy: dict[int, str] = {}  # block -> keep / recompute / swap / evict
+        # keep / recompute / swap / evict: the running block's, set by the stage body
+        self.current_policy: str | None = None
         self.evictable = False  # every storage may be evicted (the balancer's fraction)
         self.resident_bytes = 0  # saved bytes of this stage's micro-batches on the device
         self.host_bytes = 0  # in the host pool
         self.away_bytes = 0  # at the partner stage
         self._side: Any = None  # the CUDA stream swaps copy on
-
-    @property
-    def manages(self) -> bool:
-        """Whether any saved storage may move (else saved tensors stay in autograd's graph)."""
-        return self.evictable or any(p in ("swap", "evict") for p in self.policy.values())
 
     # ------------------------------------------------------------------ forward
     @contextmanager
@@ -131,18 +126,17 @@ class ActivationStash:
         skip = {t.untyped_storage().data_ptr() for t in weights}
         micro = self.micro.setdefault(microbatch, _Micro())
         by_ptr: dict[int, _Storage] = {}
-        manages = self.manages
 
         def pack(t: Tensor) -> Any:
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
             if ptr in skip:
                 return t
-            block = self.current_block
-            policy = self.policy.get(block, "keep") if block is not None else "keep"
-            if policy == "keep" and self.evictable and block is not None:
+            policy = self.current_policy or "keep"
+            if policy == "keep" and self.evictable and self.current_policy is not None:
                 policy = "evict"
-            if not manages or (policy not in ("swap", "evict") and ptr not in by_ptr):
+            # storages no block asked to move stay in autograd's graph, only counted
+            if policy not in ("swap", "evict") and ptr not in by_ptr:
                 if ptr not in micro.counted and ptr not in by_ptr:
                     micro.counted[ptr] = storage.nbytes()
                     self._add(micro, storage.nbytes(), "device")
