@@ -35,14 +35,14 @@ def add_communication(schedule: Schedule) -> Schedule:
     enough; a receive never needs to be hoisted for correctness. The stage an action runs on is
     its position in ``schedule.stages`` (the validator checks ``action.stage`` agrees).
     """
-    for s, actions in enumerate(schedule.stages):
-        for slot, action in enumerate(actions):
-            if action.is_comm:
-                raise ValueError(
-                    f"schedule {schedule.name!r} already has communication actions "
-                    f"({action} at stage {s}, slot {slot}); pass the compute-only schedule "
-                    "to add_communication"
-                )
+    found = schedule.find(lambda action: action.is_comm)
+    if found is not None:
+        s, slot, action = found
+        raise ValueError(
+            f"schedule {schedule.name!r} already has communication actions "
+            f"({action} at stage {s}, slot {slot}); pass the compute-only schedule "
+            "to add_communication"
+        )
     p = schedule.num_stages
     return schedule.with_stages(
         [comm for action in actions for comm in with_communication(action, p)]

@@ -64,6 +64,15 @@ class Schedule:
         """True if any stage contains a send or receive action."""
         return any(action.is_comm for actions in self.stages for action in actions)
 
+    def find(self, predicate: Callable[[Action], bool]) -> tuple[int, int, Action] | None:
+        """``(stage, slot, action)`` of the first action (stage by stage) that ``predicate``
+        accepts, or None."""
+        for s, actions in enumerate(self.stages):
+            for slot, action in enumerate(actions):
+                if predicate(action):
+                    return s, slot, action
+        return None
+
     def with_stages(self, stages: Iterable[Iterable[Action]]) -> Schedule:
         """A copy of this schedule with the action lists replaced."""
         return replace(self, stages=tuple(tuple(actions) for actions in stages))

@@ -141,14 +141,13 @@ def add_offload_schedule(schedule: Schedule, evicting: Collection[int] | None = 
         )
     p = schedule.num_stages
     evictors = offload_stages(p) if evicting is None else _check_evicting(evicting, p)
-    for s, actions in enumerate(schedule.stages):
-        for slot, action in enumerate(actions):
-            if action.is_offload:
-                raise ValueError(
-                    f"schedule {schedule.name!r} already has offload actions ({action} at "
-                    f"stage {s}, slot {slot}); pass the schedule without them to "
-                    "add_offload_schedule"
-                )
+    found = schedule.find(lambda action: action.is_offload)
+    if found is not None:
+        s, slot, action = found
+        raise ValueError(
+            f"schedule {schedule.name!r} already has offload actions ({action} at "
+            f"stage {s}, slot {slot}); pass the schedule without them to add_offload_schedule"
+        )
     if not schedule.has_comm:
         schedule = add_communication(schedule)
     stages = [add_offload(actions, s, p, evictors) for s, actions in enumerate(schedule.stages)]
