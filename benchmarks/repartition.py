@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 from machine import cpu_pressure_60s
-from schedules import OUR_SCHEDULES, _env, _quiet, make_data
+from schedules import OUR_SCHEDULES, _env, _quiet, fit_quietly
 from schedules import _lightning_module as schedules_module
 from torch import Tensor, nn
 
@@ -142,34 +142,18 @@ def run_rank(
 ) -> dict[str, Any]:
     """Runs on every rank: fit ``steps`` steps with the first 16 / p blocks heavy."""
     import torch.distributed as dist
-    from lightning.pytorch import Trainer
-    from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_pipe2bw import Pipe2BWStrategy
 
     _quiet()
     world = dist.get_world_size()
-    x, y = make_data(batch_size, steps)
-    loader = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
     kwargs: dict[str, Any] = {"flush_every": every} if schedule == "2bw" else {}
     if repartition:
         kwargs.update(repartition_every=every, repartition_threshold=threshold)
     strategy = Pipe2BWStrategy(schedule=schedule, microbatches=m, **kwargs)
     timer = _make_step_timer()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=strategy,
-        max_steps=steps,
-        callbacks=[timer],
-        enable_progress_bar=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    trainer.fit(_lightning_module(BLOCKS // world, extra, delay_s), loader)
+    model = _lightning_module(BLOCKS // world, extra, delay_s)
+    trainer = fit_quietly(model, strategy, batch_size, steps, [timer])
     assert strategy.partition is not None
     return {
         "rank": dist.get_rank(),

@@ -131,6 +131,39 @@ def _lightning_module(blocks: int = BLOCKS) -> Any:
     return BenchModel()
 
 
+def fit_quietly(
+    model: Any,
+    strategy: Any,
+    batch_size: int,
+    steps: int,
+    callbacks: list[Any],
+    logger: Any = False,
+) -> Any:
+    """Fit ``model`` for ``steps`` steps of :func:`make_data` on this pool's ranks (CPU), with
+    no progress bar, checkpoints, summary or validation; returns the Trainer."""
+    import torch.distributed as dist
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x, y = make_data(batch_size, steps)
+    loader = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        strategy=strategy,
+        max_steps=steps,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer.fit(model, loader)
+    return trainer
+
+
 def _quiet() -> None:
     warnings.filterwarnings("ignore")
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "torch.distributed"):
@@ -222,33 +255,23 @@ def run_ours(
     ``blocks`` shortens the model (the planner benchmark times the loop with one block);
     ``strategy_kwargs`` go to the strategy (e.g. ``balance_activations=True``)."""
     import torch.distributed as dist
-    from lightning.pytorch import Trainer
     from lightning.pytorch.loggers import CSVLogger
-    from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_pipe2bw import Pipe2BWStrategy, StageMemoryMonitor
 
     _quiet()  # Lightning sets its loggers' levels when imported
-    x, y = make_data(batch_size, warmup + steps)
-    loader = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
     strategy = Pipe2BWStrategy(schedule=schedule, microbatches=m, **strategy_kwargs)
     timer = _make_timer(warmup, steps)
     monitor = StageMemoryMonitor(log_every_n_steps=1, plot=False) if memory_dir else None
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=dist.get_world_size(),
-        strategy=strategy,
-        max_steps=warmup + steps,
-        callbacks=[timer, monitor] if monitor else [timer],
-        enable_progress_bar=False,
-        logger=CSVLogger(memory_dir) if memory_dir else False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
     model = _lightning_module(blocks)
-    trainer.fit(model, loader)
+    fit_quietly(
+        model,
+        strategy,
+        batch_size,
+        warmup + steps,
+        [timer, monitor] if monitor else [timer],
+        logger=CSVLogger(memory_dir) if memory_dir else False,
+    )
     stats = strategy.engine.stats
     driver = strategy.driver
     return {
