@@ -2,7 +2,7 @@
 so that every stage's stash fits a budget, at the least added time (vPipe's levers).
 
 The model, per block b on stage s, with ``n_s`` micro-batches stashed at the stage's peak
-(``callbacks.balancer.stashed_microbatches``) and the block's profile (``saved_bytes``,
+(``schedule.offload.stashed_microbatches``) and the block's profile (``saved_bytes``,
 ``forward_s``, its input's bytes):
 
 * ``keep``: ``n_s * saved`` bytes on the stage; no added time;
@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_pipe2bw.callbacks.balancer import stashed_microbatches
 from lightning_pipe2bw.partition.profile import Profile
 from lightning_pipe2bw.partition.split import make_partition
+from lightning_pipe2bw.schedule.offload import stashed_microbatches
 
 __all__ = ["MemoryPlan", "plan_memory"]
 

@@ -26,7 +26,14 @@ from .generators import (
     two_bw,
     two_bw_version,
 )
-from .offload import add_offload, add_offload_schedule, offload_stages
+from .offload import (
+    ActivationBudget,
+    add_offload,
+    add_offload_schedule,
+    evict_share,
+    offload_stages,
+    stashed_microbatches,
+)
 from .simulate import Costs, DeadlockError, SimResult, simulate
 from .stream import OneFOneBStream
 from .validate import ScheduleError, validate
@@ -35,6 +42,7 @@ __all__ = [
     "SCHEDULES",
     "Action",
     "ActionKind",
+    "ActivationBudget",
     "Costs",
     "DeadlockError",
     "OneFOneBStream",
@@ -45,6 +53,7 @@ __all__ = [
     "add_offload",
     "add_offload_schedule",
     "check_sizes",
+    "evict_share",
     "format_actions",
     "format_grid",
     "forward_only",
@@ -58,6 +67,7 @@ __all__ = [
     "partner",
     "pipedream",
     "simulate",
+    "stashed_microbatches",
     "two_bw",
     "two_bw_version",
     "validate",
