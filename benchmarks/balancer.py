@@ -35,9 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from machine import cpu_pressure_60s
+from ranks import RankPool
 from schedules import OUR_SCHEDULES, _env, _quiet, run_ours
-
-from lightning_pipe2bw.pool import RankPool
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RANKS = 4

@@ -1,6 +1,6 @@
 """Convergence of PipeDream-2BW (one step of weight delay) against 1F1B (exact, flushed).
 
-Trains the same small byte-level GPT (``lightning_pipe2bw.gpt``) on the Python standard library's
+Trains the same small byte-level GPT (``lightning_pipe2bw.recipes.gpt``) on the Python standard library's
 sources with ``schedule="2bw"`` and ``schedule="1f1b"``: same seed, same initial weights, same
 batches, 2 CPU processes (one pipeline stage each), 4 micro-batches per batch, AdamW with warm-up
 and cosine decay, once per peak learning rate (``--lr``, several by default: the gap 2BW's delay
@@ -34,7 +34,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_pipe2bw import Pipe2BWStrategy
-from lightning_pipe2bw.gpt import GPT, StdlibTextDataModule
+from lightning_pipe2bw.recipes.gpt import GPT, StdlibTextDataModule
 
 ROOT = Path(__file__).resolve().parent.parent
 

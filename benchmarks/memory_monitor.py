@@ -19,9 +19,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from ranks import RankPool
 from schedules import _env, _quiet, run_ours
-
-from lightning_pipe2bw.pool import RankPool
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -52,11 +52,10 @@ from typing import Any
 
 import torch
 from machine import cpu_pressure_60s
+from ranks import RankPool
 from schedules import OUR_SCHEDULES, _env, _quiet, fit_quietly
 from schedules import _lightning_module as schedules_module
 from torch import Tensor, nn
-
-from lightning_pipe2bw.pool import RankPool
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BLOCKS = 16

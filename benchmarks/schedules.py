@@ -44,9 +44,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 from machine import cpu_pressure_60s
+from ranks import RankPool, TaskError
 from torch import Tensor, nn
-
-from lightning_pipe2bw.pool import RankPool, TaskError
 
 # --------------------------------------------------------------------------- the workload
 
@@ -284,7 +283,7 @@ def run_ours(
         **_timeline_split(stats.timeline, timer.t0, timer.t1),
         "step_s": timer.step_s,
         "param_bytes": param_bytes(model),
-        "num_buffers": driver.versions.num_buffers if driver is not None else 1,
+        "num_buffers": driver.weight_buffers if driver is not None else 1,
         "peak_activation_bytes": stats.peak_activation_bytes,
         "peak_inflight": stats.peak_inflight,
         "final_loss": timer.loss,

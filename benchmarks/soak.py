@@ -1,6 +1,6 @@
 """Soak test: does a long PipeDream-2BW run keep each rank's memory flat?
 
-Trains the tiny byte-level GPT of ``lightning_pipe2bw.gpt`` (2 layers, width 32, block 32) for a
+Trains the tiny byte-level GPT of ``lightning_pipe2bw.recipes.gpt`` (2 layers, width 32, block 32) for a
 few thousand steps on 2 spawned CPU processes with ``schedule="2bw"``, one intra-op thread each,
 with a validation every ``--val-every`` steps (a 2BW flush point) and a ``ModelCheckpoint`` every
 ``--ckpt-every`` steps (``save_top_k=2`` on the step, so older files are deleted; in a temp dir),
@@ -49,7 +49,7 @@ from lightning.pytorch.loggers import CSVLogger
 from machine import cpu_pressure_60s
 
 from lightning_pipe2bw import Pipe2BWStrategy
-from lightning_pipe2bw.gpt import GPT, StdlibTextDataModule
+from lightning_pipe2bw.recipes.gpt import GPT, StdlibTextDataModule
 from lightning_pipe2bw.runtime.engine import ActionTiming
 from lightning_pipe2bw.schedule import Action, ActionKind
 
@@ -182,7 +182,8 @@ class MemorySampler(Callback):
 
     def _sample(self, trainer: Trainer, kind: str) -> dict[str, Any]:
         strategy: Any = trainer.strategy
-        engine, driver, reports = strategy.engine, strategy.driver, strategy._reports
+        engine, driver = strategy.engine, strategy.driver
+        reports = getattr(driver, "channel", None)  # 2BW's channel of step values
         step = trainer.global_step
         sample: dict[str, Any] = {"step": step, "kind": kind, "t": time.perf_counter() - self.start}
         if self.trim:
@@ -199,9 +200,9 @@ class MemorySampler(Callback):
             callback_metrics=len(trainer.callback_metrics),
             allocated_blocks=sys.getallocatedblocks(),
         )
-        if driver is not None:  # private counters, read with a default: diagnostics only
+        if hasattr(driver, "versions"):  # private counters, read with a default: diagnostics only
             sample.update(
-                weight_buffers=driver.versions.num_buffers,
+                weight_buffers=driver.weight_buffers,
                 leaf_sets=len(getattr(driver.versions, "_leaves", ())),
                 hyper_snapshots=len(getattr(driver.optimizer, "_hyper", ())),
             )

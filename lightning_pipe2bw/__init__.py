@@ -1,15 +1,23 @@
 """Memory-efficient pipeline-parallel training for PyTorch Lightning (PipeDream-2BW, 1F1B, GPipe).
 
 Importing the package registers the strategy names (``"pipe2bw"``, ``"pipe2bw_spawn"``,
-``"pipe_gpipe"``, ``"pipe_1f1b"``) with Lightning's strategy registry.
+``"pipe_gpipe"``, ``"pipe_1f1b"``, ``"pipe_2bw"``, ``"pipe_pipedream"``) with Lightning's
+strategy registry.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_pipe2bw.callbacks import ActivationBalancer, StageMemoryMonitor
+from lightning_pipe2bw.callbacks import ActivationBalancer, PipelineReport, StageMemoryMonitor
+from lightning_pipe2bw.pipeline.options import PipeOptions
 from lightning_pipe2bw.strategy import Pipe2BWStrategy
 
-__all__ = ["ActivationBalancer", "Pipe2BWStrategy", "StageMemoryMonitor"]
+__all__ = [
+    "ActivationBalancer",
+    "Pipe2BWStrategy",
+    "PipeOptions",
+    "PipelineReport",
+    "StageMemoryMonitor",
+]
 __version__ = "0.1.0"
 
 Pipe2BWStrategy.register_strategies(StrategyRegistry)

@@ -7,6 +7,8 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 from torch.optim import Optimizer
 
+from lightning_pipe2bw.compat import found_inf_state, override_clipping
+
 __all__ = ["agree_on_inf_checks", "check_same_setup", "make_clipping_global"]
 
 
@@ -47,8 +49,7 @@ def make_clipping_global(
         if params:
             torch.nn.utils.clip_grad_value_(params, clip_val)
 
-    plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
-    plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
+    override_clipping(plugin, clip_grad_by_norm, clip_grad_by_value)
 
 
 def agree_on_inf_checks(
@@ -69,7 +70,7 @@ def agree_on_inf_checks(
 
     def agreed_unscale(optimizer: Optimizer) -> None:
         unscale(optimizer)
-        state = scaler._per_optimizer_states[id(optimizer)]
+        state = found_inf_state(scaler, optimizer)
         found = state["found_inf_per_device"]
         flag = sum((f.to(device) for f in found.values()), torch.zeros(1, device=device))
         if num_stages > 1:

@@ -1,10 +1,13 @@
-"""The Lightning CLI: ``python -m lightning_pipe2bw.cli fit ...`` trains the GPT with ``Pipe2BWStrategy``.
+"""The Lightning CLI with ``Pipe2BWStrategy``: ``python -m lightning_pipe2bw.cli fit --model=... ...``.
 
-A ``LightningCLI`` whose defaults are this package's GPT, its standard-library text data and the
-pipeline strategy, so that a bare ``fit`` trains the default GPT on the devices given::
+A ``LightningCLI`` whose default strategy is the pipeline strategy; the model and the data are
+the user's (any ``LightningModule`` / ``LightningDataModule``)::
 
-    python -m lightning_pipe2bw.cli fit --trainer.accelerator=cpu --trainer.devices=2 \\
-        --trainer.max_steps=20
+    python -m lightning_pipe2bw.cli fit --model=my_package.MyModel --data=my_package.MyData \\
+        --trainer.accelerator=cpu --trainer.devices=2 --trainer.max_steps=20
+
+``Pipe2BWCLI`` is the class to build a CLI of your own on (the main job's, with its GPT as the
+default model, is ``lightning_pipe2bw.recipes.gpt.cli``).
 
 The strategy is configured in any of these forms:
 
@@ -25,9 +28,8 @@ The strategy is configured in any of these forms:
   init_args: {schedule: 1f1b}}``. In a config file a registered name is a plain string, which
   takes no options.
 
-``model`` and ``data`` are any ``LightningModule`` / ``LightningDataModule`` (``--model=GPT``,
-``--model=my_package.MyModel``), defaulting to ``lightning_pipe2bw.gpt.GPT`` and
-``lightning_pipe2bw.gpt.StdlibTextDataModule``.
+``model`` and ``data`` are any ``LightningModule`` / ``LightningDataModule``
+(``--model=my_package.MyModel``).
 
 With the default ``start_method="popen"`` the strategy re-runs this process's command line for
 ranks 1..n-1 (like ``ddp``), so run the CLI from a shell (``python -m lightning_pipe2bw.cli``).
@@ -44,28 +46,21 @@ from typing import Any
 
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
-from lightning_pipe2bw.gpt import GPT, StdlibTextDataModule
+from lightning_pipe2bw.compat import SubprocessScriptLauncher
 from lightning_pipe2bw.strategy import Pipe2BWStrategy
 
-__all__ = ["Pipe2BWCLI", "expand_strategy_names", "main"]
+__all__ = ["Pipe2BWCLI", "expand_strategy_names", "import_path", "main"]
 
 _STRATEGY_KEY = "--trainer.strategy"
 
 
-def _import_path(cls: type) -> str:
+def import_path(cls: type) -> str:
+    """The dotted name a config gives for ``cls`` (the public one for the strategy)."""
     if cls is Pipe2BWStrategy:
         return "lightning_pipe2bw.Pipe2BWStrategy"  # the public name, as users write it
     return f"{cls.__module__}.{cls.__qualname__}"
-
-
-# GPT and Pipe2BWStrategy are imported, so their short names resolve too (--model=GPT)
-_DEFAULTS: dict[str, Any] = {
-    "model": {"class_path": _import_path(GPT)},
-    "data": {"class_path": _import_path(StdlibTextDataModule)},
-}
 
 
 def _class_form(name: str) -> str | None:
@@ -76,7 +71,7 @@ def _class_form(name: str) -> str | None:
     cls = entry["strategy"]
     if not (isinstance(cls, type) and issubclass(cls, Pipe2BWStrategy)):
         return None  # other strategies' names keep Lightning's own resolution
-    return json.dumps({"class_path": _import_path(cls), "init_args": dict(entry["init_params"])})
+    return json.dumps({"class_path": import_path(cls), "init_args": dict(entry["init_params"])})
 
 
 def expand_strategy_names(argv: Sequence[str]) -> list[str]:
@@ -111,14 +106,17 @@ def expand_strategy_names(argv: Sequence[str]) -> list[str]:
 
 
 class Pipe2BWCLI(LightningCLI):
-    """``LightningCLI`` with the GPT, its data and ``Pipe2BWStrategy`` as defaults, registered
-    strategy names that take options, and a check that the popen launcher can re-run it."""
+    """``LightningCLI`` with ``Pipe2BWStrategy`` as the default strategy, registered strategy
+    names that take options, and a check that the popen launcher can re-run it. ``defaults``
+    (``{"model": {"class_path": ...}, ...}``) are set on the parser."""
 
     _argv: list[str] | None = None  # the command line parsed, when one was
+    defaults: dict[str, Any] = {}
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.set_defaults(_DEFAULTS)
+        if self.defaults:
+            parser.set_defaults(self.defaults)
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
@@ -135,7 +133,7 @@ class Pipe2BWCLI(LightningCLI):
     def _check_relaunch(self) -> None:
         """Refuse a popen launch whose children would parse a different command line."""
         launcher = self.trainer.strategy.launcher
-        if not isinstance(launcher, _SubprocessScriptLauncher):
+        if not isinstance(launcher, SubprocessScriptLauncher):
             return
         if launcher.num_processes <= 1:
             return  # nothing to start on this node
@@ -153,12 +151,13 @@ class Pipe2BWCLI(LightningCLI):
         )
 
 
-def main(args: ArgsType = None) -> Pipe2BWCLI:
-    """Run the CLI on ``args`` (a list of command-line arguments, or a dict), or on ``sys.argv``."""
-    return Pipe2BWCLI(
+def main(args: ArgsType = None, cli: type[Pipe2BWCLI] = Pipe2BWCLI) -> Pipe2BWCLI:
+    """Run ``cli`` on ``args`` (a list of command-line arguments, or a dict), or on
+    ``sys.argv``."""
+    return cli(
         model_class=None,
         datamodule_class=None,
-        trainer_defaults={"strategy": {"class_path": _import_path(Pipe2BWStrategy)}},
+        trainer_defaults={"strategy": {"class_path": import_path(Pipe2BWStrategy)}},
         args=args,
     )
 

@@ -1,46 +1,35 @@
-"""Typed Hydra structured configs for ``python -m lightning_pipe2bw.train``, and their builders.
+"""Typed Hydra structured configs for the strategy and the Trainer, and their builders.
 
-The dataclasses are the schema: ``register_configs()`` stores ``TrainConfig`` in Hydra's
-``ConfigStore`` as ``train_schema``, the first entry of the defaults list of
-``configs/train.yaml``. Every group option (``configs/strategy/1f1b.yaml`` ...) is merged onto it,
-so an unknown key (``strategy.scheduel=1f1b``) or a value of the wrong type
-(``strategy.microbatches=four``) fails while the config is composed, before any process starts.
-``check_config`` then checks the values that depend on one another and raises once, listing every
-problem. The ``build_*`` functions turn the checked config into the objects it describes; they
-hold no defaults of their own.
+:class:`StrategyConfig` mirrors ``Pipe2BWStrategy``'s options in types Hydra can hold (a timeout
+in seconds, a start method that may be ``"auto"``). It is checked by the same code as the
+strategy: :func:`strategy_problems` builds :class:`~lightning_pipe2bw.pipeline.options.PipeOptions`
+and the process layout from it and words their problems for a config (``strategy.<option>``);
+:func:`build_strategy` builds the strategy from the same options. A recipe composes these with
+its own model and data configs (see ``lightning_pipe2bw.recipes.gpt.config``).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import II, DictConfig, OmegaConf
-
-from lightning_pipe2bw.gpt import GPT, StdlibTextDataModule
-from lightning_pipe2bw.schedule import SCHEDULES
-from lightning_pipe2bw.strategy import BALANCE_MODES, Pipe2BWStrategy
+from lightning_pipe2bw.pipeline.options import BALANCE_MODES, DEFAULT_TIMEOUT, PipeOptions, Problem
+from lightning_pipe2bw.pipeline.topology import Topology
+from lightning_pipe2bw.strategy import Pipe2BWStrategy
 
 __all__ = [
     "START_METHODS",
-    "DataConfig",
-    "ModelConfig",
     "StrategyConfig",
-    "TrainConfig",
     "TrainerConfig",
-    "build_datamodule",
-    "build_model",
+    "build_options",
     "build_strategy",
-    "check_config",
-    "register_configs",
     "resolve_start_method",
-    "to_train_config",
+    "strategy_problems",
     "trainer_kwargs",
 ]
 
-# "auto" is this entry point's own choice (see resolve_start_method); the rest are the strategy's
+# "auto" is the config's own choice (see resolve_start_method); the rest are the strategy's
 START_METHODS = ("auto", "popen", "spawn", "fork", "forkserver")
 
 
@@ -73,39 +62,6 @@ class StrategyConfig:
 
 
 @dataclass
-class ModelConfig:
-    """``GPT``'s init arguments (``configs/model/<size>.yaml``)."""
-
-    vocab_size: int = 256
-    block_size: int = 128
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    lr: float = 5e-4  # PipeDream-2BW's one-step delay hurts at higher rates (docs/pipedream-2bw.md)
-    weight_decay: float = 0.1
-    warmup_steps: int = 30
-    # the learning-rate decay ends with training unless set explicitly
-    max_steps: int | None = II("trainer.max_steps")
-    min_lr_ratio: float = 0.1
-
-
-@dataclass
-class DataConfig:
-    """``StdlibTextDataModule``'s init arguments (``configs/data/stdlib.yaml``)."""
-
-    block_size: int = II("model.block_size")  # samples as long as the model's context
-    batch_size: int = 32
-    max_bytes: int = 6_000_000
-    val_every: int = 10
-    train_samples: int = 16_000
-    val_samples: int | None = 256
-    seed: int = 0
-    root: str | None = None  # None: the standard library of the running Python
-    num_workers: int = 0
-
-
-@dataclass
 class TrainerConfig:
     """``lightning.pytorch.Trainer`` arguments (``configs/trainer/<where>.yaml``).
 
@@ -127,124 +83,6 @@ class TrainerConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class TrainConfig:
-    """The whole job: ``configs/train.yaml`` composes one option of every group onto this."""
-
-    strategy: StrategyConfig = field(default_factory=StrategyConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    seed: int = 0
-    report: bool = True  # add lightning_pipe2bw.report.PipelineReport (tables and plots)
-
-
-def register_configs() -> None:
-    """Store the schema in Hydra's ``ConfigStore`` (idempotent; call before composing)."""
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
-
-
-def to_train_config(cfg: DictConfig | TrainConfig) -> TrainConfig:
-    """The composed ``DictConfig`` as a ``TrainConfig`` instance, interpolations resolved."""
-    if isinstance(cfg, TrainConfig):
-        return cfg
-    obj = OmegaConf.to_object(cfg)
-    if not isinstance(obj, TrainConfig):
-        raise TypeError(
-            f"expected a config composed onto the 'train_schema' schema, got {type(obj).__name__}; "
-            "compose configs/train.yaml after lightning_pipe2bw.config.register_configs()"
-        )
-    # keys added with '+' (e.g. +model.n_layers=3) pass Hydra and would be dropped silently here
-    unknown = _unknown_keys(cfg, obj, "")
-    if unknown:
-        raise ValueError(
-            "unknown config keys (added with '+'?): "
-            + "; ".join(f"{key} (valid: {', '.join(valid)})" for key, valid in unknown)
-        )
-    return obj
-
-
-def _unknown_keys(node: DictConfig, schema: Any, prefix: str) -> list[tuple[str, list[str]]]:
-    """``(dotted key, valid names)`` for every key of ``node`` that ``schema`` has no field for."""
-    names = [f.name for f in fields(schema)]
-    found = [
-        (f"{prefix}{key}", names)
-        for key in map(str, node.keys())
-        if key not in names and not (prefix == "" and key == "hydra")
-    ]
-    for name in names:
-        value = getattr(schema, name)
-        child = node.get(name)
-        if is_dataclass(value) and isinstance(child, DictConfig):
-            found += _unknown_keys(child, value, f"{prefix}{name}.")
-    return found
-
-
-def check_config(cfg: TrainConfig) -> None:
-    """Raise one ``ValueError`` listing every inconsistent value (types are Hydra's job)."""
-    problems: list[str] = []
-    s, m, d, t = cfg.strategy, cfg.model, cfg.data, cfg.trainer
-    if s.schedule not in SCHEDULES:
-        problems.append(
-            f"strategy.schedule={s.schedule!r} is unknown; valid: {', '.join(SCHEDULES)}"
-        )
-    if s.start_method not in START_METHODS:
-        problems.append(
-            f"strategy.start_method={s.start_method!r} is unknown; valid: {', '.join(START_METHODS)}"
-        )
-    if s.state_dict_type not in ("full", "sharded"):
-        problems.append(
-            f"strategy.state_dict_type={s.state_dict_type!r} is unknown; valid: full, sharded"
-        )
-    if s.microbatches is not None and not 1 <= s.microbatches <= d.batch_size:
-        problems.append(
-            f"strategy.microbatches={s.microbatches} must be between 1 and "
-            f"data.batch_size={d.batch_size} (each micro-batch needs at least one sample)"
-        )
-    world = t.devices * t.num_nodes
-    stages = world // max(s.data_parallel, 1)
-    blocks = m.n_layer + 2  # embeddings, the transformer blocks, the head
-    if t.devices < 1 or t.num_nodes < 1:
-        problems.append(
-            f"trainer.devices={t.devices} and trainer.num_nodes={t.num_nodes} must be positive "
-            "(one pipeline stage per device)"
-        )
-    elif s.data_parallel < 1 or world % s.data_parallel != 0:
-        problems.append(
-            f"strategy.data_parallel={s.data_parallel} must divide the {world} devices "
-            "(trainer.devices * trainer.num_nodes)"
-        )
-    elif isinstance(s.balance, str):
-        if s.balance not in BALANCE_MODES:
-            problems.append(
-                f"strategy.balance={s.balance!r} is unknown; valid: a list of block counts, "
-                f"{', '.join(BALANCE_MODES)}"
-            )
-    elif s.balance is not None:
-        if len(s.balance) != stages or sum(s.balance) != blocks:
-            problems.append(
-                f"strategy.balance={s.balance} must list {stages} stages "
-                f"(trainer.devices * trainer.num_nodes / strategy.data_parallel) summing to "
-                f"{blocks} blocks (model.n_layer + 2)"
-            )
-    elif stages > blocks:
-        problems.append(
-            f"{stages} stages (trainer.devices * trainer.num_nodes) but the model has only "
-            f"{blocks} blocks (model.n_layer={m.n_layer} + embeddings + head); "
-            f"raise model.n_layer to at least {stages - 2} or use fewer devices"
-        )
-    if m.n_embd % m.n_head != 0:
-        problems.append(f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}")
-    if d.block_size > m.block_size:
-        problems.append(f"data.block_size={d.block_size} exceeds model.block_size={m.block_size}")
-    if t.max_steps < 1:
-        problems.append(f"trainer.max_steps={t.max_steps} must be positive")
-    if t.val_check_interval < 1:
-        problems.append(f"trainer.val_check_interval={t.val_check_interval} must be positive")
-    if problems:
-        raise ValueError("invalid training config:\n  - " + "\n  - ".join(problems))
-
-
 def resolve_start_method(method: str, multirun: bool) -> str:
     """``"auto"``: ``"popen"`` for a single run, ``"spawn"`` under ``--multirun``.
 
@@ -259,51 +97,65 @@ def resolve_start_method(method: str, multirun: bool) -> str:
     return "spawn" if multirun else "popen"
 
 
-def _balance(value: Any) -> Any:
-    """A config's balance as the strategy takes it: a mode's name (checked there), or ints."""
-    if value is None or isinstance(value, str):
-        return value
-    return [int(b) for b in value]
+def _options(cfg: StrategyConfig, multirun: bool) -> dict[str, Any]:
+    """``cfg`` as the strategy's keyword arguments (Hydra's containers made plain)."""
+    balance = cfg.balance
+    if balance is not None and not isinstance(balance, str):
+        balance = list(balance)
+    recompute = cfg.recompute
+    if recompute is not None and not isinstance(recompute, bool):
+        recompute = list(recompute)
+    return {
+        "schedule": cfg.schedule,
+        "microbatches": cfg.microbatches,
+        "flush_every": cfg.flush_every,
+        "balance": balance,
+        "body": cfg.body,
+        "start_method": resolve_start_method(cfg.start_method, multirun),
+        "process_group_backend": cfg.process_group_backend,
+        "timeout": timedelta(seconds=cfg.timeout_s) if cfg.timeout_s is not None else DEFAULT_TIMEOUT,
+        "state_dict_type": cfg.state_dict_type,
+        "data_parallel": cfg.data_parallel,
+        "recompute": recompute,
+        "memory_plan": None if cfg.memory_plan is None else dict(cfg.memory_plan.items()),
+        "balance_activations": cfg.balance_activations,
+        "repartition_every": cfg.repartition_every,
+        "repartition_threshold": cfg.repartition_threshold,
+    }
+
+
+def _worded(problem: Problem) -> str:
+    """A problem of the strategy's options, worded for the config."""
+    value = problem.value
+    if problem.choices:
+        valid = START_METHODS if problem.option == "start_method" else problem.choices
+        if problem.option == "balance":
+            valid = ("a list of block counts", *BALANCE_MODES)
+        return f"strategy.{problem.option}={value!r} is unknown; valid: {', '.join(valid)}"
+    if problem.option == "timeout":
+        return f"strategy.timeout_s={value!r}: {problem.message}"
+    return f"strategy.{problem.option}: {problem.message}"
+
+
+def strategy_problems(cfg: StrategyConfig, world_size: int) -> list[str]:
+    """What is wrong with ``cfg`` for ``world_size`` processes, one message per problem (the
+    strategy's own checks, in the config's words)."""
+    problems = PipeOptions.problems(**_options(cfg, multirun=False))
+    if not problems and world_size >= 1:
+        problems = Topology.problems(world_size, cfg.data_parallel) or Topology(
+            world_size, cfg.data_parallel
+        ).option_problems(build_options(cfg))
+    return [_worded(p) for p in problems]
+
+
+def build_options(cfg: StrategyConfig, *, multirun: bool = False) -> PipeOptions:
+    """The strategy's options that ``cfg`` describes (one error listing every problem)."""
+    return PipeOptions.create(**_options(cfg, multirun))
 
 
 def build_strategy(cfg: StrategyConfig, *, multirun: bool = False) -> Pipe2BWStrategy:
     """The ``Pipe2BWStrategy`` that ``cfg`` describes."""
-    kwargs: dict[str, Any] = {}
-    if cfg.timeout_s is not None:
-        kwargs["timeout"] = timedelta(seconds=cfg.timeout_s)
-    return Pipe2BWStrategy(
-        schedule=cfg.schedule,
-        microbatches=cfg.microbatches,
-        flush_every=cfg.flush_every,
-        balance=_balance(cfg.balance),
-        body=cfg.body,
-        start_method=resolve_start_method(cfg.start_method, multirun),  # type: ignore[arg-type]
-        process_group_backend=cfg.process_group_backend,
-        state_dict_type=cfg.state_dict_type,  # type: ignore[arg-type]
-        data_parallel=cfg.data_parallel,
-        recompute=(
-            cfg.recompute
-            if cfg.recompute is None or isinstance(cfg.recompute, bool)
-            else [bool(r) for r in cfg.recompute]
-        ),
-        # the strategy checks the keys and values and names a bad one
-        memory_plan=None if cfg.memory_plan is None else dict(cfg.memory_plan.items()),
-        balance_activations=cfg.balance_activations,
-        repartition_every=cfg.repartition_every,
-        repartition_threshold=cfg.repartition_threshold,
-        **kwargs,
-    )
-
-
-def build_model(cfg: ModelConfig) -> GPT:
-    """The ``GPT`` that ``cfg`` describes (the fields are its init arguments)."""
-    return GPT(**asdict(cfg))
-
-
-def build_datamodule(cfg: DataConfig) -> StdlibTextDataModule:
-    """The ``StdlibTextDataModule`` that ``cfg`` describes (the fields are its init arguments;
-    no data is read until ``setup``)."""
-    return StdlibTextDataModule(**asdict(cfg))
+    return Pipe2BWStrategy.from_options(build_options(cfg, multirun=multirun))
 
 
 def trainer_kwargs(cfg: TrainerConfig) -> dict[str, Any]:

@@ -1,27 +1,49 @@
-"""Spawned workers whose results (gathered weights, predictions) come back to the launching process."""
+"""Starting and stopping the workers: spawned workers whose results (gathered weights,
+predictions) come back to the launching process, and the clean-up after a failure.
+
+The launcher knows the strategy only through :class:`GatheringStrategy` (what it calls), so the
+two modules do not import each other.
+"""
 
 from __future__ import annotations
 
 import io
 import os
+import subprocess
 import tempfile
-from typing import TYPE_CHECKING, Any, Literal
+import time
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer
-from lightning.pytorch.strategies.launchers.launcher import _Launcher
-from lightning.pytorch.strategies.launchers.multiprocessing import (
-    _MultiProcessingLauncher,
-    _WorkerOutput,
-)
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-if TYPE_CHECKING:
-    from lightning_pipe2bw.strategy import Pipe2BWStrategy
+from lightning_pipe2bw.compat import (
+    Launcher,
+    MultiProcessingLauncher,
+    SubprocessScriptLauncher,
+    WorkerOutput,
+    launched_processes,
+)
+from lightning_pipe2bw.runtime.failure import say
 
-__all__ = ["PipeSpawnLauncher", "torchrun_environment"]
+__all__ = ["GatheringStrategy", "PipeSpawnLauncher", "stop_workers", "torchrun_environment"]
+
+
+class GatheringStrategy(Protocol):
+    """What the spawn launcher needs of the strategy whose workers it starts."""
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def checkpoint_io(self) -> Any: ...
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The whole model's state dict on global rank 0 (collective; ``{}`` elsewhere)."""
+        ...
 
 
 def torchrun_environment(rank: int, world_size: int, port: int, run_id: str) -> dict[str, str]:
@@ -41,14 +63,14 @@ def torchrun_environment(rank: int, world_size: int, port: int, run_id: str) -> 
     }
 
 
-class _GatheringLauncher(_MultiProcessingLauncher):
+class _GatheringLauncher(MultiProcessingLauncher):
     """Lightning's multiprocessing launcher, but the weights sent back are the whole model's,
     gathered from every stage (each worker holds only its own stage)."""
 
-    _strategy: Pipe2BWStrategy
+    _strategy: GatheringStrategy  # type: ignore[assignment]
 
     @override
-    def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> _WorkerOutput | None:
+    def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> WorkerOutput | None:
         callback = trainer.checkpoint_callback
         best_model_path = getattr(callback, "best_model_path", None) if callback else None
         state_dict = self._strategy.full_state_dict()  # collective: every rank takes part
@@ -68,10 +90,10 @@ class _GatheringLauncher(_MultiProcessingLauncher):
         # through file descriptors that vanish when the worker exits before the parent reads them
         buffer = io.BytesIO()
         torch.save(results, buffer)
-        return _WorkerOutput(best_model_path, weights_path, trainer.state, buffer.getvalue(), extra)
+        return WorkerOutput(best_model_path, weights_path, trainer.state, buffer.getvalue(), extra)
 
 
-class PipeSpawnLauncher(_Launcher):
+class PipeSpawnLauncher(Launcher):
     """Starts one worker per stage with ``torch.multiprocessing`` (spawn, fork or forkserver).
 
     It wraps rather than subclasses Lightning's launcher: Lightning refuses to return
@@ -81,10 +103,10 @@ class PipeSpawnLauncher(_Launcher):
 
     def __init__(
         self,
-        strategy: Pipe2BWStrategy,
+        strategy: GatheringStrategy,
         start_method: Literal["spawn", "fork", "forkserver"] = "spawn",
     ) -> None:
-        self._inner = _GatheringLauncher(strategy, start_method=start_method)
+        self._inner = _GatheringLauncher(strategy, start_method=start_method)  # type: ignore[arg-type]
 
     @property
     @override
@@ -104,3 +126,23 @@ class PipeSpawnLauncher(_Launcher):
     @override
     def kill(self, signum: Any) -> None:
         self._inner.kill(signum)
+
+
+def stop_workers(launcher: Any, grace_s: float) -> None:
+    """In the launching process of a ``popen`` run (``launcher``), wait for the workers it
+    started to stop (a failure notice stops them within seconds), then kill those that have
+    not: a worker that hangs would otherwise outlive the run. ``torchrun`` and the spawn
+    launchers do the same for their own workers; for them this does nothing."""
+    if not isinstance(launcher, SubprocessScriptLauncher):
+        return
+    deadline = time.monotonic() + grace_s
+    for proc in launched_processes(launcher):
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            say(
+                f"pipe2bw: killing worker process {proc.pid}, which did not stop within "
+                f"{grace_s:.0f} s of the failure"
+            )
+            proc.kill()
+            proc.wait()

@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from lightning_pipe2bw.pool import RankPool
+from pool import RankPool
 
 torch.set_num_threads(1)
 

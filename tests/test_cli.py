@@ -1,4 +1,4 @@
-"""The Lightning CLI (``python -m lightning_pipe2bw.cli``): strategy options in each form, a
+"""The main job's Lightning CLI (``python -m lightning_pipe2bw.recipes.gpt.cli``, the library's CLI with the GPT as defaults): strategy options in each form, a
 config file, and real two-process fits (popen re-runs the command line; spawn from a config)."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 import yaml
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_pipe2bw.cli import expand_strategy_names, main
-from lightning_pipe2bw.gpt import GPT
+from lightning_pipe2bw.recipes.gpt.cli import expand_strategy_names, main
+from lightning_pipe2bw.recipes.gpt.model import GPT
 
 TESTS = Path(__file__).resolve().parent
 TINY_MODEL = {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 32}
@@ -60,7 +60,7 @@ def _run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     # this module, so the tests directory goes on its path
     path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "lightning_pipe2bw.cli", *args]
+    cmd = [sys.executable, "-m", "lightning_pipe2bw.recipes.gpt.cli", *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
 
 
@@ -95,9 +95,9 @@ def test_print_config_lists_the_strategy_options(
     assert init["start_method"] == start_method
     assert init["microbatches"] == 4
     # the defaults: the package's GPT on its standard-library text
-    assert config["model"]["class_path"] == "lightning_pipe2bw.gpt.GPT"
+    assert config["model"]["class_path"] == "lightning_pipe2bw.recipes.gpt.GPT"
     assert config["model"]["init_args"]["n_layer"] == 4
-    assert config["data"]["class_path"] == "lightning_pipe2bw.gpt.StdlibTextDataModule"
+    assert config["data"]["class_path"] == "lightning_pipe2bw.recipes.gpt.StdlibTextDataModule"
 
 
 def test_other_strategy_names_stay_strings(capsys: pytest.CaptureFixture[str]) -> None:

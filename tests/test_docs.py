@@ -12,7 +12,12 @@ import pytest
 import yaml
 
 from lightning_pipe2bw import Pipe2BWStrategy
-from lightning_pipe2bw.config import DataConfig, ModelConfig, StrategyConfig, TrainerConfig
+from lightning_pipe2bw.recipes.gpt.config import (
+    DataConfig,
+    ModelConfig,
+    StrategyConfig,
+    TrainerConfig,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -300,7 +300,7 @@ def _fit_with_bad_input(case: str) -> None:
 def test_bad_input_fails_on_the_stage_that_sees_it(pools: Any, case: str, message: str) -> None:
     """The last stage (rank 0) raises the error; the first stage (rank 1) stops with a
     StageFailure that carries it, instead of waiting for gradients that never come."""
-    from lightning_pipe2bw.pool import TaskError
+    from pool import TaskError
 
     with pytest.raises(TaskError) as info:
         pools(2).run(_fit_with_bad_input, case, timeout=60)

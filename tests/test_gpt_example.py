@@ -1,4 +1,4 @@
-"""The main job's GPT (``lightning_pipe2bw.gpt``): data split, shapes, causality, and that it learns."""
+"""The main job's GPT (``lightning_pipe2bw.recipes.gpt``): data split, shapes, causality, and that it learns."""
 
 from __future__ import annotations
 
@@ -9,14 +9,8 @@ import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 
-from lightning_pipe2bw.gpt import (
-    GPT,
-    Block,
-    Embeddings,
-    LMHead,
-    StdlibTextDataModule,
-    warmup_cosine,
-)
+from lightning_pipe2bw.recipes.gpt.data import StdlibTextDataModule
+from lightning_pipe2bw.recipes.gpt.model import GPT, Block, Embeddings, LMHead, warmup_cosine
 
 SMALL_BYTES = 300_000
 

@@ -18,7 +18,8 @@ from hydra.utils import instantiate
 from lightning.pytorch import Trainer
 from omegaconf import DictConfig
 
-from lightning_pipe2bw.config import (
+from lightning_pipe2bw.callbacks import PipelineReport
+from lightning_pipe2bw.recipes.gpt.config import (
     TrainConfig,
     build_datamodule,
     build_model,
@@ -29,8 +30,8 @@ from lightning_pipe2bw.config import (
     to_train_config,
     trainer_kwargs,
 )
-from lightning_pipe2bw.gpt import GPT, Block, StdlibTextDataModule
-from lightning_pipe2bw.report import PipelineReport
+from lightning_pipe2bw.recipes.gpt.data import StdlibTextDataModule
+from lightning_pipe2bw.recipes.gpt.model import GPT, Block
 from lightning_pipe2bw.strategy import Pipe2BWStrategy
 from lightning_pipe2bw.train import (
     RESULT_FILE,

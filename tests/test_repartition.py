@@ -17,7 +17,7 @@ import repartition_workers as rw
 from models import max_abs_diff
 
 from lightning_pipe2bw import Pipe2BWStrategy
-from lightning_pipe2bw.repartition import StageTiming, block_costs, plan_repartition
+from lightning_pipe2bw.pipeline.repartition import StageTiming, block_costs, plan_repartition
 
 STEPS = 6
 

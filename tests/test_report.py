@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from lightning_pipe2bw.report import (
+from lightning_pipe2bw.callbacks.report import (
     Lane,
     chrome_trace,
     loss_curve_png,
@@ -104,7 +104,7 @@ def test_report_without_a_pipeline_writes_the_loss_curve_only(tmp_path: Path) ->
     from lightning.pytorch.loggers import CSVLogger
     from models import RegressionModel, loader, quiet_trainer
 
-    from lightning_pipe2bw.report import PipelineReport
+    from lightning_pipe2bw.callbacks.report import PipelineReport
 
     report = PipelineReport(tmp_path / "report", verbose=False)
     trainer = quiet_trainer(
@@ -128,7 +128,7 @@ def _fit_with_report(schedule: str, root: str, steps: int) -> dict[str, Any]:
     from models import RegressionModel, loader, quiet_trainer
 
     from lightning_pipe2bw import Pipe2BWStrategy
-    from lightning_pipe2bw.report import PipelineReport
+    from lightning_pipe2bw.callbacks.report import PipelineReport
 
     report = PipelineReport(Path(root) / "report", verbose=dist.get_rank() == 0)
     trainer = quiet_trainer(

@@ -2,5 +2,12 @@
 
 from lightning_pipe2bw.callbacks.balancer import ActivationBalancer, ActivationBudget
 from lightning_pipe2bw.callbacks.memory import StageMemoryMonitor, stage_memory
+from lightning_pipe2bw.callbacks.report import PipelineReport
 
-__all__ = ["ActivationBalancer", "ActivationBudget", "StageMemoryMonitor", "stage_memory"]
+__all__ = [
+    "ActivationBalancer",
+    "ActivationBudget",
+    "PipelineReport",
+    "StageMemoryMonitor",
+    "stage_memory",
+]

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_pipe2bw.partition.profiler import storage_bytes
+from lightning_pipe2bw.partition.measure import storage_bytes
 
 __all__ = ["StageMemoryMonitor", "stage_memory"]
 
@@ -46,7 +46,7 @@ def stage_memory(trainer: Trainer) -> dict[str, int]:
     engine = getattr(strategy, "engine", None)
     params = list(module.parameters())
     driver = getattr(strategy, "driver", None)
-    buffers = driver.versions.num_buffers if driver is not None else 1
+    buffers = driver.weight_buffers if driver is not None else 1
     states = [t for opt in trainer.optimizers for s in opt.state.values() for t in s.values()]
     param_bytes = storage_bytes(params)
     out = {

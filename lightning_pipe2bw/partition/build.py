@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -20,12 +20,17 @@ def build_stage(
     num_stages: int,
     balance: Sequence[int] | None,
     device: torch.device,
+    *,
+    recompute: bool = False,
+    memory_plan: Mapping[int, str] | None = None,
 ) -> tuple[StageBody, Partition]:
-    """Replace the body ``ref`` of ``module`` by this stage's :class:`StageBody`.
+    """Replace the body ``ref`` of ``module`` by this stage's :class:`StageBody`, which
+    recomputes its activations (``recompute``) or follows ``memory_plan``.
 
     The other stages' blocks are dropped (and freed when nothing else holds them); blocks built
     on the meta device (``configure_model``) are materialised here, owned ones only. A body that
-    an earlier ``trainer`` call already partitioned is reused as it is.
+    an earlier ``trainer`` call already partitioned is reused with its blocks, and takes this
+    call's ``recompute`` and ``memory_plan``.
     """
     current = ref.module
     if isinstance(current, StageBody):
@@ -34,6 +39,8 @@ def build_stage(
                 f"this module was partitioned for stage {current.stage} of {current.num_stages}"
                 f" and cannot be re-used as stage {stage} of {num_stages}"
             )
+        current.recompute = recompute
+        current.memory_plan = dict(memory_plan or {})
         return current, Partition(current.balance)
     blocks = list(current.children())
     partition = make_partition(len(blocks), num_stages, balance)
@@ -44,6 +51,8 @@ def build_stage(
         stage=stage,
         num_stages=num_stages,
         balance=partition.balance,
+        recompute=recompute,
+        memory_plan=memory_plan,
     )
     setattr(ref.parent, ref.attr, stage_body)  # the other stages' blocks are released here
     del blocks, current

@@ -58,7 +58,7 @@ def _as_profiles(profiles: object) -> ProfileSet:
         return ProfileSet.of(list(profiles))
     raise TypeError(
         f"profiles must be a Profile, a ProfileSet or a list of Profiles, got {type(profiles).__name__}; "
-        "measure one with lightning_pipe2bw.partition.profiler or build it by hand"
+        "measure one with lightning_pipe2bw.partition.measure or build it by hand"
     )
 
 

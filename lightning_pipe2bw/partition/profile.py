@@ -3,7 +3,7 @@
 Plain data (frozen dataclasses with a JSON round-trip), so that a profile can be measured on one
 rank, broadcast, saved next to a checkpoint, or written by hand for a model that is not at hand
 (the paper-scale figures in ``benchmarks/paper_scale.py`` build one from a FLOP and byte model).
-The measuring side lives in :mod:`lightning_pipe2bw.partition.profiler`.
+The measuring side lives in :mod:`lightning_pipe2bw.partition.measure`.
 """
 
 from __future__ import annotations

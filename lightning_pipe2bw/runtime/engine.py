@@ -145,7 +145,16 @@ class PipelineEngine:
         transport: P2PTransport,
         prev_rank: int | None,
         next_rank: int | None,
+        *,
+        wait_limits: tuple[float | None, float | None] = (None, None),
+        link: PeerLink | None = None,
+        evict_share: Callable[[int], float | None] | None = None,
     ) -> None:
+        """``wait_limits``: seconds to wait for a forward input and for a backward gradient
+        (None: the process group's timeout; see ``failure.wait_limits``). ``link``: BPipe's
+        link to the partner stage, if this stage has one; ``evict_share(saved_bytes)``: the
+        share of a micro-batch's saved bytes this stage evicts to it (the activation balancer;
+        None: only the memory plan's ``"evict"`` blocks move)."""
         self.body = body
         self.stage = stage
         self.num_stages = num_stages
@@ -153,21 +162,14 @@ class PipelineEngine:
         self.prev_rank = prev_rank
         self.next_rank = next_rank
         self.stats = EngineStats()
-        # seconds to wait for a forward input and a backward gradient (None: the process
-        # group's timeout); see ``failure.wait_limits``
-        self.wait_limits: tuple[float | None, float | None] = (None, None)
+        self.wait_limits = wait_limits
         self.record_timeline = True
         self.slots: dict[int, _Slot] = {}  # in-flight micro-batches, by id
         # saved activations: counted, and moved by the memory plan and the balancer
-        self.stash = ActivationStash(transport.device)
-        body.stash = self.stash
-        # BPipe: the link to the partner stage, and the share of each micro-batch's saved bytes
-        # to evict (given its saved bytes; None: the memory plan's "evict" blocks)
-        self.link: PeerLink | None = None
-        self.evict_share: Callable[[int], float | None] = lambda _: None
+        self.stash = ActivationStash(transport.device, evictable=evict_share is not None)
+        self.link = link
+        self.evict_share: Callable[[int], float | None] = evict_share or (lambda _: None)
         self.inflight = 0
-        # called after every action (e.g. to count weight versions alive)
-        self.observer: Callable[[Action], None] | None = None
         # PIPE2BW_DEBUG=1: log every action as it starts and ends (see docs/user-guide.md)
         self.debug = os.environ.get("PIPE2BW_DEBUG", "") not in ("", "0")
         if self.debug:
@@ -191,6 +193,7 @@ class PipelineEngine:
         train: bool,
         loss_weights: Sequence[float] = (),
         backward: Callable[[Tensor], None] | None = None,
+        observer: Callable[[Action], None] | None = None,
     ) -> list[Any]:
         """Execute ``schedule.stages[self.stage]`` (a flush schedule: every micro-batch starts
         and finishes here) and return the last stage's step outputs, one per micro-batch (an
@@ -202,6 +205,7 @@ class PipelineEngine:
             train=train,
             loss_weights=dict(enumerate(loss_weights)),
             backward=backward,
+            observer=observer,
         )
         if self.slots:
             raise RuntimeError(
@@ -221,12 +225,14 @@ class PipelineEngine:
         loss_weights: Mapping[int, float],
         backward: Callable[[Tensor], None] | None = None,
         weights_for: Callable[[int], Mapping[str, Tensor]] | None = None,
+        observer: Callable[[Action], None] | None = None,
     ) -> dict[int, Any]:
         """Execute ``actions`` (compute and communication) in order. Micro-batches may start in
         one call and finish in a later one (PipeDream-2BW): their state stays in ``self.slots``.
 
         ``weights_for(microbatch)`` gives the weight tensors a micro-batch computes with (its
-        weight version), or None for the module's own parameters. Returns the last stage's step
+        weight version), or None for the module's own parameters; ``observer(action)`` is called
+        after every action (a driver counting weight versions). Returns the last stage's step
         outputs of the micro-batches whose forward ran in this call.
         """
         slots = self.slots
@@ -258,12 +264,8 @@ class PipelineEngine:
                     slot.params = weights_for(i) if weights_for is not None else None
                     if train:
                         weights = [*self.body.parameters(), *(slot.params or {}).values()]
-                        self.body.microbatch = i
-                        try:
-                            with self.stash.recording(i, weights):
-                                self._forward(slot, microbatches[i], step, i)
-                        finally:
-                            self.body.microbatch = None
+                        with self.body.forwarding(i, self.stash), self.stash.recording(i, weights):
+                            self._forward(slot, microbatches[i], step, i)
                         slot.saved_bytes = self.stash.saved_bytes(i)
                     else:
                         self._forward(slot, microbatches[i], step, i)
@@ -304,7 +306,8 @@ class PipelineEngine:
                 elif kind is ActionKind.EVICT:
                     # what the engine holds anyway: sending it would free nothing
                     keep = (slot.inputs, slot.outputs, microbatches.get(i))
-                    self._link().evict(i, self.stash.evict(i, self.evict_share(i), keep))
+                    share = self.evict_share(self.stash.saved_bytes(i))
+                    self._link().evict(i, self.stash.evict(i, share, keep))
                 elif kind is ActionKind.LOAD:
                     self._link().load(i, self.stash.away_size(i))
                     slot.loading = True
@@ -332,8 +335,8 @@ class PipelineEngine:
                     self.stats.max_weight_versions = max(
                         self.stats.max_weight_versions, self.weight_versions_referenced()
                     )
-                if self.observer is not None:
-                    self.observer(action)
+                if observer is not None:
+                    observer(action)
                 if self.record_timeline:
                     timeline.append(ActionTiming(action, start, end))
             # a send may be received in the peer's *next* call (2BW), so it is not awaited here;

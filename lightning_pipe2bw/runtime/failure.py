@@ -20,6 +20,8 @@ to the hang gives up first, and its notice reaches the others before their own d
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -29,6 +31,7 @@ __all__ = [
     "action_of",
     "mark_action",
     "new_run",
+    "say",
     "wait_limits",
 ]
 
@@ -111,3 +114,14 @@ def wait_limits(stage: int, num_stages: int, timeout_s: float) -> tuple[float, f
     forward = timeout_s * (0.5 + 0.5 * stage / span)
     backward = timeout_s * (0.5 + 0.5 * (span - stage) / span)
     return forward, backward
+
+
+def say(text: str) -> None:
+    """Write ``text`` and a newline to stderr in one write, so that lines from several ranks
+    sharing the launcher's stderr do not run into each other."""
+    data = (text.rstrip("\n") + "\n").encode()
+    try:
+        sys.stderr.flush()
+        os.write(sys.stderr.fileno(), data)
+    except (AttributeError, OSError, ValueError):  # a stderr without a file descriptor
+        print(text, file=sys.stderr, flush=True)

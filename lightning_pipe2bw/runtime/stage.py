@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -37,6 +38,9 @@ class StageBody(nn.Module):
         stage: int,
         num_stages: int,
         balance: tuple[int, ...] = (),
+        *,
+        recompute: bool = False,
+        memory_plan: Mapping[int, str] | None = None,
     ) -> None:
         super().__init__()
         self.stage = stage
@@ -47,16 +51,51 @@ class StageBody(nn.Module):
             self.add_module(str(index), block)
             self.indices.append(index)
         self._call: BodyCall | None = None
-        self.recompute = False  # recompute the blocks' activations in the backward
-        # per block (by index): "keep", "recompute", "swap" or "evict" (see runtime.stash)
-        self.policy: dict[int, str] = {}
-        self.stash: ActivationStash | None = None  # told which block runs, when it is set
-        self.microbatch: int | None = None  # the micro-batch being forwarded (for the stash)
+        self.recompute = recompute  # recompute the blocks' activations in the backward
+        # the whole body's memory plan, by block index: "keep", "recompute", "swap" or "evict"
+        # (see runtime.stash); blocks not named keep theirs
+        self.memory_plan: dict[int, str] = dict(memory_plan or {})
+        # during a training forward: the stash told which block runs, and the micro-batch
+        self.stash: ActivationStash | None = None
+        self.microbatch: int | None = None
         # with ``timing``, each block's forward time during training, summed (live
         # repartitioning reads and resets it); CUDA events are summed when read
         self.timing = False
         self._block_s: dict[int, float] = {}
         self._block_events: list[tuple[int, Any, Any]] = []
+
+    # ------------------------------------------------------------------ blocks (repartitioning)
+    def block(self, index: int) -> nn.Module:
+        """The owned block ``index``."""
+        return self._modules[str(index)]  # type: ignore[return-value]
+
+    def take_block(self, index: int) -> nn.Module:
+        """Remove the owned block ``index`` (it moves to another stage) and return it."""
+        block = self._modules.pop(str(index))
+        assert block is not None
+        self.indices.remove(index)
+        return block
+
+    def put_block(self, index: int, block: nn.Module) -> None:
+        """Own ``block`` as block ``index``, in block order."""
+        self.add_module(str(index), block)
+        self._modules = dict(sorted(self._modules.items(), key=lambda kv: int(kv[0])))
+        self.indices = sorted(int(k) for k in self._modules)
+
+    @property
+    def policy(self) -> dict[int, str]:
+        """The memory plan's entries for this stage's blocks."""
+        return {i: self.memory_plan[i] for i in self.indices if i in self.memory_plan}
+
+    @contextmanager
+    def forwarding(self, microbatch: int, stash: ActivationStash) -> Iterator[None]:
+        """The training forward of ``microbatch``: its saved activations go to ``stash``, and
+        block times are recorded (when :attr:`timing` is on)."""
+        self.microbatch, self.stash = microbatch, stash
+        try:
+            yield
+        finally:
+            self.microbatch, self.stash = None, None
 
     def run_blocks(self, x: Any, weights: Mapping[str, Tensor] | None = None) -> Any:
         """Apply the owned blocks in order, with ``nn.Sequential`` semantics (one input each).
@@ -81,7 +120,7 @@ class StageBody(nn.Module):
             if weights is not None:
                 prefix = f"{index}."
                 own = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
-            policy = self.policy.get(index, "keep")
+            policy = self.memory_plan.get(index, "keep")
             if stash is not None:
                 stash.current_policy = policy
             timed = self.timing and self.microbatch is not None
@@ -118,6 +157,11 @@ class StageBody(nn.Module):
     def device_type(self) -> str:
         first = next(self.parameters(), None)
         return first.device.type if first is not None else "cpu"
+
+    def time_blocks(self) -> None:
+        """Start timing every owned block's training forward (from zero)."""
+        self.timing = True
+        self.take_block_times()
 
     def take_block_times(self) -> dict[int, float]:
         """Each owned block's summed forward seconds since the previous call (training

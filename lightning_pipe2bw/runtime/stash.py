@@ -108,12 +108,12 @@ class ActivationStash:
     (the balancer picks how many bytes at run time).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, evictable: bool = False) -> None:
         self.device = device
         self.micro: dict[int, _Micro] = {}
         # keep / recompute / swap / evict: the running block's, set by the stage body
         self.current_policy: str | None = None
-        self.evictable = False  # every storage may be evicted (the balancer's fraction)
+        self.evictable = evictable  # every storage may be evicted (the balancer's fraction)
         self.resident_bytes = 0  # saved bytes of this stage's micro-batches on the device
         self.host_bytes = 0  # in the host pool
         self.away_bytes = 0  # at the partner stage

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
+from torch.optim import Optimizer
 
+from lightning_pipe2bw.runtime.channel import ObjectChannel
+from lightning_pipe2bw.runtime.driver import DueGradient, Report
 from lightning_pipe2bw.runtime.engine import PipelineEngine, StepFn
-from lightning_pipe2bw.runtime.versions import TwoBWOptimizer, WeightVersions
+from lightning_pipe2bw.runtime.versions import TwoBWOptimizer, WeightVersions, unwrap_optimizer
 from lightning_pipe2bw.schedule import (
     Action,
     ActionKind,
@@ -25,32 +28,67 @@ class TwoBWDriver:
 
     Call t admits batch t: the stage runs its 1F1B stream up to the first forward of batch t+1
     (the warm-up happens only after a flush). At the end of call t batch t-1 has finished every
-    backward on every stage (m >= p), so its gradient is *due*: the strategy moves it into the
-    parameters' ``.grad``, Lightning's closure clips it (over all stages) and the
-    :class:`TwoBWOptimizer` applies it. A flush drains the stream and makes the last batch due
-    at once, so at a flush point the weights are exactly those of the delayed-update rule after
-    as many updates as Lightning has counted steps.
+    backward on every stage (m >= p), so its gradient is *due*: :meth:`take_due` hands it to the
+    strategy, which puts it into the parameters' ``.grad`` for Lightning's closure (clipping
+    over all stages), and the :class:`TwoBWOptimizer` applies it. A flush drains the stream and
+    makes the last batch due at once, so at a flush point the weights are exactly those of the
+    delayed-update rule after as many updates as Lightning has counted steps.
+
+    The driver owns the stage's weight versions and the optimizer wrapper that keeps them
+    (:attr:`optimizer`, which Lightning steps instead of the user's), and the channel on which
+    the last stage posts each step's values without a barrier (:meth:`report`).
     """
 
     def __init__(
         self,
         engine: PipelineEngine,
-        versions: WeightVersions,
-        optimizer: TwoBWOptimizer,
+        optimizer: Optimizer,
         num_microbatches: int,
+        *,
+        channel: ObjectChannel | None = None,
+        flush_every: int | None = None,
+        evicting: frozenset[int] = frozenset(),
+        version_log: list[int] | None = None,
     ) -> None:
+        """``optimizer``: the user's (wrapped here); ``channel``: carries the last stage's step
+        values to the other ranks (None with one stage); ``flush_every``: drain every this many
+        batches; ``evicting``: the stages that evict activations (BPipe); ``version_log``: a
+        list that gets the number of weight versions alive after every action (tests)."""
         self.engine = engine
-        self.versions = versions
-        self.optimizer = optimizer
         self.m = num_microbatches
+        self.channel = channel
+        self.flush_every = flush_every
+        self.offload = evicting
+        self.version_log = version_log
         self.admitted = 0  # batches admitted since fit started (= the next batch index)
         self.segment_start = 0  # first batch since the last flush
         self.next_update = 0  # the oldest batch whose update has not been applied
+        self.versions, self.optimizer = self._wrap(optimizer)
         self.stream = self._new_stream()
-        self.version_log: list[int] | None = None  # versions alive after every action, if set
-        self.offload: frozenset[int] = frozenset()  # stages that evict activations (BPipe)
-        engine.observer = self.observe
-        versions.reserved = self.reserved_versions
+        self._due = DueGradient()
+
+    def _wrap(self, optimizer: Optimizer) -> tuple[WeightVersions, TwoBWOptimizer]:
+        """Weight versions over the stage's parameters, and the wrapper that keeps them."""
+        engine = self.engine
+        versions = WeightVersions(
+            list(engine.body.named_parameters()),
+            max_versions=self.max_versions(engine.stage, engine.num_stages),
+            reserved=self.reserved_versions,
+        )
+        return versions, TwoBWOptimizer(optimizer, versions)
+
+    def rebind(self, optimizers: list[Any]) -> list[Any]:
+        """New weight versions over the stage's parameters, kept by a wrapper of the one
+        optimizer in ``optimizers``."""
+        if not self.at_flush_point:
+            raise RuntimeError("a 2BW stage can only change its blocks when nothing is in flight")
+        self.versions, self.optimizer = self._wrap(unwrap_optimizer(optimizers[0]))
+        return [self.optimizer]
+
+    @staticmethod
+    def max_versions(stage: int, num_stages: int) -> int:
+        """The weight versions a stage may hold: two."""
+        return 2
 
     def reserved_versions(self) -> set[int]:
         """The version the next batch will run with must survive the updates before it."""
@@ -96,6 +134,7 @@ class TwoBWDriver:
             loss_weights=weights,
             backward=backward,
             weights_for=self._weights_for,
+            observer=self.observe,
         )
 
     def train_batch(
@@ -107,6 +146,8 @@ class TwoBWDriver:
     ) -> list[Any]:
         """Admit the next batch and run this stage's window; return the last stage's step
         outputs for that batch (every forward of a batch runs in its own call)."""
+        for param in self.versions.params:  # micro-batches accumulate into their own leaves
+            param.grad = None
         # the update of this batch uses the param groups' values of this step (lr, ...), even
         # when a stage applies it during a later call
         self.optimizer.record_hyperparameters(self.admitted)
@@ -122,6 +163,7 @@ class TwoBWDriver:
             backward,
         )
         self.admitted += 1
+        self._due = self._gradient_of(self.due_batch())
         return [results[k] for k in ids] if self.engine.is_last else []
 
     def due_batch(self) -> int | None:
@@ -130,6 +172,17 @@ class TwoBWDriver:
         if batch >= self.next_update:
             return batch
         return None
+
+    def _gradient_of(self, batch: int | None) -> DueGradient:
+        """Batch ``batch``'s gradient, made the one the optimizer's next step applies."""
+        self.optimizer.due = batch
+        if batch is None:
+            return DueGradient()
+        return DueGradient(list(zip(self.versions.params, self.take_gradient(batch), strict=True)))
+
+    def take_due(self) -> DueGradient:
+        due, self._due = self._due, DueGradient()
+        return due
 
     def take_gradient(self, batch: int) -> list[Tensor | None]:
         """Batch ``batch``'s accumulated gradient, in ``versions.params`` order; the batch's
@@ -143,9 +196,16 @@ class TwoBWDriver:
         self.next_update = batch + 1
         return grads
 
-    def flush(self, backward: Callable[[Tensor], None]) -> int | None:
-        """Drain the pipeline; return the last admitted batch, whose gradient is now complete and
-        due (None if there is nothing in flight)."""
+    def finish_update(self) -> None:
+        self.optimizer.finish_step()
+
+    def flush_due(self) -> bool:
+        every = self.flush_every
+        return every is not None and self.admitted % every == 0
+
+    def _drain(self, backward: Callable[[Tensor], None]) -> int | None:
+        """Drain the pipeline; return the last admitted batch, whose gradient is now complete
+        (None if there is nothing in flight)."""
         if self.admitted == self.segment_start:
             return None
         self._run(self.stream.drain(), {}, _no_step, {}, backward)
@@ -157,6 +217,44 @@ class TwoBWDriver:
         last = self.admitted - 1
         return last if last >= self.next_update else None
 
+    def flush(self, backward: Callable[[Tensor], None]) -> DueGradient | None:
+        """Drain the pipeline; the last batch's gradient, now due (None if nothing was in
+        flight)."""
+        batch = self._drain(backward)
+        return None if batch is None else self._gradient_of(batch)
+
+    def report(self, values: Report) -> Report | None:
+        """The logged values of a step, without a barrier.
+
+        Without a flush, the other stages finish call t before the last stage has batch t's loss
+        (their call ends with the first forwards of batch t+1); waiting for it would put the
+        pipeline bubble back into every step. So the last stage (global rank 0: the progress bar
+        and the loggers) logs batch t's own values in call t, and posts them to the other ranks,
+        which log them one call late, in call t+1, when they have long arrived. Returns what
+        this rank logs now: ``None`` on a rank other than 0 before the first report is owed.
+        """
+        channel = self.channel
+        if channel is None:  # one stage
+            return values
+        if channel.is_source:
+            channel.post(values)
+            return values
+        report = channel.receive() if channel.backlog else None  # batch t-1's values
+        channel.expect()  # batch t's, posted by the last stage during this call
+        return report  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.drain()  # the last step's values, owed to the other ranks
+
+    @property
+    def weight_buffers(self) -> int:
+        return self.versions.num_buffers
+
+    @property
+    def at_flush_point(self) -> bool:
+        return self.admitted == self.segment_start
+
     def previous_version(self) -> list[Tensor] | None:
         """At a flush point: the weight version the next batch runs with when it is not the
         newest (2BW: version t-1 for batch t), which a checkpoint must keep for an exact resume."""
@@ -165,9 +263,39 @@ class TwoBWDriver:
             return None
         return self.versions.tensors_of(version)
 
-    def resume(self, batches: int, previous: list[Tensor] | None) -> None:
-        """Continue after ``batches`` batches, from a checkpoint written at a flush point: the
-        parameters hold the newest weights and ``previous`` the version batch ``batches`` uses."""
+    def state(self, names: Sequence[str]) -> dict[str, Any]:
+        """The batch count and the second weight version by parameter name (``names``, in
+        ``versions.params`` order; empty when the next batch runs with the newest weights)."""
+        previous = self.previous_version()
+        return {
+            "batches": self.admitted,
+            "previous_weights": (
+                dict(zip(names, previous, strict=True)) if previous is not None else {}
+            ),
+        }
+
+    def resume(self, state: dict[str, Any], names: Sequence[str]) -> None:
+        """Continue where :meth:`state` left off: the parameters hold the newest weights and
+        ``state["previous_weights"]`` (by name) the version the next batch uses. A state
+        without a batch count (written by a flush schedule, or not by pipe2bw) restarts the
+        rule at the loaded weights, as at the start of training: W(-1) = W(0)."""
+        if "batches" not in state:
+            return
+        previous: list[Tensor] | None = None
+        saved = state.get("previous_weights") or {}
+        if saved:
+            missing = [n for n in names if n not in saved]
+            if missing:
+                raise KeyError(
+                    f"the checkpoint's second 2BW weight version lacks {len(missing)} parameters "
+                    f"this stage needs, e.g. {missing[:5]}; was it written for a different model?"
+                )
+            previous = [saved[n] for n in names]
+        self.restart(int(state["batches"]), previous)
+
+    def restart(self, batches: int, previous: list[Tensor] | None) -> None:
+        """Continue after ``batches`` batches at a flush point: the parameters hold the newest
+        weights and ``previous`` the version batch ``batches`` uses."""
         if self.admitted != self.segment_start:
             raise RuntimeError("a 2BW pipeline can only resume when nothing is in flight")
         self.admitted = self.segment_start = self.next_update = batches
@@ -186,8 +314,13 @@ class PipeDreamDriver(TwoBWDriver):
     uses the same (stashed) version. A stage applies a batch's update as soon as it has run the
     batch's last backward, without waiting for the other stages: stage s is therefore at most
     ``ceil((p - s - 1) / m)`` updates behind the last stage (which is never behind), and keeps
-    at most p - s weight versions.
+    at most p - s weight versions. No gradient is ever due at Lightning's step.
     """
+
+    @staticmethod
+    def max_versions(stage: int, num_stages: int) -> int:
+        """The weight versions stage s may hold: p - s."""
+        return num_stages - stage
 
     def _weights_for(self, microbatch: int) -> Mapping[str, Tensor]:
         return self.versions.weights_for(self.batch_of(microbatch), self.versions.newest)
@@ -212,12 +345,12 @@ class PipeDreamDriver(TwoBWDriver):
     def due_batch(self) -> int | None:
         return None  # every update is applied inside the pipeline, as soon as it is complete
 
-    def flush(self, backward: Callable[[Tensor], None]) -> int | None:
-        super().flush(backward)  # the drained backwards apply the last updates
+    def flush(self, backward: Callable[[Tensor], None]) -> DueGradient | None:
+        self._drain(backward)  # the drained backwards apply the last updates
         return None
 
     def previous_version(self) -> list[Tensor] | None:
         return None  # after a flush every forward takes the newest weights
 
-    def resume(self, batches: int, previous: list[Tensor] | None) -> None:
-        super().resume(batches, None)
+    def restart(self, batches: int, previous: list[Tensor] | None) -> None:
+        super().restart(batches, None)

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-__all__ = ["TwoBWOptimizer", "WeightVersions"]
+__all__ = ["TwoBWOptimizer", "WeightVersions", "unwrap_optimizer"]
 
 
 class WeightVersions:
@@ -31,7 +31,10 @@ class WeightVersions:
     """
 
     def __init__(
-        self, named_parameters: list[tuple[str, nn.Parameter]], max_versions: int = 2
+        self,
+        named_parameters: list[tuple[str, nn.Parameter]],
+        max_versions: int = 2,
+        reserved: Callable[[], set[int]] = set,
     ) -> None:
         self.names = [name for name, _ in named_parameters]
         self.params = [param for _, param in named_parameters]
@@ -41,7 +44,7 @@ class WeightVersions:
         self.newest = 0
         self._leaves: dict[tuple[int, int], dict[str, Tensor]] = {}  # (batch, version) -> leaves
         # versions that batches not admitted yet will need (2BW: the next batch's)
-        self.reserved: Callable[[], set[int]] = set
+        self.reserved = reserved
 
     @staticmethod
     def version_for(batch: int) -> int:
@@ -244,3 +247,10 @@ class TwoBWOptimizer(Optimizer):
 
     def __repr__(self) -> str:
         return f"TwoBWOptimizer({self.optimizer!r})"
+
+
+def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
+    """The user's optimizer inside any :class:`TwoBWOptimizer` wrappers."""
+    while isinstance(optimizer, TwoBWOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer

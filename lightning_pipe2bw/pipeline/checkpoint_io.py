@@ -1,4 +1,5 @@
-"""Consolidated checkpoints of a pipeline: gathering every stage's state, and loading a stage's share."""
+"""Stage state across ranks: gathering every stage's state on rank 0, loading a stage's share, and
+the sharded (torch.distributed.checkpoint) files."""
 
 from __future__ import annotations
 

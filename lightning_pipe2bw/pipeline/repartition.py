@@ -13,19 +13,25 @@ when the current slowest stage is more than ``threshold`` slower.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_pipe2bw.partition.partitioner import minmax_partition
 from lightning_pipe2bw.partition.split import Partition, make_partition
+from lightning_pipe2bw.runtime.engine import PipelineEngine
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "Repartition",
+    "Repartitioner",
     "StageTiming",
     "block_costs",
     "load_optimizer_state_by_name",
@@ -176,3 +182,44 @@ def load_optimizer_state_by_name(
                 state["state"][saved["params"][position]] = entries
             index += 1
     optimizer.load_state_dict(state)
+
+
+class Repartitioner:
+    """When to check the stages' balance, and the check: every ``every`` steps (``None``:
+    never) each rank reports what its stage measured, and every rank decides alike."""
+
+    def __init__(self, every: int | None, threshold: float) -> None:
+        self.every = every
+        self.threshold = threshold
+        self.history: list[Repartition] = []  # the repartitions of this strategy, in order
+        self._last_check = 0
+
+    def due(self, step: int) -> bool:
+        """Whether to check before the step ``step`` (once per step, never at step 0)."""
+        every = self.every
+        if every is None or step == 0 or step % every or step == self._last_check:
+            return False
+        self._last_check = step
+        return True
+
+    def poll(self, step: int, engine: PipelineEngine, balance: Sequence[int]) -> Repartition | None:
+        """Before step ``step``: the decision to move blocks, if a check is due and finds the
+        stages out of balance (collective when a check is due)."""
+        if not self.due(step):
+            return None
+        decision = self.check(engine, balance)
+        log.debug("pipe2bw: balance check at step %d: %s", step, decision.describe())
+        return decision if decision.needed else None
+
+    def check(self, engine: PipelineEngine, balance: Sequence[int]) -> Repartition:
+        """Gather every stage's times since the previous check (collective) and compare
+        ``balance`` with the best split of them; the timers restart."""
+        stats = engine.stats
+        stage = engine.stage
+        mine = StageTiming(stage, engine.body.take_block_times(), stats.forward_s, stats.backward_s)
+        stats.forward_s = stats.backward_s = 0.0
+        everyone: list[Any] = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+        return plan_repartition(everyone, balance, self.threshold)

@@ -8,13 +8,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ReportChannel"]
+__all__ = ["ObjectChannel"]
 
 _LENGTH_TAG = 0
 _DATA_TAG = 1
 
 
-class ReportChannel:
+class ObjectChannel:
     """One rank posts reports (picklable objects); every other rank receives them in order.
 
     The source does not wait: each report goes out with non-blocking sends, whose buffers are kept

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 import statistics
 import time
@@ -12,15 +11,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import LightningModule
-from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from torch import nn
+from torch.utils.data import DataLoader
 
 from lightning_pipe2bw.partition.costmodel import Cluster
+from lightning_pipe2bw.partition.measure import MakeOptimizer, profile_sizes
 from lightning_pipe2bw.partition.planner import plan
 from lightning_pipe2bw.partition.plans import PlanResult
 from lightning_pipe2bw.partition.profile import ProfileSet
-from lightning_pipe2bw.partition.profiler import profile_sizes
 from lightning_pipe2bw.partition.split import BodyRef
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, split_batch
 from lightning_pipe2bw.runtime.transport import P2PTransport
@@ -32,6 +30,7 @@ __all__ = [
     "local_cluster",
     "measure_bandwidth",
     "measure_latency",
+    "plan_from_loader",
 ]
 
 
@@ -41,7 +40,7 @@ class _Captured(Exception):
         self.value = value
 
 
-def body_input(module: LightningModule, ref: BodyRef, batch: Any, size: int) -> Any:
+def body_input(module: nn.Module, ref: BodyRef, batch: Any, size: int) -> Any:
     """What the user's ``training_step`` passes to the body for a micro-batch of ``size``
     samples of ``batch``: the step runs up to the body call, which is stopped there."""
     whole = batch_size_of(batch)
@@ -54,7 +53,7 @@ def body_input(module: LightningModule, ref: BodyRef, batch: Any, size: int) -> 
     handle = ref.module.register_forward_pre_hook(capture)
     try:
         with torch.no_grad():
-            module.training_step(sample, 0)
+            module.training_step(sample, 0)  # type: ignore[operator]
     except _Captured as got:
         return got.value
     finally:
@@ -185,23 +184,6 @@ class AutoPlanInputs:
         return self.world_size // self.data_parallel
 
 
-def _optimizer_factory(module: LightningModule) -> Any:
-    """A function building the run's (first) optimizer, with its settings, over given
-    parameters; ``None`` when ``configure_optimizers`` gives none."""
-    try:
-        optimizers, _ = _init_optimizers_and_lr_schedulers(module)
-    except Exception:  # e.g. it needs state that exists only once fit runs: plan without updates
-        return None
-    if not optimizers:
-        return None
-    first = optimizers[0]
-    kind = type(first)
-    accepted = inspect.signature(kind).parameters
-    # the settings its constructor takes (``defaults`` may hold derived ones it does not)
-    settings = {k: v for k, v in first.defaults.items() if k in accepted}
-    return lambda params: kind(params, **settings)
-
-
 def _candidate_sizes(inputs: AutoPlanInputs, local_batch: int) -> list[int]:
     m = inputs.microbatches
     if m is not None:
@@ -223,12 +205,19 @@ def _candidate_sizes(inputs: AutoPlanInputs, local_batch: int) -> list[int]:
 
 
 def auto_plan(
-    module: LightningModule, ref: BodyRef, batch: Any, inputs: AutoPlanInputs
+    module: nn.Module,
+    ref: BodyRef,
+    batch: Any,
+    inputs: AutoPlanInputs,
+    optimizer: MakeOptimizer | None = None,
 ) -> PlanResult:
     """Profile the body at the smallest and the largest candidate micro-batch size, with the
-    run's optimizer for the update times, broadcast global rank 0's profile, measure the links,
-    and plan for the strategy's schedule and data-parallel width. Collective; every rank returns
-    the same plan.
+    run's optimizer (``optimizer`` builds it over given parameters; None: no update times) for
+    the update times, broadcast global rank 0's profile, measure the links, and plan for the
+    strategy's schedule and data-parallel width. Collective; every rank returns the same plan.
+
+    ``module`` is the user's LightningModule: its ``training_step`` runs on one micro-batch up
+    to the body call, to find the body's input.
 
     Every rank profiles at the same time, on its own device (moving one block there at a time),
     so that the figures include what ranks sharing a machine cost each other (cores, memory
@@ -249,7 +238,7 @@ def auto_plan(
                 lambda b: body_input(module, ref, batch, b),
                 sorted({sizes[0], sizes[-1]}),
                 device=inputs.device,
-                optimizer=_optimizer_factory(module),
+                optimizer=optimizer,
             )
         except (ValueError, TypeError) as err:
             box[0] = err
@@ -276,3 +265,20 @@ def auto_plan(
         recompute=mode,
         data_parallel=inputs.data_parallel,
     )
+
+
+def plan_from_loader(
+    module: nn.Module,
+    ref: BodyRef,
+    loader: Any,
+    inputs: AutoPlanInputs,
+    optimizer: MakeOptimizer | None = None,
+) -> PlanResult:
+    """:func:`auto_plan` with the first batch of the training ``loader`` (collective)."""
+    if not isinstance(loader, DataLoader):
+        raise ValueError(
+            "balance='auto' profiles the body with the first batch of the training "
+            f"DataLoader, but train_dataloader() returned a {type(loader).__name__}; give "
+            "balance as a list of block counts or 'params'"
+        )
+    return auto_plan(module, ref, next(iter(loader)), inputs, optimizer)

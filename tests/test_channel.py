@@ -11,9 +11,9 @@ import pytest
 def _post_before_anyone_listens(n: int) -> list[Any]:
     import torch.distributed as dist
 
-    from lightning_pipe2bw.runtime.reports import ReportChannel
+    from lightning_pipe2bw.runtime.channel import ObjectChannel
 
-    channel = ReportChannel(source=0, group=dist.new_group(backend="gloo"))
+    channel = ObjectChannel(source=0, group=dist.new_group(backend="gloo"))
     received: list[Any] = []
     if channel.is_source:
         for i in range(n):
@@ -43,9 +43,9 @@ def test_reports_arrive_in_order_and_never_block_the_source(pools: Any, world: i
 def _receive_unannounced() -> str:
     import torch.distributed as dist
 
-    from lightning_pipe2bw.runtime.reports import ReportChannel
+    from lightning_pipe2bw.runtime.channel import ObjectChannel
 
-    channel = ReportChannel(source=0, group=dist.new_group(backend="gloo"))
+    channel = ObjectChannel(source=0, group=dist.new_group(backend="gloo"))
     try:
         channel.receive()
     except RuntimeError as err:

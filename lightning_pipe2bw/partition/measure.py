@@ -16,7 +16,14 @@ from torch.utils import _pytree as pytree
 
 from lightning_pipe2bw.partition.profile import BlockProfile, Profile, ProfileSet
 
-__all__ = ["profile_blocks", "profile_sizes", "storage_bytes", "storage_key", "update_times"]
+__all__ = [
+    "MakeOptimizer",
+    "profile_blocks",
+    "profile_sizes",
+    "storage_bytes",
+    "storage_key",
+    "update_times",
+]
 
 # builds the run's optimizer over some parameters, e.g. ``lambda ps: torch.optim.AdamW(ps)``
 MakeOptimizer = Callable[[list[nn.Parameter]], torch.optim.Optimizer]

@@ -1,0 +1,149 @@
+"""Lightning's (and torch's) private API, in one place.
+
+The strategy needs a few things Lightning keeps private: its process-group helpers, its
+launchers, the hook-calling functions of its training loop, the training DataLoader before fit
+starts. Every such use goes through this module, under a public name, so that a Lightning
+minor release that renames one breaks this file only; ``tests/test_compat.py`` imports each
+name and checks each attribute on real objects, and says which one is gone.
+
+Nothing else in the package imports a private name from ``lightning`` (a layering test checks).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from lightning.fabric.strategies.registry import _StrategyRegistry as StrategyRegistryType
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device as default_process_group_backend,
+)
+from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection
+from lightning.fabric.utilities.distributed import (
+    _set_num_threads_if_needed as set_num_threads_if_needed,
+)
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available
+from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.core.optimizer import (
+    LightningOptimizer,
+    _init_optimizers_and_lr_schedulers,
+)
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.launcher import _Launcher as Launcher
+from lightning.pytorch.strategies.launchers.multiprocessing import (
+    _MultiProcessingLauncher as MultiProcessingLauncher,
+)
+from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput as WorkerOutput
+from lightning.pytorch.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher as SubprocessScriptLauncher,
+)
+from lightning.pytorch.trainer import call
+from lightning.pytorch.utilities.data import _update_dataloader as update_dataloader
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_pipe2bw.runtime.versions import unwrap_optimizer
+
+__all__ = [
+    "REQUIRED",
+    "Launcher",
+    "MultiProcessingLauncher",
+    "StrategyRegistryType",
+    "SubprocessScriptLauncher",
+    "WorkerOutput",
+    "call_backward_hooks",
+    "default_process_group_backend",
+    "found_inf_state",
+    "init_dist_connection",
+    "launched_processes",
+    "optimizer_factory",
+    "optimizers_to_device",
+    "override_clipping",
+    "set_num_threads_if_needed",
+    "sync_ddp_if_available",
+    "torch_optimizer",
+    "training_dataloader",
+    "update_dataloader",
+]
+
+# every private name this module uses: (module, attribute), checked by tests/test_compat.py
+REQUIRED: tuple[tuple[str, str], ...] = (
+    ("lightning.fabric.strategies.registry", "_StrategyRegistry"),
+    ("lightning.fabric.utilities.distributed", "_get_default_process_group_backend_for_device"),
+    ("lightning.fabric.utilities.distributed", "_init_dist_connection"),
+    ("lightning.fabric.utilities.distributed", "_set_num_threads_if_needed"),
+    ("lightning.fabric.utilities.distributed", "_sync_ddp_if_available"),
+    ("lightning.fabric.utilities.optimizer", "_optimizers_to_device"),
+    ("lightning.pytorch.core.optimizer", "_init_optimizers_and_lr_schedulers"),
+    ("lightning.pytorch.strategies.launchers.launcher", "_Launcher"),
+    ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher"),
+    ("lightning.pytorch.strategies.launchers.multiprocessing", "_WorkerOutput"),
+    ("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher"),
+    ("lightning.pytorch.trainer.call", "_call_callback_hooks"),
+    ("lightning.pytorch.trainer.call", "_call_lightning_module_hook"),
+    ("lightning.pytorch.utilities.data", "_update_dataloader"),
+)
+
+
+def call_backward_hooks(trainer: Trainer, loss: Tensor) -> None:
+    """Lightning's ``on_before_backward`` and ``on_after_backward`` hooks, callbacks first, as
+    its own backward call runs them (the engine has already run the backward)."""
+    call._call_callback_hooks(trainer, "on_before_backward", loss)
+    call._call_lightning_module_hook(trainer, "on_before_backward", loss)
+    call._call_callback_hooks(trainer, "on_after_backward")
+    call._call_lightning_module_hook(trainer, "on_after_backward")
+
+
+def training_dataloader(trainer: Trainer) -> Any:
+    """The training DataLoader ``fit`` was given, before the fit loop has set it up (the
+    ``_data_source`` of the fit loop)."""
+    return trainer.fit_loop._data_source.dataloader()
+
+
+def launched_processes(launcher: SubprocessScriptLauncher) -> list[Any]:
+    """The worker processes a ``popen`` launcher started (``subprocess.Popen`` objects)."""
+    return list(launcher.procs)
+
+
+def override_clipping(
+    plugin: Precision,
+    by_norm: Callable[[Optimizer, int | float], None],
+    by_value: Callable[[Optimizer, int | float], None],
+) -> None:
+    """Make ``plugin`` clip with ``by_norm`` / ``by_value`` (Lightning's plugins offer no hook for
+    how gradients are clipped, only these methods, which are replaced on the instance)."""
+    plugin.clip_grad_by_norm = by_norm  # type: ignore[method-assign,assignment]
+    plugin.clip_grad_by_value = by_value  # type: ignore[method-assign,assignment]
+
+
+def found_inf_state(scaler: Any, optimizer: Optimizer) -> dict[str, Any]:
+    """torch's ``GradScaler`` record of ``optimizer``'s last unscale (a live dict: its
+    ``"found_inf_per_device"`` entry decides whether the step is skipped)."""
+    state: dict[str, Any] = scaler._per_optimizer_states[id(optimizer)]
+    return state
+
+
+def torch_optimizer(optimizer: Any) -> Optimizer:
+    """The user's optimizer inside Lightning's and the 2BW wrappers."""
+    if isinstance(optimizer, LightningOptimizer):
+        optimizer = optimizer.optimizer
+    return unwrap_optimizer(optimizer)
+
+
+def optimizer_factory(module: LightningModule) -> Callable[[list[Any]], Optimizer] | None:
+    """A function building the run's (first) optimizer, with its settings, over given
+    parameters; ``None`` when ``configure_optimizers`` gives none."""
+    try:
+        optimizers, _ = _init_optimizers_and_lr_schedulers(module)
+    except Exception:  # e.g. it needs state that exists only once fit runs: plan without updates
+        return None
+    if not optimizers:
+        return None
+    first = optimizers[0]
+    kind = type(first)
+    accepted = inspect.signature(kind).parameters
+    # the settings its constructor takes (``defaults`` may hold derived ones it does not)
+    settings = {k: v for k, v in first.defaults.items() if k in accepted}
+    return lambda params: kind(params, **settings)

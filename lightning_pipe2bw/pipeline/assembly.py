@@ -1,0 +1,299 @@
+"""Assembling a rank's stage: partition the user's module (:func:`place_stage`), then build the
+runtime that trains it (:func:`build_runtime`).
+
+The two steps bracket what Lightning does in between: the precision plugin converts the module
+that now holds only this stage's blocks, the module moves to the device, and
+``configure_optimizers`` builds optimizers over the stage's parameters. Both steps raise the
+same error on every rank for a bad setting (the checks depend only on values every rank
+shares), before the first collective, so no rank is left waiting.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_pipe2bw.partition import BodyRef, Partition, build_stage
+from lightning_pipe2bw.partition.balance import balance_by_params
+from lightning_pipe2bw.partition.plans import PlanResult
+from lightning_pipe2bw.pipeline.groups import ProcessGroups, broadcast_from_last
+from lightning_pipe2bw.pipeline.options import (
+    PipeOptions,
+    Problem,
+    async_problems,
+    raise_problems,
+)
+from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
+from lightning_pipe2bw.pipeline.topology import Topology
+from lightning_pipe2bw.runtime import P2PTransport, PipelineEngine, StageBody
+from lightning_pipe2bw.runtime.channel import ObjectChannel
+from lightning_pipe2bw.runtime.driver import Driver, FlushDriver
+from lightning_pipe2bw.runtime.failure import wait_limits
+from lightning_pipe2bw.runtime.peer import PeerLink
+from lightning_pipe2bw.runtime.stash import check_memory_plan
+from lightning_pipe2bw.runtime.twobw import PipeDreamDriver, TwoBWDriver
+from lightning_pipe2bw.runtime.versions import unwrap_optimizer
+from lightning_pipe2bw.schedule import (
+    ActivationBudget,
+    evict_share,
+    offload_stages,
+    stashed_microbatches,
+)
+
+__all__ = ["build_runtime", "memory_plan_problems", "place_stage", "resolve_balance"]
+
+log = logging.getLogger(__name__)
+
+
+def resolve_balance(
+    options: PipeOptions, ref: BodyRef, num_stages: int, plan: PlanResult | None
+) -> Sequence[int] | None:
+    """The blocks per stage (the same on every rank): the user's list, an even split (``None``,
+    ``"uniform"``), the planner's (``"auto"``, once ``plan`` exists) or one evening out the
+    blocks' parameter counts (``"params"``, and ``"auto"`` without a plan: outside fit). A body
+    an earlier Trainer call partitioned keeps its split."""
+    mode = options.balance_mode
+    if mode is None:
+        return options.balance
+    if isinstance(ref.module, StageBody):
+        return ref.module.balance
+    if mode == "uniform":
+        return None
+    if mode == "auto" and plan is not None:
+        return plan.best.balance
+    return balance_by_params(list(ref.module.children()), num_stages)
+
+
+def place_stage(
+    module: nn.Module,
+    ref: BodyRef,
+    options: PipeOptions,
+    topology: Topology,
+    balance: Sequence[int] | None,
+    device: torch.device,
+    recompute: bool | tuple[bool, ...] | None,
+) -> tuple[StageBody, Partition]:
+    """Replace ``module``'s body by this rank's stage (see ``partition.build_stage``), running
+    ``balance`` blocks per stage; ``recompute`` is one flag for every stage or one per stage
+    (the planner's choice or the option). Checks the memory plan against the partition."""
+    stage = topology.stage
+    flag = recompute[stage] if isinstance(recompute, tuple) else bool(recompute)
+    body, partition = build_stage(
+        module,
+        ref,
+        stage,
+        topology.num_stages,
+        balance,
+        device,
+        recompute=flag,
+        memory_plan=options.memory_plan,
+    )
+    raise_problems(memory_plan_problems(options, partition, flag))
+    log.info(
+        "pipe2bw: rank %d runs stage %d/%d with blocks %s of %r",
+        topology.rank, stage, topology.num_stages, body.indices, ref.path,
+    )  # fmt: skip
+    return body, partition
+
+
+def memory_plan_problems(
+    options: PipeOptions, partition: Partition, recompute: bool
+) -> list[Problem]:
+    """What is wrong with the memory plan on this partition (``recompute``: whether this
+    stage recomputes every block anyway)."""
+    plan = options.memory_plan
+    if not plan:
+        return []
+    try:
+        check_memory_plan(plan, partition.num_blocks)
+    except ValueError as err:
+        return [Problem("memory_plan", plan, str(err))]
+    problems: list[Problem] = []
+    if recompute and any(policy != "keep" for policy in plan.values()):
+        problems.append(
+            Problem(
+                "memory_plan",
+                plan,
+                "recompute=True already recomputes every block of the stage; give either "
+                "recompute or a memory_plan (whose 'recompute' entries pick the blocks)",
+            )
+        )
+    p = partition.num_stages
+    evicting = offload_stages(p)
+    for index, policy in sorted(plan.items()):
+        stage = partition.stage_of(index)
+        if policy == "evict" and stage not in evicting:
+            where = f"stages {list(evicting)}" if evicting else "no stage (one stage only)"
+            problems.append(
+                Problem(
+                    "memory_plan",
+                    plan,
+                    f"memory_plan[{index}] = 'evict', but block {index} runs on stage {stage} "
+                    f"of {p}, which has no partner that stashes less: {where} can evict. Use "
+                    "'swap' or 'recompute' for this block",
+                )
+            )
+    if options.activation_budget is not None and "evict" in plan.values():
+        problems.append(
+            Problem(
+                "memory_plan",
+                plan,
+                "the activation balancer chooses what to evict itself; give either "
+                "balance_activations / ActivationBalancer or 'evict' entries in memory_plan",
+            )
+        )
+    return problems
+
+
+def build_runtime(
+    *,
+    root: nn.Module,
+    body: StageBody,
+    partition: Partition,
+    options: PipeOptions,
+    topology: Topology,
+    groups: ProcessGroups,
+    device: torch.device,
+    num_microbatches: int,
+    training: bool,
+    optimizers: list[Any],
+    clips_gradients: bool = False,
+    scales_loss: bool = False,
+    version_log: list[int] | None = None,
+) -> StageRuntime:
+    """The runtime of this rank's stage, ready to run (collective: the process groups a
+    training run needs are made here, on every rank alike).
+
+    With ``training``: the driver the schedule needs (a flush driver; or, for ``2bw`` and
+    ``pipedream``, the asynchronous driver, which wraps the one optimizer in ``optimizers`` to
+    keep the weight versions) and BPipe's link to the partner stage. Otherwise a forward-only
+    runtime (validate, test, predict): no offload, and the flush driver, which never runs."""
+    evicting = frozenset(_evicting_stages(options, partition, training))
+    if training and options.is_async:
+        raise_problems(
+            async_problems(
+                options,
+                num_optimizers=len(optimizers),
+                clips_gradients=clips_gradients,
+                scales_loss=scales_loss,
+            )
+        )
+    # collectives from here on: every rank makes the same groups in the same order
+    channel = None
+    if training and options.is_async and topology.num_stages > 1:
+        members = topology.pipeline_ranks()
+        channel = ObjectChannel(topology.last_rank, groups.values(), members)
+    if evicting:
+        groups.offload(evicting)
+    stage, p = topology.stage, topology.num_stages
+    timeout_s = options.timeout.total_seconds() if options.timeout is not None else None
+    engine = PipelineEngine(
+        body,
+        stage=stage,
+        num_stages=p,
+        transport=P2PTransport(None, device),  # the whole world is one pipeline group
+        prev_rank=topology.prev_rank,
+        next_rank=topology.next_rank,
+        wait_limits=wait_limits(stage, p, timeout_s) if timeout_s is not None else (None, None),
+        link=_link(topology, groups, evicting, device, timeout_s),
+        evict_share=_evict_share(options, topology, evicting, num_microbatches),
+    )
+    if engine.link is not None:
+        log.info(
+            "pipe2bw: rank %d (stage %d) offloads activations with stage %d (rank %d)",
+            topology.rank, stage, engine.link.partner_stage, engine.link.partner,
+        )  # fmt: skip
+    runtime_optimizers = list(optimizers)
+    driver: Driver
+    if training and options.is_async:
+        driver_cls = TwoBWDriver if options.schedule == "2bw" else PipeDreamDriver
+        driver = driver_cls(
+            engine,
+            unwrap_optimizer(optimizers[0]),
+            num_microbatches,
+            channel=channel,
+            flush_every=options.flush_every,
+            evicting=evicting,
+            version_log=version_log,
+        )
+        runtime_optimizers = [driver.optimizer]
+    else:
+        broadcast = functools.partial(broadcast_from_last, topology=topology, groups=groups)
+        driver = FlushDriver(engine, options.schedule, broadcast, evicting)
+    return StageRuntime(
+        topology=topology,
+        groups=groups,
+        options=options,
+        root=root,
+        body=body,
+        partition=partition,
+        engine=engine,
+        driver=driver,
+        num_microbatches=num_microbatches,
+        optimizers=runtime_optimizers,
+        evicting=evicting,
+    )
+
+
+def _evicting_stages(options: PipeOptions, partition: Partition, training: bool) -> set[int]:
+    """The stages that evict activations to their partner in this run (the same on every
+    rank): every stage that can under the activation balancer, those with ``"evict"`` blocks
+    under a memory plan, none outside training."""
+    if not training:
+        return set()
+    budget, p = options.activation_budget, partition.num_stages
+    if budget is not None:
+        if options.schedule == "gpipe" and budget == ActivationBudget():
+            raise ValueError(
+                "schedule='gpipe' stashes all m micro-batches on every stage, so the balanced "
+                "share moves nothing; balance activations with '1f1b', '2bw' or 'pipedream', "
+                "or give a budget"
+            )
+        return set(offload_stages(p))
+    plan = options.memory_plan or {}
+    return {partition.stage_of(i) for i, policy in plan.items() if policy == "evict"}
+
+
+def _link(
+    topology: Topology,
+    groups: ProcessGroups,
+    evicting: frozenset[int],
+    device: torch.device,
+    timeout_s: float | None,
+) -> PeerLink | None:
+    """This rank's link to its BPipe partner, when either of the pair evicts."""
+    stage, partner = topology.stage, topology.partner()
+    if stage not in evicting and partner not in evicting:
+        return None
+    me, other = topology.rank, topology.rank_of_stage(partner)
+    return PeerLink(
+        other,
+        partner,
+        groups.offload_pair(me, other),
+        groups.offload_pair(other, me),
+        device,
+        holder=stage not in evicting,
+        timeout_s=timeout_s if timeout_s is not None else 1800.0,
+    )
+
+
+def _evict_share(
+    options: PipeOptions, topology: Topology, evicting: frozenset[int], num_microbatches: int
+) -> Callable[[int], float | None] | None:
+    """How much of each micro-batch's saved bytes this stage evicts under the activation
+    balancer (None: the balancer is off here; the memory plan's ``"evict"`` blocks move)."""
+    budget = options.activation_budget
+    stage = topology.stage
+    if budget is None or stage not in evicting:
+        return None
+    p, m, name = topology.num_stages, num_microbatches, options.schedule
+    mine = stashed_microbatches(name, stage, p, m)
+    theirs = stashed_microbatches(name, topology.partner(), p, m)
+    return lambda saved_bytes: evict_share(budget, mine, theirs, saved_bytes)
+
+

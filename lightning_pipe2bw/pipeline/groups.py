@@ -1,0 +1,108 @@
+"""The process groups of a :class:`~lightning_pipe2bw.pipeline.topology.Topology`, and the
+collectives the pipeline runs in them.
+
+Creating a group is collective: every rank creates every group, in the same order, even the
+groups it is not in. Groups are made once per strategy (a process group lives as long as the
+processes) and reused by every Trainer call:
+
+* one per pipeline replica (its stages talk, clip and agree on inf checks in it) and one per
+  stage (its replicas average gradients in it), at set-up, when ``data_parallel > 1``;
+* a gloo group per replica for the step values 2BW delivers one step late (made on first use
+  when there is one replica);
+* two two-rank groups per BPipe pair, one per direction (made on first use).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_pipe2bw.pipeline.topology import Topology
+
+__all__ = ["ProcessGroups", "average_over_replicas", "broadcast_from_last"]
+
+
+class ProcessGroups:
+    """This rank's groups (``None``: the default group, or none needed)."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self.pipeline: Any = None  # this replica's pipeline (None: the whole world is one)
+        self.stage: Any = None  # this stage's replicas (None: no data parallelism)
+        self._values: Any = None  # gloo: the step values of asynchronous schedules
+        self._offload: dict[tuple[int, int], Any] = {}  # (src rank, dst rank) -> two-rank group
+
+    @classmethod
+    def create(cls, topology: Topology) -> ProcessGroups:
+        """The groups of the 2D mesh (collective)."""
+        groups = cls(topology)
+        w, d = topology.data_parallel, topology.num_stages
+        if w == 1:  # one pipeline: the default group; the value group is made on first use
+            return groups
+        for replica in range(w):
+            ranks = topology.pipeline_ranks(replica)
+            group = dist.new_group(sorted(ranks))
+            values = dist.new_group(sorted(ranks), backend="gloo") if d > 1 else None
+            if replica == topology.replica:
+                groups.pipeline, groups._values = group, values
+        for stage in range(d):
+            group = dist.new_group(topology.stage_ranks(stage))
+            if stage == topology.stage:
+                groups.stage = group
+        return groups
+
+    def values(self) -> Any:
+        """The gloo group this pipeline's step values travel in (collective on first use: every
+        rank sets up the same schedule, so every rank asks at the same point)."""
+        if self._values is None:
+            self._values = dist.new_group(backend="gloo")
+        return self._values
+
+    def offload(self, evicting: Iterable[int]) -> None:
+        """Make the two-rank groups of every BPipe pair whose earlier stage is in ``evicting``,
+        in every replica (collective; once per pair and direction)."""
+        t = self.topology
+        for replica in range(t.data_parallel):
+            for s in sorted(evicting):
+                a, b = t.rank_of_stage(s, replica), t.rank_of_stage(t.partner(s), replica)
+                for pair in ((a, b), (b, a)):
+                    if pair not in self._offload:  # collective: all ranks, same order
+                        self._offload[pair] = dist.new_group(sorted(pair))
+
+    def offload_pair(self, src: int, dst: int) -> Any:
+        """The group that carries activations from rank ``src`` to rank ``dst``."""
+        return self._offload[(src, dst)]
+
+
+def average_over_replicas(params: Iterable[Tensor], group: Any, replicas: int) -> None:
+    """Average the gradients of ``params`` (those that have one) with the stage's replicas: one
+    all-reduce per dtype over ``group``, on a flat buffer. Every replica holds the same
+    parameters with gradients, so the buffers line up. A no-op without data parallelism."""
+    if group is None:
+        return
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        flat /= replicas
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def broadcast_from_last(obj: Any, topology: Topology, groups: ProcessGroups) -> Any:
+    """``obj`` from the last stage of this rank's pipeline on every stage of it (collective
+    along the pipeline; ``obj`` itself with one stage)."""
+    if topology.num_stages == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=topology.last_rank, group=groups.pipeline)
+    return box[0]

@@ -1,0 +1,492 @@
+"""The strategy's options as one frozen value, checked once: every problem is collected, then raised.
+
+:meth:`PipeOptions.create` takes the options as a user writes them (``Pipe2BWStrategy``'s
+keyword arguments, a Hydra config), normalises them (a list becomes a tuple, a budget becomes an
+:class:`ActivationBudget`) and either returns the value or raises one error listing every
+problem. Each problem names the option, its value and the fix (:class:`Problem`); a front end
+that words its messages for its own surface (the Hydra config names ``strategy.<option>``) reads
+the problems from :meth:`PipeOptions.problems` instead.
+
+The checks that need more than the options (the world size, the Trainer) are here too, as pure
+functions of plain values: :func:`run_problems` and :func:`async_problems`; those that need the
+model (block counts, the memory plan against the partition) live with the partition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from typing import Any, Literal, get_args
+
+from lightning_pipe2bw.runtime.stash import check_memory_plan
+from lightning_pipe2bw.schedule import SCHEDULES, ActivationBudget
+
+__all__ = [
+    "BALANCE_MODES",
+    "DEFAULT_TIMEOUT",
+    "START_METHODS",
+    "BalanceMode",
+    "PipeOptions",
+    "Problem",
+    "StartMethod",
+    "StateDictType",
+    "async_problems",
+    "raise_problems",
+    "run_problems",
+]
+
+BalanceMode = Literal["uniform", "params", "auto"]
+BALANCE_MODES: tuple[str, ...] = get_args(BalanceMode)
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+START_METHODS: tuple[str, ...] = get_args(StartMethod)
+StateDictType = Literal["full", "sharded"]
+STATE_DICT_TYPES: tuple[str, ...] = get_args(StateDictType)
+
+# how long a rank waits for another before the run stops (torch's own default is 30 minutes)
+DEFAULT_TIMEOUT = timedelta(minutes=3)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One bad option: its name, the value given, and a message that names both and the fix.
+
+    ``choices`` lists the valid names when the value is an unknown name (a front end may word
+    that case itself); ``kind`` is the exception it raises alone (``TypeError`` for a value of
+    the wrong type, ``ValueError`` otherwise)."""
+
+    option: str
+    value: Any
+    message: str
+    kind: type[Exception] = ValueError
+    choices: tuple[str, ...] = ()
+
+
+def raise_problems(problems: Sequence[Problem], title: str = "invalid pipe2bw options") -> None:
+    """Raise nothing for no problem, the problem's own error for one, and one error listing
+    every message for several (a ``TypeError`` only if every problem is one)."""
+    if not problems:
+        return
+    if len(problems) == 1:
+        raise problems[0].kind(problems[0].message)
+    kind = TypeError if all(p.kind is TypeError for p in problems) else ValueError
+    raise kind(f"{title}:\n  - " + "\n  - ".join(p.message for p in problems))
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclass(frozen=True)
+class PipeOptions:
+    """``Pipe2BWStrategy``'s options, normalised and checked (see the strategy for each one's
+    meaning). Build it with :meth:`create`; the fields are read-only."""
+
+    schedule: str = "2bw"
+    microbatches: int | None = None
+    flush_every: int | None = None
+    balance: tuple[int, ...] | None = None  # blocks per stage, when given as a list
+    balance_mode: BalanceMode | None = None  # "uniform", "params" or "auto", when given as a name
+    body: str | None = None
+    start_method: StartMethod = "popen"
+    process_group_backend: str | None = None
+    timeout: timedelta | None = DEFAULT_TIMEOUT
+    state_dict_type: StateDictType = "full"
+    data_parallel: int = 1
+    recompute: bool | tuple[bool, ...] | None = None
+    # {block index: policy}; not hashed (a dict), never changed after creation
+    memory_plan: dict[int, str] | None = field(default=None, hash=False)
+    activation_budget: ActivationBudget | None = None  # BPipe (None: off)
+    repartition_every: int | None = None
+    repartition_threshold: float = 0.15
+
+    @classmethod
+    def create(cls, **options: Any) -> PipeOptions:
+        """The options, normalised; one error naming every problem if any (see
+        :func:`raise_problems`)."""
+        value, problems = cls._parse(options)
+        raise_problems(problems)
+        assert value is not None
+        return value
+
+    @classmethod
+    def problems(cls, **options: Any) -> list[Problem]:
+        """What :meth:`create` would complain about, without raising."""
+        return cls._parse(options)[1]
+
+    def with_activation_budget(self, budget: ActivationBudget | None) -> PipeOptions:
+        """These options with BPipe's budget replaced (the ``ActivationBalancer`` callback)."""
+        if budget is not None and not isinstance(budget, ActivationBudget):
+            raise TypeError(f"the activation budget must be an ActivationBudget, got {budget!r}")
+        return replace(self, activation_budget=budget)
+
+    @property
+    def is_async(self) -> bool:
+        """Whether batches follow one another without a flush (``2bw``, ``pipedream``)."""
+        return self.schedule in ("2bw", "pipedream")
+
+    def num_microbatches(self, num_stages: int) -> int:
+        """Micro-batches per batch: the option, or one per stage."""
+        return self.microbatches if self.microbatches is not None else num_stages
+
+    def settings(self, num_microbatches: int) -> dict[str, object]:
+        """What every rank of a run must agree on, as plain values (see
+        ``agreement.check_same_setup``)."""
+        return {
+            "schedule": self.schedule,
+            "microbatches": num_microbatches,
+            "flush_every": self.flush_every,
+            "balance": self.balance if self.balance_mode is None else self.balance_mode,
+            "recompute": self.recompute,
+            "memory_plan": self.memory_plan,
+            "activation_budget": self.activation_budget,
+            "repartition": (self.repartition_every, self.repartition_threshold),
+            "data_parallel": self.data_parallel,
+            "body": self.body,
+            "state_dict_type": self.state_dict_type,
+        }
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def _parse(cls, raw: Mapping[str, Any]) -> tuple[PipeOptions | None, list[Problem]]:
+        unknown = sorted(set(raw) - _OPTION_NAMES)
+        if unknown:
+            valid = ", ".join(sorted(_OPTION_NAMES))
+            raise TypeError(f"unknown pipe2bw options {unknown}; valid options: {valid}")
+        given = {**_DEFAULTS, **raw}
+        problems: list[Problem] = []
+        values: dict[str, Any] = {}
+        for name, parse in _PARSERS:
+            try:
+                values.update(parse(given[name]))
+            except _Bad as bad:
+                problems.append(bad.problem)
+        if problems:
+            return None, problems
+        return cls(**values), []
+
+
+class _Bad(Exception):
+    def __init__(self, option: str, value: Any, message: str, **kwargs: Any) -> None:
+        super().__init__(message)
+        self.problem = Problem(option, value, message, **kwargs)
+
+
+def _schedule(value: Any) -> dict[str, Any]:
+    if value not in SCHEDULES:
+        valid = ", ".join(repr(name) for name in SCHEDULES)
+        raise _Bad(
+            "schedule",
+            value,
+            f"unknown schedule {value!r}; valid schedules: {valid}",
+            choices=tuple(SCHEDULES),
+        )
+    return {"schedule": value}
+
+
+def _microbatches(value: Any) -> dict[str, Any]:
+    if value is not None and not _positive_int(value):
+        raise _Bad("microbatches", value, f"microbatches must be a positive int, got {value!r}")
+    return {"microbatches": value}
+
+
+def _flush_every(value: Any) -> dict[str, Any]:
+    if value is not None and not _positive_int(value):
+        raise _Bad(
+            "flush_every",
+            value,
+            f"flush_every must be a positive int (batches) or None, got {value!r}",
+        )
+    return {"flush_every": value}
+
+
+def _balance(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {"balance": None, "balance_mode": None}
+    if isinstance(value, str):
+        if value not in BALANCE_MODES:
+            modes = ", ".join(repr(m) for m in BALANCE_MODES)
+            raise _Bad(
+                "balance",
+                value,
+                f"balance={value!r} is not a balance mode ({modes}) nor a list of block counts "
+                "per stage such as [3, 5]",
+                choices=BALANCE_MODES,
+            )
+        return {"balance": None, "balance_mode": value}
+    wrong_type = f"balance must be a list of block counts per stage, got {value!r}"
+    if isinstance(value, bytes) or not isinstance(value, Iterable):
+        raise _Bad("balance", value, wrong_type, kind=TypeError)
+    counts = list(value)
+    if not counts:
+        raise _Bad(
+            "balance",
+            value,
+            "balance=[] lists no stage; give one block count per stage, or None for an even split",
+        )
+    if not all(isinstance(b, int) and not isinstance(b, bool) for b in counts):
+        raise _Bad("balance", value, wrong_type, kind=TypeError)
+    if any(b <= 0 for b in counts):
+        raise _Bad("balance", value, f"every stage needs at least one block, but balance={counts}")
+    return {"balance": tuple(counts), "balance_mode": None}
+
+
+def _body(value: Any) -> dict[str, Any]:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise _Bad(
+            "body",
+            value,
+            f"body must be the dotted attribute name of the nn.Sequential body (e.g. "
+            f"'encoder.layers') or None, got {value!r}",
+            kind=TypeError,
+        )
+    return {"body": value}
+
+
+def _start_method(value: Any) -> dict[str, Any]:
+    if value not in START_METHODS:
+        raise _Bad(
+            "start_method",
+            value,
+            f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {value!r}",
+            choices=START_METHODS,
+        )
+    return {"start_method": value}
+
+
+def _backend(value: Any) -> dict[str, Any]:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise _Bad(
+            "process_group_backend",
+            value,
+            f"process_group_backend must be a torch.distributed backend name such as 'gloo' or "
+            f"'nccl', or None for the device's default, got {value!r}",
+            kind=TypeError,
+        )
+    return {"process_group_backend": value}
+
+
+def _timeout(value: Any) -> dict[str, Any]:
+    if value is not None and not isinstance(value, timedelta):
+        raise _Bad(
+            "timeout",
+            value,
+            f"timeout must be a datetime.timedelta (e.g. timedelta(minutes=10)) or None, got "
+            f"{value!r}",
+            kind=TypeError,
+        )
+    return {"timeout": value}
+
+
+def _state_dict_type(value: Any) -> dict[str, Any]:
+    if value not in STATE_DICT_TYPES:
+        raise _Bad(
+            "state_dict_type",
+            value,
+            f"state_dict_type must be 'full' (one consolidated file) or 'sharded' (a directory "
+            f"of per-stage files), got {value!r}",
+            choices=STATE_DICT_TYPES,
+        )
+    return {"state_dict_type": value}
+
+
+def _data_parallel(value: Any) -> dict[str, Any]:
+    if not _positive_int(value):
+        raise _Bad(
+            "data_parallel",
+            value,
+            f"data_parallel must be a positive int (pipeline replicas), got {value!r}",
+        )
+    return {"data_parallel": value}
+
+
+def _recompute(value: Any) -> dict[str, Any]:
+    if value is None or isinstance(value, bool):
+        return {"recompute": value}
+    wrong = f"recompute must be a bool or a list of one bool per stage, got {value!r}"
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise _Bad("recompute", value, wrong, kind=TypeError)
+    flags = tuple(value)
+    if not flags or not all(isinstance(f, bool) for f in flags):
+        raise _Bad("recompute", value, wrong, kind=TypeError)
+    return {"recompute": flags}
+
+
+def _memory_plan(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {"memory_plan": None}
+    if not isinstance(value, Mapping):
+        raise _Bad(
+            "memory_plan",
+            value,
+            f"memory_plan must map block indices to policies, e.g. {{0: 'recompute', 5: 'swap'}}, "
+            f"got {value!r}",
+            kind=TypeError,
+        )
+    try:
+        return {"memory_plan": check_memory_plan(value)}
+    except ValueError as err:
+        raise _Bad("memory_plan", value, str(err)) from None
+
+
+def _balance_activations(value: Any) -> dict[str, Any]:
+    if value is None or isinstance(value, bool):
+        return {"activation_budget": ActivationBudget() if value else None}
+    try:
+        return {"activation_budget": ActivationBudget(microbatches=value)}
+    except ValueError as err:
+        raise _Bad("balance_activations", value, str(err)) from None
+
+
+def _repartition_every(value: Any) -> dict[str, Any]:
+    if value is not None and not _positive_int(value):
+        raise _Bad(
+            "repartition_every",
+            value,
+            f"repartition_every must be a positive int (steps) or None, got {value!r}",
+        )
+    return {"repartition_every": value}
+
+
+def _repartition_threshold(value: Any) -> dict[str, Any]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 10:
+        raise _Bad(
+            "repartition_threshold",
+            value,
+            "repartition_threshold must be a fraction >= 0 such as 0.15 (15% slower), got "
+            f"{value!r}",
+        )
+    return {"repartition_threshold": float(value)}
+
+
+# every option as the user gives it, with its parser, in the order problems are listed
+_PARSERS: tuple[tuple[str, Any], ...] = (
+    ("schedule", _schedule),
+    ("microbatches", _microbatches),
+    ("flush_every", _flush_every),
+    ("balance", _balance),
+    ("body", _body),
+    ("start_method", _start_method),
+    ("process_group_backend", _backend),
+    ("timeout", _timeout),
+    ("state_dict_type", _state_dict_type),
+    ("data_parallel", _data_parallel),
+    ("recompute", _recompute),
+    ("memory_plan", _memory_plan),
+    ("balance_activations", _balance_activations),
+    ("repartition_every", _repartition_every),
+    ("repartition_threshold", _repartition_threshold),
+)
+_OPTION_NAMES = frozenset(name for name, _ in _PARSERS)
+_DEFAULTS: dict[str, Any] = {
+    "schedule": "2bw",
+    "microbatches": None,
+    "flush_every": None,
+    "balance": None,
+    "body": None,
+    "start_method": "popen",
+    "process_group_backend": None,
+    "timeout": DEFAULT_TIMEOUT,
+    "state_dict_type": "full",
+    "data_parallel": 1,
+    "recompute": None,
+    "memory_plan": None,
+    "balance_activations": None,
+    "repartition_every": None,
+    "repartition_threshold": 0.15,
+}
+
+
+# ---------------------------------------------------------------------- checks against a run
+def run_problems(
+    options: PipeOptions,
+    num_stages: int,
+    *,
+    fitting: bool,
+    predicting: bool,
+    automatic_optimization: bool,
+    accumulate_grad_batches: int,
+) -> list[Problem]:
+    """What the options cannot do in this run (a Trainer call on ``num_stages`` stages)."""
+    problems: list[Problem] = []
+    name, m, w = options.schedule, options.num_microbatches(num_stages), options.data_parallel
+    if fitting and not automatic_optimization:
+        problems.append(
+            Problem(
+                "automatic_optimization",
+                False,
+                "pipe2bw drives forward and backward itself and needs automatic optimization; "
+                "remove `self.automatic_optimization = False` from the LightningModule",
+            )
+        )
+    if name == "2bw" and m < num_stages:
+        problems.append(
+            Problem(
+                "microbatches",
+                m,
+                f"schedule='2bw' needs at least as many micro-batches as stages, got "
+                f"microbatches={m} for {num_stages} stages; use microbatches={num_stages} or more",
+            )
+        )
+    if predicting and w > 1:
+        problems.append(
+            Problem(
+                "data_parallel",
+                w,
+                f"trainer.predict with data_parallel={w} would split the data over the replicas "
+                "and return only replica 0's predictions; predict with a strategy of "
+                "data_parallel=1 (the checkpoint loads with any layout)",
+            )
+        )
+    if name == "pipedream" and w > 1:
+        problems.append(
+            Problem(
+                "data_parallel",
+                w,
+                "schedule='pipedream' updates each stage in the middle of the pipeline, with no "
+                "point at which replicas could average their gradients; use schedule='2bw' (or a "
+                "flush schedule) with data_parallel > 1",
+            )
+        )
+    if accumulate_grad_batches != 1:
+        n = accumulate_grad_batches
+        problems.append(
+            Problem(
+                "accumulate_grad_batches",
+                n,
+                f"Trainer(accumulate_grad_batches={n}) is not supported by pipe2bw: a batch "
+                f"already accumulates gradients over its micro-batches. Use a {n}x larger batch "
+                "(and more micro-batches) instead",
+            )
+        )
+    return problems
+
+
+def async_problems(
+    options: PipeOptions, *, num_optimizers: int, clips_gradients: bool, scales_loss: bool
+) -> list[Problem]:
+    """What the schedules without a flush (``2bw``, ``pipedream``) cannot do with the run's
+    optimizers and precision."""
+    name = options.schedule
+    problems: list[Problem] = []
+    if num_optimizers != 1:
+        problems.append(
+            Problem(
+                "schedule",
+                name,
+                f"schedule={name!r} keeps versions of one optimizer's weights, but "
+                f"configure_optimizers returned {num_optimizers}; use one optimizer (with "
+                "parameter groups if needed)",
+            )
+        )
+    elif name == "pipedream" and (clips_gradients or scales_loss):
+        problems.append(
+            Problem(
+                "schedule",
+                name,
+                "schedule='pipedream' applies each stage's update asynchronously, when that "
+                "stage finishes a batch, so no global gradient norm or inf check exists at update "
+                "time; remove gradient_clip_val / 16-mixed, or use schedule='2bw'",
+            )
+        )
+    return problems

@@ -1,0 +1,193 @@
+"""``StageRuntime``: everything one rank runs for its stage during one Trainer call, ready to use.
+
+It is built by :func:`lightning_pipe2bw.pipeline.assembly.build_runtime` and holds the stage
+body, the engine (with its transport, stash and BPipe link), the driver (flush or asynchronous),
+the layout and the process groups. The strategy hands it a batch and the user's step; it knows
+nothing of Lightning: logging, precision and the optimizer step stay with the strategy.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import traceback
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch.distributed as dist
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+
+from lightning_pipe2bw.partition.split import Partition
+from lightning_pipe2bw.pipeline.groups import (
+    ProcessGroups,
+    average_over_replicas,
+    broadcast_from_last,
+)
+from lightning_pipe2bw.pipeline.options import PipeOptions
+from lightning_pipe2bw.pipeline.topology import Topology
+from lightning_pipe2bw.runtime.driver import Driver, DueGradient, Report
+from lightning_pipe2bw.runtime.engine import PipelineEngine, StepFn, step_loss
+from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure, action_of, say
+from lightning_pipe2bw.runtime.microbatch import batch_size_of, merge_outputs, split_batch
+from lightning_pipe2bw.runtime.stage import StageBody
+from lightning_pipe2bw.schedule import Schedule, add_communication, forward_only
+
+__all__ = ["StageRuntime"]
+
+log = logging.getLogger(__name__)
+
+
+class StageRuntime:
+    """One rank's stage, assembled: run batches through it, flush it, report a failure.
+
+    Attributes: ``topology``, ``groups``, ``options``, ``root`` (the user's module, holding the
+    body), ``body``, ``partition`` (the whole pipeline's blocks per stage), ``engine``,
+    ``driver``, ``num_microbatches`` and ``optimizers`` (what Lightning steps: the user's, or
+    the 2BW wrapper). Live repartitioning replaces ``partition`` and ``driver``.
+    """
+
+    def __init__(
+        self,
+        *,
+        topology: Topology,
+        groups: ProcessGroups,
+        options: PipeOptions,
+        root: nn.Module,
+        body: StageBody,
+        partition: Partition,
+        engine: PipelineEngine,
+        driver: Driver,
+        num_microbatches: int,
+        optimizers: list[Any],
+        evicting: frozenset[int] = frozenset(),
+    ) -> None:
+        self.topology = topology
+        self.groups = groups
+        self.options = options
+        self.root = root
+        self.body = body
+        self.partition = partition
+        self.engine = engine
+        self.driver = driver
+        self.num_microbatches = num_microbatches
+        self.optimizers = optimizers
+        self.evicting = evicting  # the stages that evict activations this fit (BPipe)
+        self._forward_schedules: dict[int, Schedule] = {}
+
+    @property
+    def is_last(self) -> bool:
+        return self.topology.is_last
+
+    # ------------------------------------------------------------------ steps
+    def run_batch(
+        self, batch: Any, step: StepFn, backward: Callable[[Tensor], None], *, train: bool
+    ) -> Report:
+        """Run one batch through the stage: split into micro-batches, the driver (training) or
+        a forward-only schedule. On the last stage: the batch's values, ``{"loss": float}``
+        (the micro-batch losses weighted by size) or ``{"output": merged outputs on the CPU}``;
+        ``{}`` on the other stages."""
+        size = batch_size_of(batch)
+        m = self.num_microbatches if train else min(self.num_microbatches, size)
+        microbatches, sizes = split_batch(batch, m)
+        weights = [k / size for k in sizes]
+        if train:
+            results = self.driver.train_batch(microbatches, weights, step, backward)
+        else:
+            results = self.engine.run(
+                self._forward_schedule(m),
+                microbatches,
+                step,
+                train=False,
+                loss_weights=weights,
+                backward=backward,
+                observer=self.driver.observe,
+            )
+        if not self.is_last:
+            return {}
+        if train:
+            loss = math.fsum(
+                w * float(step_loss(r, i).detach())
+                for i, (w, r) in enumerate(zip(weights, results, strict=True))
+            )
+            return {"loss": loss}
+        merged = merge_outputs(results, sizes)
+        return {"output": apply_to_collection(merged, Tensor, lambda t: t.detach().cpu())}
+
+    def _forward_schedule(self, num_microbatches: int) -> Schedule:
+        m = num_microbatches
+        if m not in self._forward_schedules:
+            self._forward_schedules[m] = add_communication(
+                forward_only(self.topology.num_stages, m)
+            )
+        return self._forward_schedules[m]
+
+    def deliver(self, values: Report, *, train: bool) -> Report | None:
+        """The last stage's values of a step, on every rank of the pipeline: a training step's
+        through the driver (2BW: one step late, without a barrier), others broadcast."""
+        if train:
+            return self.driver.report(values)
+        return broadcast_from_last(values, self.topology, self.groups)  # type: ignore[no-any-return]
+
+    def average_gradients(self, params: Iterable[Tensor]) -> None:
+        """Average the stage's gradients with its replicas (data parallel x pipeline)."""
+        average_over_replicas(params, self.groups.stage, self.topology.data_parallel)
+
+    def flush(self, backward: Callable[[Tensor], None]) -> DueGradient | None:
+        """Drain the pipeline (2BW); the gradient now due, if any."""
+        return self.driver.flush(backward)
+
+    def close(self) -> None:
+        """End of fit: settle the step values owed to other ranks, close the BPipe link."""
+        self.driver.close()
+        if self.engine.link is not None:
+            self.engine.link.close()
+            self.engine.link = None
+
+    def start_block_timing(self) -> None:
+        """Time every block's training forward, and the stage's, from zero (repartitioning)."""
+        self.body.time_blocks()
+        self.engine.stats.forward_s = self.engine.stats.backward_s = 0.0
+
+    # ------------------------------------------------------------------ names
+    def parameter_names(self, params: Iterable[Tensor]) -> list[str]:
+        """The user's module's names of ``params``."""
+        name_of = {id(p): name for name, p in self.root.named_parameters()}
+        return [name_of[id(p)] for p in params]
+
+    def weight_names(self) -> list[str]:
+        """The names of the parameters whose versions the driver keeps (the stage's)."""
+        return self.parameter_names(self.body.parameters())
+
+    @property
+    def body_path(self) -> str:
+        """The body's dotted name in the user's module."""
+        return next(str(name) for name, m in self.root.named_modules() if m is self.body)
+
+    # ------------------------------------------------------------------ failures
+    def report_failure(self, exception: BaseException) -> bool:
+        """Tell the neighbour stages (and the BPipe partner) that this rank stops, so that they
+        stop now with an error naming the failure instead of waiting for a message until the
+        process-group timeout (see ``lightning_pipe2bw.runtime.failure``). False when there is
+        no one to tell (one stage, no process group)."""
+        engine, t = self.engine, self.topology
+        if t.num_stages == 1 or not (dist.is_available() and dist.is_initialized()):
+            return False
+        if isinstance(exception, StageFailure):  # pass the first failure on, away from its source
+            record, source = exception.record, exception.source
+            say(f"pipe2bw: rank {t.rank} (stage {t.stage}) stops: {exception}")
+        else:
+            where = action_of(exception) or "code outside the pipeline schedule"
+            error = f"{type(exception).__name__}: {exception}"
+            record, source = FailureRecord(t.rank, t.stage, where, error), None
+            # print it now: once the neighbours stop, a launcher may kill this process (the
+            # popen launcher's observer kills rank 0 when a worker exits with an error)
+            say(f"pipe2bw: {record.describe()}\n" + "".join(traceback.format_exception(exception)))
+        peers = [r for r in (engine.prev_rank, engine.next_rank) if r is not None and r != source]
+        if engine.link is not None and engine.link.partner != source:
+            engine.link.fail(record)  # the partner may be waiting for activations
+        try:
+            engine.transport.notify(record, peers)
+        except Exception as err:  # a neighbour that is gone already; the failure stands
+            log.debug("pipe2bw: could not send the failure notice: %s", err)
+        return True

@@ -1,0 +1,42 @@
+"""The main job's Lightning CLI: ``python -m lightning_pipe2bw.recipes.gpt.cli fit ...`` trains the
+GPT with ``Pipe2BWStrategy``.
+
+The library's CLI (``lightning_pipe2bw.cli``, where the strategy's options, names and config
+forms are described) with this recipe's GPT and standard-library text data as the defaults, so
+that a bare ``fit`` trains the default GPT on the devices given::
+
+    python -m lightning_pipe2bw.recipes.gpt.cli fit --trainer.accelerator=cpu \\
+        --trainer.devices=2 --trainer.max_steps=20
+
+GPT is imported here, so its short name resolves too (``--model=GPT``); another model or data
+module replaces the default as usual (``--model=my_package.MyModel``).
+"""
+
+from __future__ import annotations
+
+from lightning.pytorch.cli import ArgsType
+
+from lightning_pipe2bw.cli import Pipe2BWCLI, expand_strategy_names, import_path
+from lightning_pipe2bw.cli import main as cli_main
+from lightning_pipe2bw.recipes.gpt.data import StdlibTextDataModule
+from lightning_pipe2bw.recipes.gpt.model import GPT
+
+__all__ = ["GPTCLI", "expand_strategy_names", "main"]
+
+
+class GPTCLI(Pipe2BWCLI):
+    """The library's CLI with the GPT and its data as the default model and data."""
+
+    defaults = {
+        "model": {"class_path": import_path(GPT)},
+        "data": {"class_path": import_path(StdlibTextDataModule)},
+    }
+
+
+def main(args: ArgsType = None) -> Pipe2BWCLI:
+    """Run the CLI on ``args`` (a list of command-line arguments, or a dict), or on ``sys.argv``."""
+    return cli_main(args, GPTCLI)
+
+
+if __name__ == "__main__":
+    main()

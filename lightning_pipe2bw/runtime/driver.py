@@ -1,0 +1,222 @@
+"""How batches follow one another on a stage: with a flush after each (GPipe, 1F1B), or as one
+stream (PipeDream-2BW, PipeDream). One protocol, :class:`Driver`, for both.
+
+Lightning steps once per batch: it runs the training step, then ``zero_grad``, then the
+backward hook, then the optimizer. The engine has run every micro-batch's backward by the end of
+the step, so a driver hands the strategy the gradient the coming optimizer step applies as a
+:class:`DueGradient`, held out of ``.grad`` while ``zero_grad`` runs and put back in the
+backward hook. For a flush schedule it is this batch's gradient; for 2BW it is the previous
+batch's (see :mod:`lightning_pipe2bw.runtime.twobw`); for PipeDream there is none (each stage
+updates inside the pipeline).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from torch import Tensor
+
+from lightning_pipe2bw.runtime.engine import PipelineEngine, StepFn
+from lightning_pipe2bw.schedule import (
+    Action,
+    Schedule,
+    add_communication,
+    add_offload_schedule,
+    get_schedule,
+)
+
+__all__ = ["Driver", "DueGradient", "FlushDriver", "Report"]
+
+# the last stage's values of a step (logs, loss or outputs), delivered to every rank
+Report = dict[str, Any]
+
+
+@dataclass
+class DueGradient:
+    """The gradient the next optimizer step applies: ``(parameter, gradient)`` pairs, out of
+    ``.grad`` until :meth:`install`."""
+
+    pairs: list[tuple[Tensor, Tensor | None]] = field(default_factory=list)
+
+    @classmethod
+    def take(cls, params: Sequence[Tensor]) -> DueGradient:
+        """The gradients in ``params``' ``.grad``, which are cleared."""
+        due = cls([(p, p.grad) for p in params])
+        for p in params:
+            p.grad = None
+        return due
+
+    @property
+    def params(self) -> list[Tensor]:
+        return [p for p, _ in self.pairs]
+
+    def install(self) -> list[Tensor]:
+        """Put the gradients into ``.grad``; return the parameters that have one."""
+        for p, grad in self.pairs:
+            p.grad = grad
+        return [p for p, grad in self.pairs if grad is not None]
+
+    def clear(self) -> None:
+        for p, _ in self.pairs:
+            p.grad = None
+
+
+class Driver(Protocol):
+    """What the strategy asks of a stage's training, whatever the schedule."""
+
+    def train_batch(
+        self,
+        microbatches: list[Any],
+        loss_weights: list[float],
+        step: StepFn,
+        backward: Callable[[Tensor], None],
+    ) -> list[Any]:
+        """Run the stage's part of the next batch; the last stage's step outputs (one per
+        micro-batch of this batch), an empty list on the other stages."""
+        ...
+
+    def take_due(self) -> DueGradient:
+        """The gradient the optimizer step after this batch applies (empty: none)."""
+        ...
+
+    def observe(self, action: Action) -> None:
+        """Called by the engine after every action, evaluation included."""
+        ...
+
+    def finish_update(self) -> None:
+        """Called after every optimizer step (a skipped one included)."""
+        ...
+
+    def flush_due(self) -> bool:
+        """Whether the pipeline should be drained now (``flush_every``)."""
+        ...
+
+    def flush(self, backward: Callable[[Tensor], None]) -> DueGradient | None:
+        """Drain the pipeline (collective along it); the gradient of the last batch, now
+        complete and due, or None when no update is left."""
+        ...
+
+    def report(self, values: Report) -> Report | None:
+        """Deliver a training step's values from the last stage: what this rank logs now
+        (None: nothing yet)."""
+        ...
+
+    def close(self) -> None:
+        """End of fit: settle what is owed to other ranks."""
+        ...
+
+    @property
+    def weight_buffers(self) -> int:
+        """How many copies of the stage's weights exist (2BW: up to 2)."""
+        ...
+
+    @property
+    def at_flush_point(self) -> bool:
+        """Nothing is in flight: blocks may move, a checkpoint is exact."""
+        ...
+
+    def state(self, names: Sequence[str]) -> dict[str, Any]:
+        """What a checkpoint needs to continue exactly (``names``: the parameters' names)."""
+        ...
+
+    def resume(self, state: dict[str, Any], names: Sequence[str]) -> None:
+        """Continue from :meth:`state` (possibly written by another layout)."""
+        ...
+
+    def rebind(self, optimizers: list[Any]) -> list[Any]:
+        """The stage's blocks changed (live repartitioning, at a flush point): drive the
+        stage's parameters now, stepped by ``optimizers`` (built over them); returns what
+        Lightning steps. Call :meth:`resume` next."""
+        ...
+
+
+class FlushDriver:
+    """GPipe and 1F1B: every batch starts and ends in its own call, so the gradient in
+    ``.grad`` at the end of the call is the batch's, due at once."""
+
+    def __init__(
+        self,
+        engine: PipelineEngine,
+        schedule: str,
+        broadcast: Callable[[Report], Report],
+        evicting: frozenset[int] = frozenset(),
+    ) -> None:
+        self.engine = engine
+        self.schedule_name = schedule
+        self.evicting = evicting  # the stages that evict activations (BPipe)
+        self._broadcast = broadcast  # the last stage's values to every rank of the pipeline
+        self._schedules: dict[int, Schedule] = {}
+        self._due = DueGradient()
+
+    def schedule(self, num_microbatches: int) -> Schedule:
+        """The training schedule for ``num_microbatches``, with communication and offload
+        actions (built once per size)."""
+        m = num_microbatches
+        if m not in self._schedules:
+            sched = add_communication(get_schedule(self.schedule_name, self.engine.num_stages, m))
+            if self.evicting:
+                sched = add_offload_schedule(sched, self.evicting)
+            self._schedules[m] = sched
+        return self._schedules[m]
+
+    def train_batch(
+        self,
+        microbatches: list[Any],
+        loss_weights: list[float],
+        step: StepFn,
+        backward: Callable[[Tensor], None],
+    ) -> list[Any]:
+        params = list(self.engine.body.parameters())
+        for p in params:
+            p.grad = None
+        results = self.engine.run(
+            self.schedule(len(microbatches)),
+            microbatches,
+            step,
+            train=True,
+            loss_weights=loss_weights,
+            backward=backward,
+        )
+        self._due = DueGradient.take(params)
+        return results
+
+    def take_due(self) -> DueGradient:
+        due, self._due = self._due, DueGradient()
+        return due
+
+    def observe(self, action: Action) -> None:
+        pass
+
+    def finish_update(self) -> None:
+        pass
+
+    def flush_due(self) -> bool:
+        return False
+
+    def flush(self, backward: Callable[[Tensor], None]) -> DueGradient | None:
+        return None  # every batch is flushed when it ends
+
+    def report(self, values: Report) -> Report:
+        return self._broadcast(values)
+
+    def close(self) -> None:
+        pass
+
+    @property
+    def weight_buffers(self) -> int:
+        return 1
+
+    @property
+    def at_flush_point(self) -> bool:
+        return True
+
+    def state(self, names: Sequence[str]) -> dict[str, Any]:
+        return {}  # the weights and the optimizer are the whole state
+
+    def resume(self, state: dict[str, Any], names: Sequence[str]) -> None:
+        pass
+
+    def rebind(self, optimizers: list[Any]) -> list[Any]:
+        return list(optimizers)
