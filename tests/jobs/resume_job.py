@@ -29,13 +29,18 @@ from lightning_pipe2bw import Pipe2BWStrategy
 
 
 class KillAfter(Callback):
-    """The whole run dies at once, as on a node failure: every rank kills itself."""
+    """The whole run dies at once, as on a node failure: every rank kills itself.
+
+    The ranks meet in a barrier first. Without it, under 2BW the first stage can end its step
+    (and kill itself) while the last stage still receives that step's last activation from it,
+    and the last stage then stops on the lost rank (exit 1) instead of dying with the others."""
 
     def __init__(self, step: int) -> None:
         self.step = step
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
         if trainer.global_step == self.step:
+            trainer.strategy.barrier()
             os.kill(os.getpid(), signal.SIGKILL)
 
 
