@@ -49,7 +49,6 @@ from lightning_pipe2bw.pipeline.checkpoint_io import gather_state_dict, is_shard
 from lightning_pipe2bw.pipeline.groups import ProcessGroups
 from lightning_pipe2bw.pipeline.migrate import relayout
 from lightning_pipe2bw.pipeline.options import (
-    BALANCE_MODES,
     DEFAULT_TIMEOUT,
     BalanceMode,
     PipeOptions,
@@ -66,7 +65,7 @@ from lightning_pipe2bw.runtime.microbatch import batch_size_of
 from lightning_pipe2bw.schedule import SCHEDULES, ActivationBudget
 from lightning_pipe2bw.steplog import LogRecorder, replay
 
-__all__ = ["BALANCE_MODES", "DEFAULT_TIMEOUT", "Pipe2BWStrategy"]
+__all__ = ["Pipe2BWStrategy"]
 
 log = logging.getLogger(__name__)
 
