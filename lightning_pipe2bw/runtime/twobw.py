@@ -58,7 +58,7 @@ class TwoBWDriver:
         self.m = num_microbatches
         self.channel = channel
         self.flush_every = flush_every
-        self.offload = evicting
+        self.evicting = evicting  # the stages that evict activations (BPipe)
         self.version_log = version_log
         self.admitted = 0  # batches admitted since fit started (= the next batch index)
         self.segment_start = 0  # first batch since the last flush
@@ -124,8 +124,8 @@ class TwoBWDriver:
     ) -> dict[int, Any]:
         p, stage = self.engine.num_stages, self.engine.stage
         comm = [c for a in actions for c in with_communication(a, p)]
-        if self.offload:
-            comm = add_offload(comm, stage, p, self.offload)
+        if self.evicting:
+            comm = add_offload(comm, stage, p, self.evicting)
         return self.engine.execute(
             comm,
             data,
