@@ -62,6 +62,7 @@ __all__ = [
     "optimizers_to_device",
     "override_clipping",
     "set_num_threads_if_needed",
+    "skip_sigterm_broadcast",
     "sync_ddp_if_available",
     "torch_optimizer",
     "training_dataloader",
@@ -100,6 +101,18 @@ def training_dataloader(trainer: Trainer) -> Any:
     """The training DataLoader ``fit`` was given, before the fit loop has set it up (the
     ``_data_source`` of the fit loop)."""
     return trainer.fit_loop._data_source.dataloader()
+
+
+def skip_sigterm_broadcast(trainer: Trainer) -> None:
+    """Turn off the broadcast of a SIGTERM flag from rank 0 that Lightning's training loop
+    runs at the start of every step (``_broadcast_sigterm_tensor``): a collective of every rank
+    once per step, which ties the pipeline's stages together at every step boundary, and which a
+    rank stopping on a signal never joins. ``pipeline.signals.SignalGuard`` does its job."""
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _no_broadcast  # type: ignore[method-assign]
+
+
+def _no_broadcast() -> None:
+    pass
 
 
 def launched_processes(launcher: SubprocessScriptLauncher) -> list[Any]:

@@ -7,8 +7,10 @@ two modules do not import each other.
 
 from __future__ import annotations
 
+import errno
 import io
 import os
+import socket
 import subprocess
 import tempfile
 import time
@@ -29,7 +31,16 @@ from lightning_pipe2bw.compat import (
 )
 from lightning_pipe2bw.runtime.failure import say
 
-__all__ = ["GatheringStrategy", "PipeSpawnLauncher", "stop_workers", "torchrun_environment"]
+__all__ = [
+    "GatheringStrategy",
+    "PipePopenLauncher",
+    "PipeSpawnLauncher",
+    "check_port_free",
+    "kill_workers",
+    "signal_workers",
+    "stop_workers",
+    "torchrun_environment",
+]
 
 
 class GatheringStrategy(Protocol):
@@ -61,6 +72,45 @@ def torchrun_environment(rank: int, world_size: int, port: int, run_id: str) -> 
         "TORCHELASTIC_RUN_ID": run_id,
         "OMP_NUM_THREADS": "1",
     }
+
+
+def check_port_free(address: str, port: int) -> None:
+    """Raise a clear error if ``port`` cannot be listened on here: the process group's store
+    (on global rank 0) needs it, and workers started with a port that another process holds
+    connect to that process and wait for ever."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # as the store does: a port left in TIME_WAIT by an earlier run is free
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("" if address in ("127.0.0.1", "localhost") else address, port))
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE:
+                return  # another address family or an address of another machine: not ours
+            raise RuntimeError(
+                f"MASTER_PORT={port} is already in use on this machine (another process "
+                f"listens on it), so the ranks could not meet there; unset MASTER_PORT to let "
+                f"Lightning pick a free port, or set MASTER_PORT to a free one (e.g. "
+                f"MASTER_PORT={_free_port()})"
+            ) from None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+class PipePopenLauncher(SubprocessScriptLauncher):
+    """Lightning's ``popen`` launcher (the script re-run once per rank), which first checks
+    that the rendezvous port is free: with a port in use, the workers it started would connect
+    to whatever holds it and hang, and only rank 0 would report the error."""
+
+    @override
+    def launch(self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+        env = self.cluster_environment
+        if not env.creates_processes_externally and self.num_processes > 1 and env.node_rank() == 0:
+            check_port_free(env.main_address, env.main_port)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
 class _GatheringLauncher(MultiProcessingLauncher):
@@ -146,3 +196,23 @@ def stop_workers(launcher: Any, grace_s: float) -> None:
             )
             proc.kill()
             proc.wait()
+
+
+def kill_workers(launcher: Any) -> None:
+    """Kill at once the workers a ``popen`` launcher started (the launching process is about
+    to exit and must leave none behind)."""
+    if not isinstance(launcher, SubprocessScriptLauncher):
+        return
+    for proc in launched_processes(launcher):
+        if proc.poll() is None:
+            proc.kill()
+
+
+def signal_workers(launcher: Any, signum: int) -> None:
+    """Pass ``signum`` on to the workers a ``popen`` launcher started, so that they stop as
+    this process does (each takes its own failure path)."""
+    if not isinstance(launcher, SubprocessScriptLauncher):
+        return
+    for proc in launched_processes(launcher):
+        if proc.poll() is None:
+            proc.send_signal(signum)

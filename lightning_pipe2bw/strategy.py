@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import pickle
+import signal
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -39,7 +40,13 @@ from typing_extensions import override
 
 from lightning_pipe2bw import compat
 from lightning_pipe2bw.agreement import agree_on_inf_checks, check_same_setup, make_clipping_global
-from lightning_pipe2bw.launcher import PipeSpawnLauncher, stop_workers
+from lightning_pipe2bw.launcher import (
+    PipePopenLauncher,
+    PipeSpawnLauncher,
+    kill_workers,
+    signal_workers,
+    stop_workers,
+)
 from lightning_pipe2bw.partition import BodyRef, Partition, find_body
 from lightning_pipe2bw.partition.plans import PlanResult
 from lightning_pipe2bw.pipeline.assembly import build_runtime, place_stage, resolve_balance
@@ -57,10 +64,12 @@ from lightning_pipe2bw.pipeline.options import (
     run_problems,
 )
 from lightning_pipe2bw.pipeline.repartition import Repartition, Repartitioner
+from lightning_pipe2bw.pipeline.signals import SignalGuard
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
 from lightning_pipe2bw.pipeline.topology import Topology
 from lightning_pipe2bw.runtime import PipelineEngine, StageBody
 from lightning_pipe2bw.runtime.driver import Driver, DueGradient
+from lightning_pipe2bw.runtime.failure import SignalStop
 from lightning_pipe2bw.runtime.microbatch import batch_size_of
 from lightning_pipe2bw.schedule import SCHEDULES, ActivationBudget
 from lightning_pipe2bw.steplog import LogRecorder, replay
@@ -164,6 +173,8 @@ class Pipe2BWStrategy(ParallelStrategy):
         self.plan: PlanResult | None = None  # what balance="auto" chose (saved in checkpoints)
         self._repartitioner = Repartitioner(repartition_every, self.options.repartition_threshold)
         self._due = DueGradient()  # the gradient Lightning's coming optimizer step applies
+        # SIGTERM / SIGINT end every rank within seconds (see pipeline.signals)
+        self._signals = SignalGuard(self._describe, self._on_forced_exit)
 
     @classmethod
     def from_options(cls, options: PipeOptions, **kwargs: Any) -> Pipe2BWStrategy:
@@ -296,7 +307,7 @@ class Pipe2BWStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self.options.start_method == "popen":
-            self._launcher = compat.SubprocessScriptLauncher(
+            self._launcher = PipePopenLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
         else:
@@ -305,6 +316,7 @@ class Pipe2BWStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        self._signals.install()  # from here to teardown, a signal stops every rank
         super().setup_environment()
         compat.set_num_threads_if_needed(num_processes=max(self.num_processes, 1))
         reset_seed()
@@ -340,6 +352,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         assert module is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
         self.runtime = None
+        compat.skip_sigterm_broadcast(trainer)  # the signal guard stops every rank instead
         raise_problems(
             run_problems(
                 self.options,
@@ -584,8 +597,33 @@ class Pipe2BWStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ hooks
     @override
+    def on_train_start(self) -> None:
+        self._signals.install()  # after Lightning registered its own handlers
+
+    @override
     def on_validation_start(self) -> None:
+        self._signals.install()
         self.flush()
+
+    @override
+    def on_test_start(self) -> None:
+        self._signals.install()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._signals.install()
+
+    @override
+    def teardown(self) -> None:
+        self._signals.uninstall()
+        super().teardown()
+
+    def _describe(self) -> str:
+        return f"rank {self.global_rank} (stage {self.stage})"
+
+    def _on_forced_exit(self) -> None:
+        if self.global_rank == 0:  # the launching process of a popen run: no worker left behind
+            kill_workers(self._launcher)
 
     @override
     def on_train_end(self) -> None:
@@ -597,11 +635,16 @@ class Pipe2BWStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """Tell the neighbour stages, so that they stop now with an error naming this failure
         instead of waiting until the process-group timeout; the launching process of a
-        ``popen`` run then makes sure its workers stop."""
-        if self.runtime is None or not self.runtime.report_failure(exception):
+        ``popen`` run then makes sure its workers stop (passing a signal on to them first)."""
+        if self.runtime is not None:
+            self.runtime.report_failure(exception)
+        if self.global_rank != 0:
             return
-        if self.global_rank == 0:
-            stop_workers(self._launcher, self.worker_grace_s)
+        if isinstance(exception, SignalStop):
+            signal_workers(self._launcher, exception.signum)
+        elif isinstance(exception, KeyboardInterrupt):
+            signal_workers(self._launcher, signal.SIGINT)
+        stop_workers(self._launcher, self.worker_grace_s)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

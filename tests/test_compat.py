@@ -49,6 +49,10 @@ def test_private_attributes_on_real_objects() -> None:
     """The attributes compat reads off Lightning's and torch's objects."""
     trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
     assert hasattr(trainer.fit_loop, "_data_source"), "Trainer.fit_loop._data_source is gone"
+    epoch_loop = trainer.fit_loop.epoch_loop
+    assert callable(getattr(epoch_loop, "_broadcast_sigterm_tensor", None)), (
+        "the training epoch loop's _broadcast_sigterm_tensor is gone"
+    )
     assert callable(getattr(trainer.fit_loop._data_source, "dataloader", None))
     plugin = trainer.strategy.precision_plugin
     for method in ("clip_grad_by_norm", "clip_grad_by_value"):

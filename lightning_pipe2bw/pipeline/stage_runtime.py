@@ -28,7 +28,13 @@ from lightning_pipe2bw.pipeline.options import PipeOptions
 from lightning_pipe2bw.pipeline.topology import Topology
 from lightning_pipe2bw.runtime.driver import Driver, DueGradient, Report
 from lightning_pipe2bw.runtime.engine import PipelineEngine, StepFn, step_loss
-from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure, action_of, say
+from lightning_pipe2bw.runtime.failure import (
+    FailureRecord,
+    SignalStop,
+    StageFailure,
+    action_of,
+    say,
+)
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, merge_outputs, split_batch
 from lightning_pipe2bw.runtime.stage import StageBody
 from lightning_pipe2bw.schedule import Schedule, add_communication, forward_only
@@ -182,7 +188,10 @@ class StageRuntime:
             record, source = FailureRecord(t.rank, t.stage, where, error), None
             # print it now: once the neighbours stop, a launcher may kill this process (the
             # popen launcher's observer kills rank 0 when a worker exits with an error)
-            say(f"pipe2bw: {record.describe()}\n" + "".join(traceback.format_exception(exception)))
+            if isinstance(exception, (SignalStop, KeyboardInterrupt)):
+                say(f"pipe2bw: {record.describe()}")  # a signal: the traceback says nothing
+            else:
+                say(f"pipe2bw: {record.describe()}\n" + "".join(traceback.format_exception(exception)))
         peers = [r for r in (engine.prev_rank, engine.next_rank) if r is not None and r != source]
         if engine.link is not None and engine.link.partner != source:
             engine.link.fail(record)  # the partner may be waiting for activations

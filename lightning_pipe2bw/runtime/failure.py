@@ -21,12 +21,14 @@ to the hang gives up first, and its notice reaches the others before their own d
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
 __all__ = [
     "FailureRecord",
+    "SignalStop",
     "StageFailure",
     "action_of",
     "mark_action",
@@ -82,6 +84,18 @@ class StageFailure(RuntimeError):
         super().__init__(message)
         self.record = record  # the first failure (for a vanished rank: that rank, no error)
         self.source = source  # the rank this rank heard it from (or lost contact with)
+
+
+class SignalStop(SystemExit):
+    """This rank received a signal that ends the run (SIGTERM): raised in its main thread, it
+    takes the failure path (the other ranks are told) and exits with status 128 + the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + int(signum))
+        self.signum = int(signum)
+
+    def __str__(self) -> str:
+        return f"received {signal.Signals(self.signum).name}"
 
 
 def mark_action(error: BaseException, action: str) -> None:
