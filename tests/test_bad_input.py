@@ -167,6 +167,35 @@ class ReturnsNone(RegressionModel):
         self.log("train_loss", nn.functional.mse_loss(self(x), y))
 
 
+class ListInsideBody(SmallBase):
+    """A ModuleList as a block of the body: the body would call it, and it has no forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.ModuleList([nn.Linear(IN, HIDDEN), nn.Linear(HIDDEN, OUT)]))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.body[0]:
+            x = layer(x)
+        return x
+
+
+class NamedListBody(ListLayers):
+    def pipeline_body(self) -> nn.Module:
+        return self.layers
+
+
+class _Nothing(nn.Module):
+    def forward(self, x: Tensor) -> None:
+        return None
+
+
+class BlockReturnsNone(RegressionModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(IN, HIDDEN), _Nothing(), nn.Linear(HIDDEN, OUT))
+
+
 MODELS: dict[str, Callable[[], LightningModule]] = {
     "regression": RegressionModel,
     "one_block": OneBlock,
@@ -180,6 +209,9 @@ MODELS: dict[str, Callable[[], LightningModule]] = {
     "skips_body": SkipsBody,
     "calls_body_twice": CallsBodyTwice,
     "returns_none": ReturnsNone,
+    "list_inside_body": ListInsideBody,
+    "named_list_body": NamedListBody,
+    "block_returns_none": BlockReturnsNone,
 }
 
 
@@ -536,3 +568,27 @@ def test_parameter_tied_across_stages(pools: Any) -> None:
     for message in pools(2).run(_on_rank_fit_tied, timeout=TIMEOUT):
         assert message.startswith("parameters shared between blocks on different stages: ")
         assert "body.0.weight (stage 0) is body.3.weight (stage 1)" in message
+
+
+def test_a_module_list_as_a_block_is_refused_before_anything_runs(pools: Any) -> None:
+    message = fit_error(pools(2), "list_inside_body", {})
+    assert message.startswith(
+        "TypeError: blocks of the pipeline body have no forward: body.0 (ModuleList)"
+    )
+    assert "nn.Sequential(*layers)" in message
+
+
+def test_a_module_list_named_as_the_body_says_how_to_make_it_one(pools: Any) -> None:
+    message = fit_error(pools(2), "named_list_body", {})
+    assert message.startswith(
+        "TypeError: the pipeline body 'layers' must be an nn.Sequential of blocks, got ModuleList"
+    )
+    assert "nn.Sequential(*layers) holds the same layers under the same names" in message
+
+
+def test_a_block_that_returns_none_is_named(pools: Any) -> None:
+    message = fit_error(pools(1), "block_returns_none", {})
+    assert message.startswith(
+        "TypeError: block 1 (_Nothing) of the pipeline body returned None; every block must "
+        "return the next block's input"
+    )

@@ -43,6 +43,7 @@ def build_stage(
         current.memory_plan = dict(memory_plan or {})
         return current, Partition(current.balance)
     blocks = list(current.children())
+    _check_callable_blocks(blocks, ref.path)
     partition = make_partition(len(blocks), num_stages, balance)
     _check_no_tied_parameters(blocks, partition, ref.path)
     owned = partition.blocks_of(stage)
@@ -59,6 +60,22 @@ def build_stage(
     _check_params_outside_body(module, ref.path)
     _materialize(module, stage_body, owned, device)
     return stage_body, partition
+
+
+def _check_callable_blocks(blocks: list[nn.Module], body: str) -> None:
+    """Every block is called with the previous block's output: a container without a forward
+    (``nn.ModuleList``, ``nn.ModuleDict``) cannot be one."""
+    bad = [
+        f"{body}.{i} ({type(b).__name__})"
+        for i, b in enumerate(blocks)
+        if type(b).forward is nn.Module.forward
+    ]
+    if bad:
+        raise TypeError(
+            f"blocks of the pipeline body have no forward: {', '.join(bad)}. The body calls each "
+            "block with the previous block's output; put the layers of a list into the body "
+            "itself (nn.Sequential(*layers)), or wrap them in a module whose forward runs them"
+        )
 
 
 def _check_params_outside_body(module: nn.Module, body_path: str) -> None:

@@ -41,9 +41,15 @@ def _resolve(root: nn.Module, path: str) -> BodyRef:
             f"body path {path!r}: {type(parent).__name__} has no attribute {attr!r}; pass the name of the nn.Sequential attribute that holds the blocks"
         )
     if not isinstance(body, (nn.Sequential, StageBody)):
+        hint = (
+            " (a ModuleList has no forward: nn.Sequential(*layers) holds the same layers under "
+            "the same names and runs them in order)"
+            if isinstance(body, nn.ModuleList)
+            else ""
+        )
         raise TypeError(
             f"the pipeline body {path!r} must be an nn.Sequential of blocks, got {type(body).__name__}; "
-            "wrap the blocks in nn.Sequential or define `pipeline_body()` returning one"
+            f"wrap the blocks in nn.Sequential or define `pipeline_body()` returning one{hint}"
         )
     return BodyRef(parent, attr, path)
 
@@ -83,9 +89,16 @@ def find_body(module: nn.Module, name: str | None = None) -> BodyRef:
             "forward/training_step call once per step. Either build such an attribute, define "
             "`pipeline_body(self) -> nn.Sequential`, or pass Pipe2BWStrategy(body='<attribute name>')"
         )
+    parents = {p.rpartition(".")[0] for p in top}
+    within = ""
+    if len(parents) == 1 and isinstance(getattr(module, next(iter(parents)), None), nn.ModuleList):
+        within = (
+            f" (the items of the nn.ModuleList {next(iter(parents))!r}: make it an nn.Sequential, "
+            "and it is the body)"
+        )
     raise ValueError(
         f"{type(module).__name__} has several nn.Sequential attributes with parameters: {top}; name the "
-        "pipeline body with Pipe2BWStrategy(body=...) or a `pipeline_body()` method"
+        f"pipeline body with Pipe2BWStrategy(body=...) or a `pipeline_body()` method{within}"
     )
 
 

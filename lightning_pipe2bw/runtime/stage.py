@@ -136,6 +136,12 @@ class StageBody(nn.Module):
             finally:
                 if stash is not None:
                     stash.current_policy = None
+            if x is None:
+                raise TypeError(
+                    f"block {index} ({type(block).__name__}) of the pipeline body returned None; "
+                    "every block must return the next block's input (a tensor, or a tuple, list "
+                    "or dict of tensors and Python values)"
+                )
             if timed:
                 self._record(index, start)
         return x
