@@ -55,12 +55,16 @@ __all__ = [
     "WorkerOutput",
     "call_backward_hooks",
     "default_process_group_backend",
+    "ends_epoch",
     "found_inf_state",
     "init_dist_connection",
     "launched_processes",
+    "metric_batch_value",
     "optimizer_factory",
     "optimizers_to_device",
     "override_clipping",
+    "set_metric_batch_value",
+    "set_metric_state",
     "set_num_threads_if_needed",
     "skip_sigterm_broadcast",
     "sync_ddp_if_available",
@@ -115,6 +119,14 @@ def _no_broadcast() -> None:
     pass
 
 
+def ends_epoch(trainer: Trainer) -> bool:
+    """Whether the training step running now is the last of its epoch, or of fit."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    last_step = trainer.max_steps > 0 and trainer.global_step + 1 >= trainer.max_steps
+    limited = epoch_loop.batch_idx + 1 >= trainer.num_training_batches  # limit_train_batches
+    return bool(epoch_loop.batch_progress.is_last_batch) or last_step or limited
+
+
 def launched_processes(launcher: SubprocessScriptLauncher) -> list[Any]:
     """The worker processes a ``popen`` launcher started (``subprocess.Popen`` objects)."""
     return list(launcher.procs)
@@ -136,6 +148,28 @@ def found_inf_state(scaler: Any, optimizer: Optimizer) -> dict[str, Any]:
     ``"found_inf_per_device"`` entry decides whether the step is skipped)."""
     state: dict[str, Any] = scaler._per_optimizer_states[id(optimizer)]
     return state
+
+
+def metric_batch_value(metric: Any) -> Tensor | None:
+    """A torchmetrics ``Metric``'s value on the batch of its last ``forward`` (what Lightning
+    logs for it on step); None when only ``update`` ran."""
+    value: Tensor | None = metric._forward_cache
+    return value
+
+
+def set_metric_batch_value(metric: Any, value: Tensor) -> None:
+    """Set the value Lightning logs on step for ``metric`` (the whole batch's, when its forward
+    ran once per micro-batch)."""
+    metric._forward_cache = value
+
+
+def set_metric_state(metric: Any, states: dict[str, Any], update_count: int) -> None:
+    """Give a torchmetrics ``Metric`` these state values and update count (a copy of another
+    rank's metric), dropping its cached result."""
+    for name, value in states.items():
+        setattr(metric, name, value)
+    metric._update_count = update_count
+    metric._computed = None
 
 
 def torch_optimizer(optimizer: Any) -> Optimizer:

@@ -1,17 +1,56 @@
-"""Recording ``self.log`` calls made per micro-batch and replaying them once per batch on every rank."""
+"""What a step leaves behind, made the same on every rank as on one device: the values it logs
+(``self.log``, torchmetrics ``Metric`` objects included) and the lists it appends its outputs to.
+
+The user's step runs once per micro-batch, and past the body call only on the last stage. So:
+
+* :class:`LogRecorder` records the ``self.log`` calls of a batch's micro-batch steps on the last
+  stage, and :func:`replay` logs each name once per step on every rank, with the user's own
+  arguments and the size-weighted mean of the micro-batch values (the full batch's value for
+  per-sample means such as a loss or an accuracy). A torchmetrics ``Metric`` is logged as the
+  object itself on the last stage (Lightning computes and resets it at epoch end, exactly as on
+  one device); :class:`MetricStates` sends its state with the logged values, so that the other
+  ranks log their own copy of it with the same state (the same step and epoch values, and the
+  same reset at epoch end).
+* :class:`StepOutputs` watches the module's lists during a batch on the last stage (the
+  documented idiom: ``self.validation_step_outputs.append(...)`` in the step, then
+  ``torch.stack`` in ``on_validation_epoch_end``). The items a batch appended, merged into the
+  batch's item when there is one per micro-batch (as the step's return value is), are delivered
+  with the logged values, and appended to the same lists on the other ranks, so that every
+  rank's epoch-end hook sees what one device would.
+"""
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+import math
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch import LightningModule
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+from torchmetrics import Metric
 
-__all__ = ["LogRecord", "LogRecorder", "replay"]
+from lightning_pipe2bw.compat import metric_batch_value, set_metric_batch_value, set_metric_state
+from lightning_pipe2bw.runtime.microbatch import merge_outputs
+
+__all__ = [
+    "LogRecord",
+    "LogRecorder",
+    "MetricStates",
+    "StepOutputs",
+    "quiet_epoch_sync_advice",
+    "replay",
+    "share_metrics",
+]
+
+# (name, value, arguments of self.log, whether it is a Metric's step value): plain data
+Logged = tuple[str, float, dict[str, Any], bool]
 
 
 @dataclass
@@ -23,6 +62,7 @@ class LogRecord:
     arguments: dict[str, Any]  # the other arguments of LightningModule.log, as the user gave them
     samples: int = 0
     _weighted: float = field(default=0.0, repr=False)
+    metric: Metric | None = field(default=None, repr=False)  # a logged torchmetrics Metric
 
 
 class LogRecorder:
@@ -66,7 +106,13 @@ class LogRecorder:
         for key in ("self", "name", "value"):
             arguments.pop(key, None)
         arguments.update(arguments.pop("kwargs", {}))
-        if isinstance(value, torch.Tensor):
+        metric = value if isinstance(value, Metric) else None
+        if metric is not None:
+            # its value on this micro-batch (the forward's); None after update() alone
+            value = metric_batch_value(metric)
+            if value is None:
+                value = torch.tensor(float("nan"))
+        if isinstance(value, Tensor):
             if value.numel() != 1:
                 raise ValueError(
                     f"self.log({name!r}, ...) needs a scalar; got a tensor of shape {tuple(value.shape)}"
@@ -76,32 +122,193 @@ class LogRecorder:
             number = float(value)
         else:
             raise TypeError(
-                f"with pipe2bw, self.log({name!r}, value) takes a number or a scalar tensor, got "
-                f"{type(value).__name__}: a torchmetrics Metric object lives on the last stage only, "
-                "so log the tensor it returns (self.log(name, metric(preds, target)))"
+                f"with pipe2bw, self.log({name!r}, value) takes a number, a scalar tensor or a "
+                f"torchmetrics Metric, got {type(value).__name__}"
             )
         samples = int(arguments.get("batch_size") or self._samples or 1)
         record = self.records.get(name)
         if record is None:
             record = self.records[name] = LogRecord(name, 0.0, arguments)
         record.arguments = arguments
+        record.metric = metric
         record.samples += samples
         record._weighted += number * samples
         record.value = record._weighted / record.samples
 
-    def summary(self) -> list[tuple[str, float, dict[str, Any]]]:
-        """Plain data to broadcast: (name, value, arguments) with batch_size set to the batch's."""
+    def summary(self) -> list[Logged]:
+        """Plain data to deliver: (name, value, arguments, is a Metric's) with batch_size set to
+        the batch's."""
         out = []
         for rec in self.records.values():
             arguments = dict(rec.arguments)
             arguments["batch_size"] = rec.samples
-            out.append((rec.name, rec.value, arguments))
+            out.append((rec.name, rec.value, arguments, rec.metric is not None))
         return out
+
+    def metrics(self) -> dict[str, Metric]:
+        """The Metric objects logged this batch, by name (the last stage logs them as objects)."""
+        return {r.name: r.metric for r in self.records.values() if r.metric is not None}
 
 
 def replay(
-    log: Callable[..., None], summary: list[tuple[str, float, dict[str, Any]]], device: torch.device
+    log: Callable[..., None],
+    summary: Sequence[Logged],
+    device: torch.device,
+    metrics: dict[str, Metric] | None = None,
 ) -> None:
-    """Log every recorded value with the module's real ``log`` method."""
-    for name, value, arguments in summary:
-        log(name, torch.tensor(value, device=device), **arguments)
+    """Log every recorded value with the module's real ``log`` method. ``metrics``: the Metric
+    objects logged by name, logged as objects (their step value set to the batch's)."""
+    for name, value, arguments, _ in summary:
+        metric = (metrics or {}).get(name)
+        if metric is not None:
+            if not math.isnan(value):  # NaN: only update() ran, there is no step value
+                set_metric_batch_value(metric, torch.tensor(value, device=device))
+            log(name, metric, **arguments)
+        else:
+            arguments = {k: v for k, v in arguments.items() if k != "metric_attribute"}
+            log(name, torch.tensor(value, device=device), **arguments)
+
+
+class MetricStates:
+    """The states of the torchmetrics Metrics a batch logged, from the last stage to the others.
+
+    On the last stage, :meth:`take` (after the batch) gives each logged Metric's state by its
+    name in the module: tensor states whole (they are small: counts, sums), list states
+    (``"cat"`` reductions: predictions, targets) only the items added since the batch started.
+    On the other ranks, :meth:`apply` sets the module's own copy of each Metric to the same
+    state; the logged names map to those copies."""
+
+    def __init__(self, module: torch.nn.Module, active: bool) -> None:
+        self.module = module
+        self._lengths: dict[int, dict[str, int]] = {}
+        if active:
+            self._lengths = {
+                id(m): {k: len(v) for k, v in m.metric_state.items() if isinstance(v, list)}
+                for m in module.modules()
+                if isinstance(m, Metric)
+            }
+
+    def take(self, metrics: dict[str, Metric]) -> dict[str, Any]:
+        """``{logged name: (module path, states, update count)}`` for the batch's Metrics."""
+        paths = {id(m): path for path, m in self.module.named_modules() if isinstance(m, Metric)}
+        out: dict[str, Any] = {}
+        for name, metric in metrics.items():
+            start = self._lengths.get(id(metric), {})
+            states: dict[str, Any] = {}
+            for key, value in metric.metric_state.items():
+                if isinstance(value, list):
+                    before = start.get(key, 0)
+                    # reset during the batch: everything; else what the batch added
+                    states[key] = ("extend", value[before:] if len(value) >= before else value)
+                else:
+                    states[key] = ("set", value)
+            out[name] = (paths[id(metric)], states, metric.update_count)
+        return apply_to_collection(out, Tensor, lambda t: t.detach().cpu())  # type: ignore[no-any-return]
+
+    @staticmethod
+    def apply(
+        module: torch.nn.Module, taken: dict[str, Any], device: torch.device
+    ) -> dict[str, Metric]:
+        """Set this rank's copies to the last stage's states; the copies by logged name."""
+        copies: dict[str, Metric] = {}
+        for name, (path, states, count) in taken.items():
+            metric = module.get_submodule(path)
+            assert isinstance(metric, Metric)
+            values: dict[str, Any] = {}
+            for key, (how, value) in states.items():
+                value = apply_to_collection(value, Tensor, lambda t: t.to(device))
+                values[key] = [*getattr(metric, key), *value] if how == "extend" else value
+            set_metric_state(metric, values, count)
+            copies[name] = metric
+        return copies
+
+
+def share_metrics(module: torch.nn.Module, last_stage: bool, group: Any | None) -> None:
+    """Make the module's torchmetrics Metrics safe in a pipeline: only the last stage updates
+    them (the others hold copies of their state, see :class:`MetricStates`), so their
+    synchronisation (``compute()``, ``dist_sync_on_step``) must not wait for the other stages.
+    With ``group`` (the last stage of every replica: the data-parallel shards of one metric) the
+    last stage syncs in it; otherwise nothing syncs."""
+    for metric in module.modules():
+        if isinstance(metric, Metric):
+            if last_stage and group is not None:
+                metric.process_group = group
+            else:
+                metric.distributed_available_fn = _not_distributed
+
+
+def _not_distributed() -> bool:
+    return False
+
+
+def quiet_epoch_sync_advice() -> None:
+    """Lightning advises ``sync_dist=True`` for every value logged on epoch level in a
+    distributed run. Under pipe2bw every rank of a pipeline logs the last stage's values
+    (:func:`replay`), so they agree already; the advice does not apply."""
+    warnings.filterwarnings(
+        "ignore",
+        message=r"It is recommended to use `self.log\(.*, sync_dist=True\)` when logging on epoch",
+        category=PossibleUserWarning,
+    )
+
+
+class StepOutputs:
+    """The lists of ``module`` (attributes that are lists, or dicts of lists) a batch's steps
+    append to, watched on the last stage (``active``); see the module notes."""
+
+    def __init__(self, module: torch.nn.Module, active: bool) -> None:
+        self.module = module
+        self.active = active
+        self._before: dict[tuple[str, Any], tuple[list[Any], int]] = {}
+        if active:
+            self._before = {key: (lst, len(lst)) for key, lst in _lists(module)}
+
+    def collect(self, sizes: Sequence[int]) -> dict[tuple[str, Any], list[Any]]:
+        """The items each list got during the batch (on the last stage). A list that got one
+        item per micro-batch gets the batch's item instead, merged as the step outputs are
+        (tensors of micro-batch length concatenated, scalars averaged by micro-batch size)."""
+        if not self.active:
+            return {}
+        appended: dict[tuple[str, Any], list[Any]] = {}
+        for key, lst in _lists(self.module):
+            before = self._before.get(key)
+            if before is not None and before[0] is not lst:
+                continue  # replaced by the step: not an append
+            start = before[1] if before is not None else 0
+            if len(lst) <= start:
+                continue
+            items = lst[start:]
+            if len(items) == len(sizes) > 1:
+                items = [merge_outputs(items, sizes)]
+                lst[start:] = items
+            appended[key] = items
+        return appended
+
+    @staticmethod
+    def apply(
+        module: torch.nn.Module, appended: dict[tuple[str, Any], list[Any]], device: torch.device
+    ) -> None:
+        """Append the last stage's items to this rank's lists (on the other ranks)."""
+        for (attr, key), items in appended.items():
+            target = getattr(module, attr, None)
+            if key is not None and isinstance(target, dict):
+                target = target[key] if key in target else target.setdefault(key, [])
+            if isinstance(target, list):
+                target.extend(apply_to_collection(items, Tensor, lambda t: t.to(device)))
+
+    @staticmethod
+    def to_cpu(appended: dict[tuple[str, Any], list[Any]]) -> dict[tuple[str, Any], list[Any]]:
+        return apply_to_collection(appended, Tensor, lambda t: t.detach().cpu())  # type: ignore[no-any-return]
+
+
+def _lists(module: torch.nn.Module) -> Iterator[tuple[tuple[str, Any], list[Any]]]:
+    """The module's list attributes, and the lists inside its dict attributes."""
+    for attr, value in vars(module).items():
+        if attr.startswith("_"):
+            continue
+        if isinstance(value, list):
+            yield (attr, None), value
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(item, list):
+                    yield (attr, key), item

@@ -36,6 +36,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_pipe2bw import compat
@@ -72,7 +73,14 @@ from lightning_pipe2bw.runtime.driver import Driver, DueGradient
 from lightning_pipe2bw.runtime.failure import SignalStop
 from lightning_pipe2bw.runtime.microbatch import batch_size_of
 from lightning_pipe2bw.schedule import SCHEDULES, ActivationBudget
-from lightning_pipe2bw.steplog import LogRecorder, replay
+from lightning_pipe2bw.steplog import (
+    LogRecorder,
+    MetricStates,
+    StepOutputs,
+    quiet_epoch_sync_advice,
+    replay,
+    share_metrics,
+)
 
 __all__ = ["Pipe2BWStrategy"]
 
@@ -393,6 +401,10 @@ class Pipe2BWStrategy(ParallelStrategy):
             if self.options.repartition_every is not None:
                 self.runtime.start_block_timing()
         self._agree_across_stages()
+        if any(isinstance(m, Metric) for m in module.modules()):  # the same on every rank
+            group = self.groups.metrics() if self.data_parallel > 1 else None
+            share_metrics(module, self.topology.is_last, group)
+        quiet_epoch_sync_advice()
 
     def _settings(self, trainer: Trainer) -> dict[str, object]:
         """What every rank of the pipeline must agree on (see ``check_same_setup``)."""
@@ -443,22 +455,37 @@ class Pipe2BWStrategy(ParallelStrategy):
         batch, rest = args[0], args[1:]
         fn = getattr(module, hook)
         recorder = LogRecorder(module, active=runtime.is_last)
+        outputs = StepOutputs(module, active=runtime.is_last)  # the lists the steps append to
+        states = MetricStates(module, active=runtime.is_last)  # the Metrics the steps update
+        sizes: list[int] = []
 
         def step(mb: Any) -> Any:
-            recorder.begin_microbatch(batch_size_of(mb))
+            sizes.append(batch_size_of(mb))
+            recorder.begin_microbatch(sizes[-1])
             return fn(mb, *rest, **kwargs)
 
         with recorder:
             values = runtime.run_batch(batch, step, self._backward_microbatch, train=train)
         if runtime.is_last:
             values["logs"] = recorder.summary()
-        delivered = runtime.deliver(values, train=train)
-        if delivered is None:  # 2BW's first step, on a rank other than 0
+            values["appended"] = StepOutputs.to_cpu(outputs.collect(sizes))
+            values["metrics"] = states.take(recorder.metrics())
+        settle = train and compat.ends_epoch(module.trainer)
+        reports = runtime.deliver(values, train=train, settle=settle)
+        for report in reports:
+            if runtime.is_last:
+                metrics = recorder.metrics()
+            else:
+                StepOutputs.apply(module, report["appended"], self.root_device)
+                metrics = MetricStates.apply(module, report["metrics"], self.root_device)
+            # the recorder is gone: the real log (Metrics are logged as such, on every rank)
+            replay(module.log, report["logs"], self.root_device, metrics)
+        if not reports:  # 2BW's first step, on a rank other than 0
             return torch.tensor(math.nan, device=self.root_device)
-        replay(module.log, delivered["logs"], self.root_device)  # the recorder is gone: real log
+        last = reports[-1]
         if train:
-            return torch.tensor(delivered["loss"], device=self.root_device)
-        return apply_to_collection(delivered["output"], Tensor, lambda t: t.to(self.root_device))
+            return torch.tensor(last["loss"], device=self.root_device)
+        return apply_to_collection(last["output"], Tensor, lambda t: t.to(self.root_device))
 
     def _backward_microbatch(self, loss: Tensor) -> None:
         scaler = self._scaler()

@@ -34,6 +34,7 @@ class ProcessGroups:
         self.pipeline: Any = None  # this replica's pipeline (None: the whole world is one)
         self.stage: Any = None  # this stage's replicas (None: no data parallelism)
         self._values: Any = None  # gloo: the step values of asynchronous schedules
+        self._metrics: Any = None  # the last stage of every replica: where metrics live
         self._offload: dict[tuple[int, int], Any] = {}  # (src rank, dst rank) -> two-rank group
 
     @classmethod
@@ -61,6 +62,15 @@ class ProcessGroups:
         if self._values is None:
             self._values = dist.new_group(backend="gloo")
         return self._values
+
+    def metrics(self) -> Any:
+        """The group of the last stage of every replica, in which torchmetrics sync (collective
+        on first use: every rank asks at the same point of set-up)."""
+        if self._metrics is None:
+            t = self.topology
+            ranks = sorted(t.rank_of_stage(t.num_stages - 1, r) for r in range(t.data_parallel))
+            self._metrics = dist.new_group(ranks)
+        return self._metrics
 
     def offload(self, evicting: Iterable[int]) -> None:
         """Make the two-rank groups of every BPipe pair whose earlier stage is in ``evicting``,

@@ -128,12 +128,13 @@ class StageRuntime:
             )
         return self._forward_schedules[m]
 
-    def deliver(self, values: Report, *, train: bool) -> Report | None:
-        """The last stage's values of a step, on every rank of the pipeline: a training step's
-        through the driver (2BW: one step late, without a barrier), others broadcast."""
+    def deliver(self, values: Report, *, train: bool, settle: bool = False) -> list[Report]:
+        """The last stage's values of a step, on every rank of the pipeline, oldest first: a
+        training step's through the driver (2BW: one step late, without a barrier, unless
+        ``settle``), others broadcast."""
         if train:
-            return self.driver.report(values)
-        return broadcast_from_last(values, self.topology, self.groups)  # type: ignore[no-any-return]
+            return self.driver.report(values, settle)
+        return [broadcast_from_last(values, self.topology, self.groups)]
 
     def average_gradients(self, params: Iterable[Tensor]) -> None:
         """Average the stage's gradients with its replicas (data parallel x pipeline)."""

@@ -98,9 +98,10 @@ class Driver(Protocol):
         complete and due, or None when no update is left."""
         ...
 
-    def report(self, values: Report) -> Report | None:
-        """Deliver a training step's values from the last stage: what this rank logs now
-        (None: nothing yet)."""
+    def report(self, values: Report, settle: bool = False) -> list[Report]:
+        """Deliver a training step's values from the last stage: the reports this rank logs
+        now, oldest first (none yet, under 2BW's first step). With ``settle`` (the epoch's or
+        the fit's last step) every report owed so far is delivered, this step's included."""
         ...
 
     def close(self) -> None:
@@ -198,8 +199,8 @@ class FlushDriver:
     def flush(self, backward: Callable[[Tensor], None]) -> DueGradient | None:
         return None  # every batch is flushed when it ends
 
-    def report(self, values: Report) -> Report:
-        return self._broadcast(values)
+    def report(self, values: Report, settle: bool = False) -> list[Report]:
+        return [self._broadcast(values)]
 
     def close(self) -> None:
         pass

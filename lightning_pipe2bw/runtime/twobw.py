@@ -223,7 +223,7 @@ class TwoBWDriver:
         batch = self._drain(backward)
         return None if batch is None else self._gradient_of(batch)
 
-    def report(self, values: Report) -> Report | None:
+    def report(self, values: Report, settle: bool = False) -> list[Report]:
         """The logged values of a step, without a barrier.
 
         Without a flush, the other stages finish call t before the last stage has batch t's loss
@@ -231,17 +231,23 @@ class TwoBWDriver:
         pipeline bubble back into every step. So the last stage (global rank 0: the progress bar
         and the loggers) logs batch t's own values in call t, and posts them to the other ranks,
         which log them one call late, in call t+1, when they have long arrived. Returns what
-        this rank logs now: ``None`` on a rank other than 0 before the first report is owed.
+        this rank logs now: nothing on a rank other than 0 before the first report is owed.
+
+        With ``settle`` (the last step of an epoch, or of fit) the other ranks also wait for
+        batch t's report, so that their epoch's values, metric states and step outputs are
+        complete when the epoch ends (one wait per epoch).
         """
         channel = self.channel
         if channel is None:  # one stage
-            return values
+            return [values]
         if channel.is_source:
             channel.post(values)
-            return values
-        report = channel.receive() if channel.backlog else None  # batch t-1's values
+            return [values]
+        reports = [channel.receive()] if channel.backlog else []  # batch t-1's values
         channel.expect()  # batch t's, posted by the last stage during this call
-        return report  # type: ignore[no-any-return]
+        if settle:
+            reports.append(channel.receive())
+        return reports
 
     def close(self) -> None:
         if self.channel is not None:
