@@ -101,6 +101,9 @@ def main() -> None:
     parser.add_argument(
         "--ckpt", default=None, help="write a consolidated checkpoint here at the end"
     )
+    parser.add_argument(
+        "--weights", default=None, help="torch.save(model.state_dict()) here at the end (rank 0)"
+    )
     args = parser.parse_args()
 
     seed_everything(0)
@@ -124,6 +127,9 @@ def main() -> None:
     metrics = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items()}
     if args.ckpt:
         trainer.save_checkpoint(args.ckpt)
+    if args.weights and trainer.is_global_zero:
+        # after fit the module holds the whole trained model again, on every rank
+        torch.save(model.state_dict(), args.weights)
     if trainer.is_global_zero:
         print(f"final metrics: {metrics}")
 

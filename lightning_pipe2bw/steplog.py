@@ -244,12 +244,20 @@ def _not_distributed() -> bool:
 def quiet_epoch_sync_advice() -> None:
     """Lightning advises ``sync_dist=True`` for every value logged on epoch level in a
     distributed run. Under pipe2bw every rank of a pipeline logs the last stage's values
-    (:func:`replay`), so they agree already; the advice does not apply."""
+    (:func:`replay`), so they agree already; the advice does not apply. Installed once per
+    process (changing the filters makes Python show every once-per-place warning again)."""
+    global _QUIET
+    if _QUIET:
+        return
+    _QUIET = True
     warnings.filterwarnings(
         "ignore",
         message=r"It is recommended to use `self.log\(.*, sync_dist=True\)` when logging on epoch",
         category=PossibleUserWarning,
     )
+
+
+_QUIET = False
 
 
 class StepOutputs:

@@ -41,6 +41,7 @@ from typing_extensions import override
 
 from lightning_pipe2bw import compat
 from lightning_pipe2bw.agreement import agree_on_inf_checks, check_same_setup, make_clipping_global
+from lightning_pipe2bw.callbacks.summary import use_pipeline_summary
 from lightning_pipe2bw.launcher import (
     PipePopenLauncher,
     PipeSpawnLauncher,
@@ -55,7 +56,7 @@ from lightning_pipe2bw.pipeline.autoplan import AutoPlanInputs, plan_from_loader
 from lightning_pipe2bw.pipeline.checkpoint import CheckpointFormat, layout_to_adopt
 from lightning_pipe2bw.pipeline.checkpoint_io import gather_state_dict, is_sharded_checkpoint
 from lightning_pipe2bw.pipeline.groups import ProcessGroups
-from lightning_pipe2bw.pipeline.migrate import relayout
+from lightning_pipe2bw.pipeline.migrate import relayout, restore_body
 from lightning_pipe2bw.pipeline.options import (
     DEFAULT_TIMEOUT,
     BalanceMode,
@@ -181,6 +182,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         self.plan: PlanResult | None = None  # what balance="auto" chose (saved in checkpoints)
         self._repartitioner = Repartitioner(repartition_every, self.options.repartition_threshold)
         self._due = DueGradient()  # the gradient Lightning's coming optimizer step applies
+        self._failed = False  # this Trainer call raised: no collective at teardown
         # SIGTERM / SIGINT end every rank within seconds (see pipeline.signals)
         self._signals = SignalGuard(self._describe, self._on_forced_exit)
 
@@ -359,8 +361,9 @@ class Pipe2BWStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
-        self.runtime = None
+        self.runtime, self._failed = None, False
         compat.skip_sigterm_broadcast(trainer)  # the signal guard stops every rank instead
+        use_pipeline_summary(trainer)  # the whole model, labelled by stage
         raise_problems(
             run_problems(
                 self.options,
@@ -643,7 +646,29 @@ class Pipe2BWStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         self._signals.uninstall()
+        runtime = self.runtime
+        # spawned workers end here; the launching process gets the gathered weights instead
+        if runtime is not None and not self._failed:
+            if not isinstance(self._launcher, PipeSpawnLauncher):
+                self._hand_back(runtime)
         super().teardown()
+
+    def _hand_back(self, runtime: StageRuntime) -> None:
+        """After a Trainer call, the user's module holds the whole trained body again on every
+        rank (collective), so that ``model.state_dict()`` in the script is the whole model. A
+        body built in ``configure_model`` (too large for one rank, by the user's choice) stays
+        partial, and its ``state_dict()`` raises, naming the ways to save the whole model."""
+        body = runtime.body
+        if body.built_on_meta:
+            reason: str | None = "its blocks were built in configure_model"
+        else:
+            reason = restore_body(runtime)
+        if reason is not None:
+            body.partial_reason = reason
+            rank_zero_warn(
+                f"pipe2bw: the module keeps each rank's stage of its body only ({reason}); save "
+                "the whole model with trainer.save_checkpoint(path) or strategy.full_state_dict()"
+            )
 
     def _describe(self) -> str:
         return f"rank {self.global_rank} (stage {self.stage})"
@@ -663,6 +688,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         """Tell the neighbour stages, so that they stop now with an error naming this failure
         instead of waiting until the process-group timeout; the launching process of a
         ``popen`` run then makes sure its workers stop (passing a signal on to them first)."""
+        self._failed = True
         if self.runtime is not None:
             self.runtime.report_failure(exception)
         if self.global_rank != 0:
@@ -722,7 +748,17 @@ class Pipe2BWStrategy(ParallelStrategy):
         """The unpartitioned model's state dict on global rank 0 (collective; ``{}`` elsewhere)."""
         module = self.lightning_module
         assert module is not None
-        return gather_state_dict(module, self.global_rank, self.world_size)
+        with self._partial_access():
+            return gather_state_dict(module, self.global_rank, self.world_size)
+
+    @contextmanager
+    def _partial_access(self) -> Generator[None, None, None]:
+        """The strategy's own reads of a stage's state (allowed on a partial body)."""
+        if self.runtime is None:
+            yield
+            return
+        with self.runtime.body.partial_access():
+            yield
 
     def _format(self) -> CheckpointFormat:
         return CheckpointFormat(self._runtime, self.plan)
@@ -733,7 +769,8 @@ class Pipe2BWStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self.flush()  # a checkpoint is a flush point: no micro-batch in flight, no update pending
-        return self._format().model_state()
+        with self._partial_access():
+            return self._format().model_state()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -745,7 +782,8 @@ class Pipe2BWStrategy(ParallelStrategy):
     ) -> None:
         checkpoints = self._format()
         if checkpoints.sharded:
-            checkpoints.save_sharded(checkpoint, filepath)
+            with self._partial_access():
+                checkpoints.save_sharded(checkpoint, filepath)
             return
         checkpoint = checkpoints.full_checkpoint(checkpoint)
         path = str(filepath)
@@ -766,10 +804,11 @@ class Pipe2BWStrategy(ParallelStrategy):
         unpickling (e.g. custom hyper-parameter objects) is loaded with ``weights_only=False``
         after a warning; pass ``weights_only=False`` to ``fit`` to skip the first attempt."""
         if is_sharded_checkpoint(checkpoint_path):
-            return self._format().load_sharded(
-                checkpoint_path, weights_only is not False, self._torch_optimizers,
-                self._adopt_layout,
-            )  # fmt: skip
+            with self._partial_access():
+                return self._format().load_sharded(
+                    checkpoint_path, weights_only is not False, self._torch_optimizers,
+                    self._adopt_layout,
+                )  # fmt: skip
         if weights_only is not None:
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         try:
@@ -784,7 +823,8 @@ class Pipe2BWStrategy(ParallelStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self._format().load_model_state(checkpoint, strict, self._adopt_layout)
+        with self._partial_access():
+            self._format().load_model_state(checkpoint, strict, self._adopt_layout)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -80,7 +80,7 @@ def fit_slow(
         "state": state if dist.get_rank() == 0 else None,
         "stage": strategy.stage,
         "balance": list(strategy.partition.balance) if strategy.partition else None,
-        "blocks": list(model.body.indices),
+        "blocks": list(strategy.engine.body.indices),
         "repartitions": [r.describe() for r in strategy.repartitions],
     }
 

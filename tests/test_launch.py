@@ -27,8 +27,9 @@ def _run(cmd: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_popen_launch_trains_and_writes_consolidated_checkpoint(tmp_path: Path) -> None:
-    ckpt = tmp_path / "final.ckpt"
-    proc = _run([sys.executable, str(EXAMPLE), "--steps", "6", "--ckpt", str(ckpt)], tmp_path)
+    ckpt, weights = tmp_path / "final.ckpt", tmp_path / "weights.pt"
+    cmd = [sys.executable, str(EXAMPLE), "--steps", "6", "--ckpt", str(ckpt), "--weights", str(weights)]
+    proc = _run(cmd, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "final metrics" in proc.stdout
     # each rank runs one stage with cores // local ranks intra-op threads (at least one)
@@ -47,6 +48,11 @@ def test_popen_launch_trains_and_writes_consolidated_checkpoint(tmp_path: Path) 
     for name, value in model.state_dict().items():
         if name.endswith("weight"):
             assert not torch.equal(value, fresh.state_dict()[name]), name
+    # and the launching process's own model.state_dict() after fit is the whole trained model
+    saved = torch.load(weights, weights_only=True)
+    assert saved.keys() == fresh.state_dict().keys()
+    for name, value in model.state_dict().items():
+        assert torch.equal(saved[name], value), name
 
 
 def test_torchrun_launch(tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ def _fit(schedule: str, folder: str | None) -> dict[str, Any]:
     return {
         "state": state if dist.get_rank() == 0 else None,
         "stage": strategy.stage,
-        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "param_bytes": sum(p.numel() * p.element_size() for p in strategy.engine.body.parameters()),
         "peaks": monitor.peaks() if monitor and dist.get_rank() == 0 else None,
         "table": monitor.table() if monitor and dist.get_rank() == 0 else None,
         "plot": str(monitor.plot_path) if monitor and monitor.plot_path else None,

@@ -187,3 +187,51 @@ def test_report_of_a_two_stage_fit(
     assert _is_png(out / "loss.png")
     metrics = (tmp_path / "logs" / "lightning_logs" / "version_0" / "metrics.csv").read_text()
     assert "train_loss" in metrics and "val_loss" in metrics
+
+
+def test_the_steady_window_skips_fills_and_validations() -> None:
+    from lightning_pipe2bw.callbacks.report import steady_window
+
+    # steps 1..12 of 1 s each, a validation after steps 4 and 8
+    steps = [(i, float(i), i + 0.9) for i in range(1, 13)]
+    validations = [(4.95, 4.99), (8.95, 8.99)]
+    window = steady_window(steps, validations, 3)
+    assert window is not None and window.label() == "training steps 10-12"
+    assert (window.start, window.end) == (10.0, 12.9)
+    # the last run has only the fill step and two more: too short for 3, the one before serves
+    assert steady_window(steps[:10], validations, 3) is not None
+    assert steady_window(steps[:10], validations, 3).label() == "training steps 6-8"  # type: ignore[union-attr]
+    assert steady_window(steps[:3], [], 3) is None  # the first two steps are start-up
+
+
+def _fit_for_window(root: str) -> dict[str, Any]:
+    import torch.distributed as dist
+    from models import RegressionModel, loader, quiet_trainer
+
+    from lightning_pipe2bw import Pipe2BWStrategy
+    from lightning_pipe2bw.callbacks.report import PipelineReport
+
+    report = PipelineReport(Path(root) / "report", verbose=False, window_steps=3)
+    trainer = quiet_trainer(
+        devices=dist.get_world_size(),
+        strategy=Pipe2BWStrategy(schedule="2bw", microbatches=2),
+        max_steps=12,
+        callbacks=[report],
+        limit_val_batches=2,
+        val_check_interval=4,
+    )
+    trainer.fit(RegressionModel(), loader(8, n=128), loader(8, n=16))
+    return {"window": None if report.window is None else report.window.label()}
+
+
+def test_the_timeline_shows_steady_training_not_the_final_validation(
+    pools: Any, tmp_path: Path
+) -> None:
+    """The run ends with a validation (forwards only); the pictures show training steps."""
+    results = pools(2).run(_fit_for_window, str(tmp_path))
+    assert results[0]["window"] == "training steps 10-12"
+    trace = json.loads((tmp_path / "report" / "trace.json").read_text())
+    assert trace["metadata"] == {"shows": "training steps 10-12"}
+    for pid in (0, 1):  # both stages run forwards and backwards in the window
+        names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == pid}
+        assert {"forward", "backward"} <= names, (pid, names)

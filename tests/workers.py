@@ -59,7 +59,8 @@ def fit(
     return {
         "state": state if dist.get_rank() == 0 else None,
         "losses": record.losses,
-        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        # what this rank held while it trained: its stage (after fit the module is whole again)
+        "param_bytes": sum(p.numel() * p.element_size() for p in strategy.engine.body.parameters()),
         "opt_params": sum(p.numel() for g in opt.param_groups for p in g["params"]),
         "opt_state_bytes": sum(
             t.numel() * t.element_size()
@@ -67,7 +68,7 @@ def fit(
             for t in s.values()
             if isinstance(t, torch.Tensor)
         ),
-        "blocks": list(model.body.indices),
+        "blocks": list(strategy.engine.body.indices),
         "stage": strategy.stage,
         "versions": strategy.version_log,
         "engine_versions": strategy.engine.stats.max_weight_versions if strategy.engine else 0,

@@ -3,10 +3,12 @@
 from lightning_pipe2bw.callbacks.balancer import ActivationBalancer, ActivationBudget
 from lightning_pipe2bw.callbacks.memory import StageMemoryMonitor, stage_memory
 from lightning_pipe2bw.callbacks.report import PipelineReport
+from lightning_pipe2bw.callbacks.summary import PipelineModelSummary
 
 __all__ = [
     "ActivationBalancer",
     "ActivationBudget",
+    "PipelineModelSummary",
     "PipelineReport",
     "StageMemoryMonitor",
     "stage_memory",

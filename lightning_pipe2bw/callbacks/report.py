@@ -7,6 +7,7 @@ import importlib.util
 import json
 import math
 import socket
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ __all__ = [
     "Lane",
     "PipelineReport",
     "StageReport",
+    "StepWindow",
     "TimedAction",
     "TimelineShares",
     "chrome_trace",
@@ -28,6 +30,7 @@ __all__ = [
     "loss_curve_png",
     "print_stage_table",
     "stage_report",
+    "steady_window",
     "timed_actions",
     "timeline_png",
     "timeline_shares",
@@ -166,7 +169,8 @@ def stage_report(
         num_stages=int(getattr(strategy, "num_stages", 1)),
         host=socket.gethostname(),
         blocks=[int(i) for i in getattr(body, "indices", [])],
-        parameters=sum(p.numel() for p in pl_module.parameters()),
+        # the stage's own (after fit the module holds the whole model again)
+        parameters=sum(p.numel() for p in (body or pl_module).parameters()),
         weight_versions=int(getattr(stats, "max_weight_versions", 0)),
         peak_activation_bytes=int(getattr(stats, "peak_activation_bytes", 0)),
         idle=shares.idle,
@@ -230,6 +234,56 @@ def print_stage_table(reports: Sequence[StageReport]) -> None:
     Console().print(table)
 
 
+class StepWindow(NamedTuple):
+    """A span of the run to show: from ``start`` to ``end`` (``time.perf_counter`` seconds),
+    the training steps ``first`` to ``last`` (global steps, counted after each step)."""
+
+    start: float
+    end: float
+    first: int
+    last: int
+
+    def label(self) -> str:
+        return f"training steps {self.first}-{self.last}"
+
+
+def steady_window(
+    steps: Sequence[tuple[int, float, float]],
+    validations: Sequence[tuple[float, float]],
+    count: int,
+) -> StepWindow | None:
+    """The last ``count`` consecutive training steps in steady state: of the latest run of
+    steps that no validation interrupts, leaving out the run's first step (a 2BW pipeline
+    fills again after each flush) and the first two steps of fit. ``steps`` holds (global
+    step, start, end) per training step, ``validations`` (start, end); None if no run is long
+    enough (then use the whole run)."""
+    runs: list[list[tuple[int, float, float]]] = []
+    for step in steps:
+        if runs and not any(runs[-1][-1][2] <= v0 <= step[1] for v0, _ in validations):
+            runs[-1].append(step)
+        else:
+            runs.append([step])
+    if runs:
+        runs[0] = runs[0][2:]
+    for run in reversed(runs):
+        steady = run[1:]
+        if len(steady) >= count:
+            window = steady[-count:]
+            return StepWindow(window[0][1], window[-1][2], window[0][0], window[-1][0])
+    return None
+
+
+def _in_window(lanes: Sequence[Lane], window: StepWindow | None) -> list[Lane]:
+    if window is None:
+        return list(lanes)
+    return [
+        lane._replace(
+            actions=[a for a in lane.actions if a[3] >= window.start and a[2] <= window.end]
+        )
+        for lane in lanes
+    ]
+
+
 def chrome_trace(lanes: Sequence[Lane]) -> dict[str, Any]:
     """A Chrome / Perfetto trace (open it in ``chrome://tracing`` or ui.perfetto.dev): one
     process per lane (pid = global rank, named "stage s (rank r)", sorted by stage) and one
@@ -276,13 +330,19 @@ def _window(lanes: Sequence[Lane], window_s: float, max_actions: int) -> float:
 
 
 def timeline_png(
-    lanes: Sequence[Lane], out_png: str | Path, *, window_s: float = 2.0, max_actions: int = 200
+    lanes: Sequence[Lane],
+    out_png: str | Path,
+    *,
+    window_s: float = 2.0,
+    max_actions: int = 200,
+    window: StepWindow | None = None,
 ) -> Path:
     """Draw the schedule as it ran: one row per lane (stage 0 on top), forwards and backwards as
     tall bars colored by kind (labelled with the micro-batch when there is room), sends and
-    receives as thin grey bars, idle time left white. Only a recent window is drawn (see
-    :func:`_window`); the x axis is milliseconds from the window's earliest start. The same clock
-    caveat as :func:`chrome_trace` applies."""
+    receives as thin grey bars, idle time left white. With ``window`` (steady-state training
+    steps, see :func:`steady_window`) that span is drawn, and named in the title; otherwise the
+    last ``window_s`` seconds (see :func:`_window`). The x axis is milliseconds from the drawn
+    span's earliest start. The same clock caveat as :func:`chrome_trace` applies."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -292,9 +352,11 @@ def timeline_png(
     fig = Figure(figsize=(12, 1.2 + 0.7 * len(lanes)), layout="constrained")
     FigureCanvasAgg(fig)  # render with Agg, whatever the process's pyplot backend is
     ax = fig.add_subplot()
+    if window is not None:
+        lanes = _in_window(lanes, window)
     if any(lane.actions for lane in lanes):
-        start = _window(lanes, window_s, max_actions)
-        shown = [[a for a in lane.actions if a[2] >= start] for lane in lanes]
+        start = _window(lanes, window_s, max_actions) if window is None else window.start
+        shown = [[a for a in lane.actions if a[3] >= start] for lane in lanes]
         t0 = min((a[2] for row in shown for a in row), default=start)
         span_ms = max((a[3] for row in shown for a in row), default=t0) - t0
         span_ms *= 1e3
@@ -306,7 +368,8 @@ def timeline_png(
                 ax.broken_barh([(x, w)], (bottom, height), facecolors=_COLORS.get(kind, "black"))
                 if compute and span_ms > 0 and w > 0.015 * span_ms:
                     ax.text(x + w / 2, y, str(microbatch), ha="center", va="center", fontsize=7)
-        ax.set_title(f"schedule as run: the last {span_ms:.0f} ms")
+        what = window.label() if window is not None else "the end of the run"
+        ax.set_title(f"schedule as run: {what} ({span_ms:.0f} ms)")
     ax.set_yticks(range(len(lanes)), [f"stage {lane.stage}\n(rank {lane.rank})" for lane in lanes])
     ax.set_ylim(len(lanes) - 0.5, -0.5)
     ax.set_xlabel("time (ms)")
@@ -383,8 +446,12 @@ class PipelineReport(Callback):
     Args:
         out_dir: where the files go (created on rank 0).
         max_actions: how many of its most recent actions each rank ships for the pictures.
-        window_s: seconds of the run (the end) that ``timeline.png`` shows.
-        window_actions: at most this many actions per stage in ``timeline.png``.
+        window_steps: how many steady-state training steps ``timeline.png`` shows (the latest
+            ones that no validation interrupts, see :func:`steady_window`).
+        trace_steps: how many ``trace.json`` holds (the same choice, longer).
+        window_s: without enough training steps (a short fit), seconds of the run (the end)
+            that ``timeline.png`` shows instead.
+        window_actions: then, at most this many actions per stage in ``timeline.png``.
         verbose: print the table.
     """
 
@@ -393,6 +460,8 @@ class PipelineReport(Callback):
         out_dir: str | Path,
         *,
         max_actions: int = 5000,
+        window_steps: int = 3,
+        trace_steps: int = 20,
         window_s: float = 2.0,
         window_actions: int = 200,
         verbose: bool = True,
@@ -404,10 +473,32 @@ class PipelineReport(Callback):
             )
         self.out_dir = Path(out_dir)
         self.max_actions = max_actions
+        self.window_steps = window_steps
+        self.trace_steps = trace_steps
         self.window_s = window_s
         self.window_actions = window_actions
         self.verbose = verbose
         self.reports: list[StageReport] | None = None  # on global rank 0, after fit
+        self.window: StepWindow | None = None  # what timeline.png shows (rank 0)
+        self._steps: list[tuple[int, float, float]] = []  # (global step, start, end)
+        self._validations: list[tuple[float, float]] = []
+        self._started = self._started_validation = 0.0
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._started = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._steps.append((trainer.global_step, self._started, time.perf_counter()))
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._started_validation = time.perf_counter()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._validations.append((self._started_validation, time.perf_counter()))
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # after the strategy's on_train_end: the final flush of a 2BW pipeline is in the timeline
@@ -437,12 +528,19 @@ class PipelineReport(Callback):
         rows = [r.row() for r in reports]
         (self.out_dir / "stages.json").write_text(json.dumps(rows, indent=2) + "\n")
         lanes = [r.lane for r in reports]
-        (self.out_dir / "trace.json").write_text(json.dumps(chrome_trace(lanes)))
+        # steady-state training (rank 0's steps: the last stage's), not the final validation
+        self.window = steady_window(self._steps, self._validations, self.window_steps)
+        traced = steady_window(self._steps, self._validations, self.trace_steps) or self.window
+        trace = chrome_trace(_in_window(lanes, traced))
+        if traced is not None:
+            trace["metadata"] = {"shows": traced.label()}
+        (self.out_dir / "trace.json").write_text(json.dumps(trace))
         timeline_png(
             lanes,
             self.out_dir / "timeline.png",
             window_s=self.window_s,
             max_actions=self.window_actions,
+            window=self.window,
         )
 
     def _write_loss(self, trainer: Trainer) -> None:

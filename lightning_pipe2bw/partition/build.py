@@ -41,6 +41,7 @@ def build_stage(
             )
         current.recompute = recompute
         current.memory_plan = dict(memory_plan or {})
+        current.partial_reason = None  # a pipeline runs it again
         return current, Partition(current.balance)
     blocks = list(current.children())
     _check_callable_blocks(blocks, ref.path)
@@ -58,7 +59,7 @@ def build_stage(
     setattr(ref.parent, ref.attr, stage_body)  # the other stages' blocks are released here
     del blocks, current
     _check_params_outside_body(module, ref.path)
-    _materialize(module, stage_body, owned, device)
+    stage_body.built_on_meta = _materialize(module, stage_body, owned, device)
     return stage_body, partition
 
 
@@ -111,12 +112,12 @@ def _check_no_tied_parameters(blocks: list[nn.Module], partition: Partition, bod
 
 def _materialize(
     module: nn.Module, stage_body: StageBody, owned: range, device: torch.device
-) -> None:
+) -> bool:
     """Allocate meta tensors (from ``configure_model``) on ``device``. Each owned block is
     initialised with ``reset_parameters()`` under a seed derived from its index, so a block's
-    initial weights do not depend on the partition."""
+    initial weights do not depend on the partition. Whether there were any."""
     if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-        return
+        return False
     base_seed = torch.initial_seed()
     for index, block in zip(owned, stage_body.children(), strict=True):
         block.to_empty(device=device)
@@ -135,3 +136,4 @@ def _materialize(
             reset = getattr(sub, "reset_parameters", None)
             if callable(reset):
                 reset()
+    return True

@@ -76,7 +76,7 @@ class CheckpointFormat:
         (full; collective, ``{}`` elsewhere)."""
         root, t = self.runtime.root, self.runtime.topology
         if self.sharded:
-            return root.state_dict()  # this stage's share, under the original names
+            return self.runtime.stage_state_dict()  # this stage's share, by original name
         return gather_state_dict(root, t.rank, t.world_size)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

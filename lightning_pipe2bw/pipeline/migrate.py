@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import logging
 import pickle
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_pipe2bw.partition import make_partition
@@ -44,6 +45,7 @@ __all__ = [
     "check_movable",
     "move_blocks",
     "relayout",
+    "restore_body",
     "restore_state",
 ]
 
@@ -79,9 +81,8 @@ def carry_state(
     )
 
 
-def check_movable(body: StageBody, blocks: Sequence[int], world_size: int) -> None:
-    """Every rank raises the same error, before anything moves, if a block that must move
-    cannot be pickled (a hook or attribute holding something that cannot travel)."""
+def _unmovable(body: StageBody, blocks: Sequence[int], world_size: int) -> list[str]:
+    """Every rank's blocks among ``blocks`` that cannot be pickled (collective)."""
     problems = []
     for block in blocks:
         try:
@@ -92,7 +93,13 @@ def check_movable(body: StageBody, blocks: Sequence[int], world_size: int) -> No
     if world_size > 1:
         everyone = [None] * world_size
         dist.all_gather_object(everyone, problems)
-    found = [p for part in everyone for p in part]
+    return [p for part in everyone for p in part]
+
+
+def check_movable(body: StageBody, blocks: Sequence[int], world_size: int) -> None:
+    """Every rank raises the same error, before anything moves, if a block that must move
+    cannot be pickled (a hook or attribute holding something that cannot travel)."""
+    found = _unmovable(body, blocks, world_size)
     if found:
         raise ValueError(
             "cannot move blocks between stages: a block travels pickled (module, weights and "
@@ -186,6 +193,32 @@ def relayout(
     for scheduler, state in zip(new_schedulers, carried.schedulers, strict=False):
         scheduler.load_state_dict(state)
     return stepped
+
+
+def restore_body(runtime: StageRuntime) -> str | None:
+    """Put the whole body back into the user's module on every rank, as an ``nn.Sequential``
+    of every stage's trained blocks under their original names (collective; at the end of a
+    Trainer call). Each rank moves its blocks to the CPU and sends them, pickled, to the other
+    stages of its pipeline. Returns why the body stays partial instead (a block that cannot be
+    pickled), or None."""
+    t, body = runtime.topology, runtime.body
+    found = _unmovable(body, body.indices, t.world_size)
+    if found:
+        return "a block cannot travel between processes: " + "; ".join(found)
+    path = runtime.body_path
+    mine = {i: body.block(i).to("cpu") for i in body.indices}
+    group = runtime.groups.pipeline
+    gathered: list[Any] = [None] * dist.get_world_size(group) if t.num_stages > 1 else [mine]
+    if t.num_stages > 1:
+        dist.all_gather_object(gathered, mine, group=group)
+    blocks: dict[int, nn.Module] = {}
+    for part in gathered:
+        blocks.update(part)
+    blocks.update(mine)  # this stage's own modules, not copies of them
+    parent_path, _, attr = path.rpartition(".")
+    parent = runtime.root.get_submodule(parent_path)
+    setattr(parent, attr, nn.Sequential(OrderedDict((str(i), blocks[i]) for i in sorted(blocks))))
+    return None
 
 
 def _names_param(key: str, prefix: str) -> bool:

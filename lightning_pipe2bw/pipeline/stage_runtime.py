@@ -79,6 +79,9 @@ class StageRuntime:
         self.num_microbatches = num_microbatches
         self.optimizers = optimizers
         self.evicting = evicting  # the stages that evict activations this fit (BPipe)
+        # the body's dotted name in the user's module (it stays known once the whole body is
+        # handed back at the end of the Trainer call)
+        self.body_path = next(str(name) for name, m in root.named_modules() if m is body)
         self._forward_schedules: dict[int, Schedule] = {}
 
     @property
@@ -162,14 +165,20 @@ class StageRuntime:
         name_of = {id(p): name for name, p in self.root.named_parameters()}
         return [name_of[id(p)] for p in params]
 
+    def stage_state_dict(self) -> dict[str, Any]:
+        """The user's module's state of this stage: its own blocks and everything outside the
+        body, under the original names (whether the body is partitioned or handed back)."""
+        prefix = self.body_path + "."
+        owned = {str(i) for i in self.body.indices}
+        return {
+            k: v
+            for k, v in self.root.state_dict().items()
+            if not k.startswith(prefix) or k[len(prefix) :].split(".", 1)[0] in owned
+        }
+
     def weight_names(self) -> list[str]:
         """The names of the parameters whose versions the driver keeps (the stage's)."""
         return self.parameter_names(self.body.parameters())
-
-    @property
-    def body_path(self) -> str:
-        """The body's dotted name in the user's module."""
-        return next(str(name) for name, m in self.root.named_modules() if m is self.body)
 
     # ------------------------------------------------------------------ failures
     def report_failure(self, exception: BaseException) -> bool:

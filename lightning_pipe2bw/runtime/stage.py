@@ -61,6 +61,11 @@ class StageBody(nn.Module):
         # with ``timing``, each block's forward time during training, summed (live
         # repartitioning reads and resets it); CUDA events are summed when read
         self.timing = False
+        # after a Trainer call, when the whole body could not be handed back: why (state_dict
+        # then raises, unless the strategy itself reads it inside ``partial_access``)
+        self.partial_reason: str | None = None
+        self.built_on_meta = False  # its blocks were built in configure_model (on meta)
+        self._partial_access = 0
         self._block_s: dict[int, float] = {}
         self._block_events: list[tuple[int, Any, Any]] = []
 
@@ -179,6 +184,29 @@ class StageBody(nn.Module):
         out = {i: self._block_s.get(i, 0.0) for i in self.indices}
         self._block_s = {}
         return out
+
+    @contextmanager
+    def partial_access(self) -> Iterator[None]:
+        """Let the strategy read this stage's state (a checkpoint gathers every stage's)."""
+        self._partial_access += 1
+        try:
+            yield
+        finally:
+            self._partial_access -= 1
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The owned blocks' state under their original names. Once a Trainer call has ended
+        without handing the whole body back (``partial_reason``), a state dict of the user's
+        module would silently hold one stage: that raises instead."""
+        if self.partial_reason is not None and not self._partial_access:
+            raise RuntimeError(
+                f"this module holds stage {self.stage} of {self.num_stages} of its pipeline body "
+                f"only (blocks {self.indices}; {self.partial_reason}), so its state_dict would "
+                "miss the other stages' blocks. Save the whole model with "
+                "trainer.save_checkpoint(path) (one file, loadable on one device) or take "
+                "strategy.full_state_dict() (on global rank 0)"
+            )
+        return super().state_dict(*args, **kwargs)
 
     def set_call(self, call: BodyCall | None) -> None:
         self._call = call

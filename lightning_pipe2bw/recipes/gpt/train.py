@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,12 @@ SUMMARY_FILE = "summary.md"
 log = logging.getLogger(__name__)
 
 register_configs()
+
+# What a newcomer would otherwise read on every rank, and can do nothing about: torch's
+# deprecation notice raised inside Lightning's own pytree helper (as on one device), and the
+# CSVLogger's note that it writes into Hydra's run directory, which Hydra made (on purpose).
+warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
 
 
 class RunResult(Callback):
