@@ -37,13 +37,14 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_pipe2bw.compat import metric_batch_value, set_metric_batch_value, set_metric_state
-from lightning_pipe2bw.runtime.microbatch import merge_outputs
+from lightning_pipe2bw.runtime.microbatch import batch_size_of, merge_outputs
 
 __all__ = [
     "LogRecord",
     "LogRecorder",
     "MetricStates",
     "StepOutputs",
+    "StepRecording",
     "quiet_epoch_sync_advice",
     "replay",
     "share_metrics",
@@ -320,3 +321,59 @@ def _lists(module: torch.nn.Module) -> Iterator[tuple[tuple[str, Any], list[Any]
             for key, item in value.items():
                 if isinstance(item, list):
                     yield (attr, key), item
+
+
+class StepRecording:
+    """One pipelined step of the user's ``hook``, from the values it leaves behind on the last
+    stage to the same values on every rank.
+
+    :meth:`step` is the user's step for one micro-batch; while the ``with`` block runs (the
+    pipeline runs the batch), ``self.log`` is recorded. :meth:`values` (on the last stage)
+    gives what to deliver: the logged values, the items appended to the module's lists, the
+    logged Metrics' states. :meth:`apply` takes a delivered report on any rank: the lists and
+    Metric copies are brought up to date (not on the last stage, where they are), and the
+    values logged with Lightning's own ``self.log``."""
+
+    def __init__(
+        self, module: LightningModule, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+        last_stage: bool,
+    ) -> None:  # fmt: skip
+        self.module = module
+        self.last_stage = last_stage
+        self._fn = getattr(module, hook)
+        self._rest, self._kwargs = args[1:], kwargs
+        self.recorder = LogRecorder(module, active=last_stage)
+        self.outputs = StepOutputs(module, active=last_stage)  # the lists the steps append to
+        self.states = MetricStates(module, active=last_stage)  # the Metrics the steps update
+        self.sizes: list[int] = []
+
+    def step(self, microbatch: Any) -> Any:
+        self.sizes.append(batch_size_of(microbatch))
+        self.recorder.begin_microbatch(self.sizes[-1])
+        return self._fn(microbatch, *self._rest, **self._kwargs)
+
+    def __enter__(self) -> StepRecording:
+        self.recorder.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.recorder.__exit__(*exc)
+
+    def values(self) -> dict[str, Any]:
+        """What the last stage delivers besides the loss or the outputs."""
+        if not self.last_stage:
+            return {}
+        return {
+            "logs": self.recorder.summary(),
+            "appended": StepOutputs.to_cpu(self.outputs.collect(self.sizes)),
+            "metrics": self.states.take(self.recorder.metrics()),
+        }
+
+    def apply(self, report: dict[str, Any], device: torch.device) -> None:
+        """Bring this rank up to ``report`` and log its values (the recorder is gone now)."""
+        if self.last_stage:
+            metrics = self.recorder.metrics()
+        else:
+            StepOutputs.apply(self.module, report["appended"], device)
+            metrics = MetricStates.apply(self.module, report["metrics"], device)
+        replay(self.module.log, report["logs"], device, metrics)

@@ -56,7 +56,7 @@ from lightning_pipe2bw.pipeline.autoplan import AutoPlanInputs, plan_from_loader
 from lightning_pipe2bw.pipeline.checkpoint import CheckpointFormat, layout_to_adopt
 from lightning_pipe2bw.pipeline.checkpoint_io import gather_state_dict, is_sharded_checkpoint
 from lightning_pipe2bw.pipeline.groups import ProcessGroups
-from lightning_pipe2bw.pipeline.migrate import relayout, restore_body
+from lightning_pipe2bw.pipeline.migrate import hand_back, relayout
 from lightning_pipe2bw.pipeline.options import (
     DEFAULT_TIMEOUT,
     BalanceMode,
@@ -72,16 +72,8 @@ from lightning_pipe2bw.pipeline.topology import Topology
 from lightning_pipe2bw.runtime import PipelineEngine, StageBody
 from lightning_pipe2bw.runtime.driver import Driver, DueGradient
 from lightning_pipe2bw.runtime.failure import SignalStop
-from lightning_pipe2bw.runtime.microbatch import batch_size_of
 from lightning_pipe2bw.schedule import SCHEDULES, ActivationBudget
-from lightning_pipe2bw.steplog import (
-    LogRecorder,
-    MetricStates,
-    StepOutputs,
-    quiet_epoch_sync_advice,
-    replay,
-    share_metrics,
-)
+from lightning_pipe2bw.steplog import StepRecording, quiet_epoch_sync_advice, share_metrics
 
 __all__ = ["Pipe2BWStrategy"]
 
@@ -455,40 +447,18 @@ class Pipe2BWStrategy(ParallelStrategy):
     ) -> Any:
         module, runtime = self.lightning_module, self._runtime
         assert module is not None
-        batch, rest = args[0], args[1:]
-        fn = getattr(module, hook)
-        recorder = LogRecorder(module, active=runtime.is_last)
-        outputs = StepOutputs(module, active=runtime.is_last)  # the lists the steps append to
-        states = MetricStates(module, active=runtime.is_last)  # the Metrics the steps update
-        sizes: list[int] = []
-
-        def step(mb: Any) -> Any:
-            sizes.append(batch_size_of(mb))
-            recorder.begin_microbatch(sizes[-1])
-            return fn(mb, *rest, **kwargs)
-
-        with recorder:
-            values = runtime.run_batch(batch, step, self._backward_microbatch, train=train)
-        if runtime.is_last:
-            values["logs"] = recorder.summary()
-            values["appended"] = StepOutputs.to_cpu(outputs.collect(sizes))
-            values["metrics"] = states.take(recorder.metrics())
-        settle = train and compat.ends_epoch(module.trainer)
+        with StepRecording(module, hook, args, kwargs, runtime.is_last) as recording:
+            values = runtime.run_batch(args[0], recording.step, self._backward_microbatch, train=train)
+        values.update(recording.values())
+        settle = train and compat.ends_epoch(module.trainer)  # 2BW: the epoch's last values
         reports = runtime.deliver(values, train=train, settle=settle)
         for report in reports:
-            if runtime.is_last:
-                metrics = recorder.metrics()
-            else:
-                StepOutputs.apply(module, report["appended"], self.root_device)
-                metrics = MetricStates.apply(module, report["metrics"], self.root_device)
-            # the recorder is gone: the real log (Metrics are logged as such, on every rank)
-            replay(module.log, report["logs"], self.root_device, metrics)
+            recording.apply(report, self.root_device)
         if not reports:  # 2BW's first step, on a rank other than 0
             return torch.tensor(math.nan, device=self.root_device)
-        last = reports[-1]
         if train:
-            return torch.tensor(last["loss"], device=self.root_device)
-        return apply_to_collection(last["output"], Tensor, lambda t: t.to(self.root_device))
+            return torch.tensor(reports[-1]["loss"], device=self.root_device)
+        return apply_to_collection(reports[-1]["output"], Tensor, lambda t: t.to(self.root_device))
 
     def _backward_microbatch(self, loss: Tensor) -> None:
         scaler = self._scaler()
@@ -654,17 +624,9 @@ class Pipe2BWStrategy(ParallelStrategy):
         super().teardown()
 
     def _hand_back(self, runtime: StageRuntime) -> None:
-        """After a Trainer call, the user's module holds the whole trained body again on every
-        rank (collective), so that ``model.state_dict()`` in the script is the whole model. A
-        body built in ``configure_model`` (too large for one rank, by the user's choice) stays
-        partial, and its ``state_dict()`` raises, naming the ways to save the whole model."""
-        body = runtime.body
-        if body.built_on_meta:
-            reason: str | None = "its blocks were built in configure_model"
-        else:
-            reason = restore_body(runtime)
+        """The whole trained body back in the user's module, on every rank (collective)."""
+        reason = hand_back(runtime)
         if reason is not None:
-            body.partial_reason = reason
             rank_zero_warn(
                 f"pipe2bw: the module keeps each rank's stage of its body only ({reason}); save "
                 "the whole model with trainer.save_checkpoint(path) or strategy.full_state_dict()"
@@ -748,17 +710,9 @@ class Pipe2BWStrategy(ParallelStrategy):
         """The unpartitioned model's state dict on global rank 0 (collective; ``{}`` elsewhere)."""
         module = self.lightning_module
         assert module is not None
-        with self._partial_access():
-            return gather_state_dict(module, self.global_rank, self.world_size)
-
-    @contextmanager
-    def _partial_access(self) -> Generator[None, None, None]:
-        """The strategy's own reads of a stage's state (allowed on a partial body)."""
-        if self.runtime is None:
-            yield
-            return
-        with self.runtime.body.partial_access():
-            yield
+        if self.runtime is not None:
+            return self._format().whole_state()
+        return gather_state_dict(module, self.global_rank, self.world_size)
 
     def _format(self) -> CheckpointFormat:
         return CheckpointFormat(self._runtime, self.plan)
@@ -769,8 +723,7 @@ class Pipe2BWStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self.flush()  # a checkpoint is a flush point: no micro-batch in flight, no update pending
-        with self._partial_access():
-            return self._format().model_state()
+        return self._format().model_state()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -782,8 +735,7 @@ class Pipe2BWStrategy(ParallelStrategy):
     ) -> None:
         checkpoints = self._format()
         if checkpoints.sharded:
-            with self._partial_access():
-                checkpoints.save_sharded(checkpoint, filepath)
+            checkpoints.save_sharded(checkpoint, filepath)
             return
         checkpoint = checkpoints.full_checkpoint(checkpoint)
         path = str(filepath)
@@ -804,11 +756,10 @@ class Pipe2BWStrategy(ParallelStrategy):
         unpickling (e.g. custom hyper-parameter objects) is loaded with ``weights_only=False``
         after a warning; pass ``weights_only=False`` to ``fit`` to skip the first attempt."""
         if is_sharded_checkpoint(checkpoint_path):
-            with self._partial_access():
-                return self._format().load_sharded(
-                    checkpoint_path, weights_only is not False, self._torch_optimizers,
-                    self._adopt_layout,
-                )  # fmt: skip
+            return self._format().load_sharded(
+                checkpoint_path, weights_only is not False, self._torch_optimizers,
+                self._adopt_layout,
+            )  # fmt: skip
         if weights_only is not None:
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         try:
@@ -823,8 +774,7 @@ class Pipe2BWStrategy(ParallelStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        with self._partial_access():
-            self._format().load_model_state(checkpoint, strict, self._adopt_layout)
+        self._format().load_model_state(checkpoint, strict, self._adopt_layout)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -229,6 +229,10 @@ def test_a_single_run_keeps_every_rank_in_one_output_dir(tmp_path: Path) -> None
     assert (run_dir / "metrics.csv").exists()
     assert (run_dir / "train_ddp_process_1.log").exists()  # rank 1 ran Hydra in the same dir
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # and created no other
+    # as quiet as one device: none of the warnings that do not apply to the run
+    output = proc.stdout + proc.stderr
+    for noise in ("LeafSpec", "sync_dist=True", "exists and is not empty"):
+        assert noise not in output, (noise, output[-3000:])
 
 
 @pytest.mark.timeout(420)

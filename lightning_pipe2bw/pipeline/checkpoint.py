@@ -16,8 +16,9 @@ run continue exactly: the blocks-per-stage layout (a live repartition changes it
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.optim import Optimizer
@@ -41,6 +42,20 @@ __all__ = ["CheckpointFormat", "layout_to_adopt"]
 
 # moves the blocks to a saved blocks-per-stage layout before the state is loaded into them
 AdoptLayout = Callable[[Mapping[str, Any] | None], None]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _stage_state(method: _F) -> _F:
+    """The method reads the stage's state, which a partial body otherwise refuses to give
+    (``StageBody.partial_reason``): the strategy's own reads are how the whole model is saved."""
+
+    @functools.wraps(method)
+    def wrapped(self: CheckpointFormat, *args: Any, **kwargs: Any) -> Any:
+        with self.runtime.body.partial_access():
+            return method(self, *args, **kwargs)
+
+    return wrapped  # type: ignore[return-value]
 
 
 def layout_to_adopt(
@@ -71,6 +86,7 @@ class CheckpointFormat:
         self.sharded = runtime.options.state_dict_type == "sharded"
 
     # ------------------------------------------------------------------ saving
+    @_stage_state
     def model_state(self) -> dict[str, Any]:
         """The model's state to save: this stage's (sharded), or the whole model's on rank 0
         (full; collective, ``{}`` elsewhere)."""
@@ -78,6 +94,12 @@ class CheckpointFormat:
         if self.sharded:
             return self.runtime.stage_state_dict()  # this stage's share, by original name
         return gather_state_dict(root, t.rank, t.world_size)
+
+    @_stage_state
+    def whole_state(self) -> dict[str, Any]:
+        """The whole model's state dict on global rank 0 (collective; ``{}`` elsewhere)."""
+        t = self.runtime.topology
+        return gather_state_dict(self.runtime.root, t.rank, t.world_size)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """``optimizer``'s state to save: by parameter name (sharded), or every stage's in
@@ -120,6 +142,7 @@ class CheckpointFormat:
             return checkpoint
         return {**checkpoint, "pipe2bw": self.pipeline_state()}
 
+    @_stage_state
     def save_sharded(self, checkpoint: dict[str, Any], path: Any) -> None:
         """Every rank writes its own tensors (DCP), under the original model's names; rank 0
         writes the rest of Lightning's checkpoint to ``meta.pt`` (collective)."""
@@ -140,6 +163,7 @@ class CheckpointFormat:
         save_sharded(path, tensors, meta, self.runtime.topology.rank)
 
     # ------------------------------------------------------------------ loading
+    @_stage_state
     def load_sharded(
         self,
         path: Any,
@@ -183,6 +207,7 @@ class CheckpointFormat:
         checkpoint["pipe2bw"] = pipeline
         return checkpoint
 
+    @_stage_state
     def load_model_state(
         self, checkpoint: Mapping[str, Any], strict: bool, adopt: AdoptLayout
     ) -> None:

@@ -43,6 +43,7 @@ __all__ = [
     "CarriedState",
     "carry_state",
     "check_movable",
+    "hand_back",
     "move_blocks",
     "relayout",
     "restore_body",
@@ -193,6 +194,19 @@ def relayout(
     for scheduler, state in zip(new_schedulers, carried.schedulers, strict=False):
         scheduler.load_state_dict(state)
     return stepped
+
+
+def hand_back(runtime: StageRuntime) -> str | None:
+    """At the end of a Trainer call: the user's module holds the whole trained body again, on
+    every rank (collective), so that ``model.state_dict()`` in the script is the whole model.
+    A body built in ``configure_model`` (too large for one rank, by the user's choice), or one
+    with a block that cannot travel, stays partial, and its ``state_dict()`` raises, naming the
+    ways to save the whole model: returns why, or None."""
+    body = runtime.body
+    reason = "its blocks were built in configure_model" if body.built_on_meta else None
+    reason = reason or restore_body(runtime)
+    body.partial_reason = reason
+    return reason
 
 
 def restore_body(runtime: StageRuntime) -> str | None:
