@@ -67,6 +67,7 @@ __all__ = [
     "set_metric_state",
     "set_num_threads_if_needed",
     "skip_sigterm_broadcast",
+    "start_worker_scripts",
     "sync_ddp_if_available",
     "torch_optimizer",
     "training_dataloader",
@@ -130,6 +131,12 @@ def ends_epoch(trainer: Trainer) -> bool:
 def launched_processes(launcher: SubprocessScriptLauncher) -> list[Any]:
     """The worker processes a ``popen`` launcher started (``subprocess.Popen`` objects)."""
     return list(launcher.procs)
+
+
+def start_worker_scripts(launcher: SubprocessScriptLauncher) -> None:
+    """Start the ``popen`` workers (the script re-run once per rank, ``launcher.procs``), as
+    Lightning's launcher does before it calls the trainer's function."""
+    launcher._call_children_scripts()
 
 
 def override_clipping(

@@ -10,10 +10,13 @@ from __future__ import annotations
 import errno
 import io
 import os
+import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
 import torch
@@ -28,6 +31,8 @@ from lightning_pipe2bw.compat import (
     SubprocessScriptLauncher,
     WorkerOutput,
     launched_processes,
+    set_num_threads_if_needed,
+    start_worker_scripts,
 )
 from lightning_pipe2bw.runtime.failure import say
 
@@ -35,6 +40,7 @@ __all__ = [
     "GatheringStrategy",
     "PipePopenLauncher",
     "PipeSpawnLauncher",
+    "WorkerWatch",
     "check_port_free",
     "kill_workers",
     "signal_workers",
@@ -101,16 +107,90 @@ def _free_port() -> int:
 
 
 class PipePopenLauncher(SubprocessScriptLauncher):
-    """Lightning's ``popen`` launcher (the script re-run once per rank), which first checks
-    that the rendezvous port is free: with a port in use, the workers it started would connect
-    to whatever holds it and hang, and only rank 0 would report the error."""
+    """Lightning's ``popen`` launcher (the script re-run once per rank), with two changes.
+
+    * It first checks that the rendezvous port is free: with a port in use, the workers it
+      started would connect to whatever holds it and hang, and only rank 0 would report the error.
+    * The workers are watched by a :class:`WorkerWatch` instead of Lightning's observer, which
+      kills the launching process (``SIGKILL``) within 5 s of any worker exiting with an error.
+      Here the launching process is a stage too, and when a worker fails it is told at once and
+      stops on its own: its error, its exit status (143 after ``SIGTERM``) and its clean-up
+      (loggers, the other workers) would be cut short. The watch kills it only if it has not
+      stopped ``grace_s`` after the worker's exit.
+
+    Args:
+        grace_s: how long the launching process has to stop on its own after a worker failed.
+    """
+
+    def __init__(self, *args: Any, grace_s: float = 30.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.grace_s = grace_s
 
     @override
-    def launch(self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+    def launch(
+        self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any
+    ) -> Any:
         env = self.cluster_environment
-        if not env.creates_processes_externally and self.num_processes > 1 and env.node_rank() == 0:
-            check_port_free(env.main_address, env.main_port)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        env.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not env.creates_processes_externally:
+            if self.num_processes > 1 and env.node_rank() == 0:
+                check_port_free(env.main_address, env.main_port)
+            start_worker_scripts(self)
+            WorkerWatch(launched_processes(self), self.grace_s).start()
+        set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
+
+
+class WorkerWatch(threading.Thread):
+    """Watches the worker processes of a ``popen`` run from the launching process. Once one has
+    exited with an error and the launching process is still alive ``grace_s`` later, it kills
+    every worker left and calls ``end``, which ends the launching process (by default ``SIGKILL``
+    to itself): a launching process stuck outside the pipeline (in a user's collective, say)
+    cannot outlive its workers. A daemon thread: it ends with the process, or once every worker
+    exited with 0.
+
+    Args:
+        workers: the worker processes (``subprocess.Popen``).
+        grace_s: how long the launching process has to stop on its own.
+        poll_s: how often the workers are looked at.
+        end: what ends the launching process.
+    """
+
+    def __init__(
+        self,
+        workers: Sequence[subprocess.Popen[Any]],
+        grace_s: float,
+        poll_s: float = 1.0,
+        end: Callable[[], None] = lambda: os.kill(os.getpid(), signal.SIGKILL),
+    ) -> None:
+        super().__init__(daemon=True, name="pipe2bw-worker-watch")
+        self.workers = list(workers)
+        self.grace_s = grace_s
+        self.poll_s = poll_s
+        self.end = end
+
+    @override
+    def run(self) -> None:
+        failed: subprocess.Popen[Any] | None = None
+        while failed is None:
+            time.sleep(self.poll_s)
+            codes = [proc.poll() for proc in self.workers]
+            if all(code == 0 for code in codes):
+                return
+            failed = next(
+                (p for p, c in zip(self.workers, codes, strict=True) if c not in (None, 0)), None
+            )
+        time.sleep(self.grace_s)
+        say(
+            f"pipe2bw: worker process {failed.pid} exited with code {failed.returncode} and the "
+            f"launching process has not stopped {self.grace_s:.0f} s later: killing every "
+            f"process of the run"
+        )
+        for proc in self.workers:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        self.end()
 
 
 class _GatheringLauncher(MultiProcessingLauncher):

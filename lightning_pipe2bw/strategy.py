@@ -310,7 +310,10 @@ class Pipe2BWStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         if self.options.start_method == "popen":
             self._launcher = PipePopenLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
+                self.cluster_environment,
+                self.num_processes,
+                self.num_nodes,
+                grace_s=2 * self.worker_grace_s,  # its own failure path waits worker_grace_s
             )
         else:
             method = self.options.start_method

@@ -59,6 +59,9 @@ def test_private_attributes_on_real_objects() -> None:
         assert callable(getattr(plugin, method, None)), f"Precision.{method} is gone"
     launcher = compat.SubprocessScriptLauncher(LightningEnvironment(), 2, 1)
     assert compat.launched_processes(launcher) == []
+    assert callable(getattr(launcher, "_call_children_scripts", None)), (
+        "the popen launcher's _call_children_scripts is gone"
+    )
     assert hasattr(compat.MultiProcessingLauncher, "_collect_rank_zero_results")
     fields = list(compat.WorkerOutput._fields)  # the launcher builds one positionally
     assert fields == [
