@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
@@ -21,22 +23,29 @@ def _params_with_grad(optimizer: Optimizer) -> list[torch.Tensor]:
 
 
 def make_clipping_global(
-    plugin: Precision, device: torch.device, group: dist.ProcessGroup | None, num_stages: int
+    plugin: Precision,
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+    num_stages: int,
+    counted: Callable[[torch.Tensor], bool] = lambda p: True,
 ) -> None:
     """Make ``plugin``'s gradient clipping behave as on one device.
 
     By norm: the norm is taken over every stage's gradient (squared norms summed with one
     all-reduce, in float64) and the coefficient is ``torch.nn.utils.clip_grad_norm_``'s,
     ``max_norm / (norm + 1e-6)`` capped at 1. Every rank clips at the same point of Lightning's
-    loop, so the all-reduce lines up. By value: element-wise, so stage-local; it tolerates a
+    loop, so the all-reduce lines up. A parameter whose copies live on several stages (a tie)
+    counts once: ``counted(param)`` is False for the other copies. By value: element-wise, so stage-local; it tolerates a
     stage without gradients (2BW's first step).
     """
 
     def clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float) -> None:
-        grads = _grads(optimizer)
+        params = _params_with_grad(optimizer)
+        grads = [p.grad for p in params if p.grad is not None]
         squares = torch.zeros((), dtype=torch.float64, device=device)
-        for g in grads:
-            squares += g.detach().double().pow(2).sum()
+        for p in params:
+            if p.grad is not None and counted(p):
+                squares += p.grad.detach().double().pow(2).sum()
         if num_stages > 1:
             dist.all_reduce(squares, group=group)
         coef = min(1.0, float(clip_val) / (float(squares.sqrt()) + 1e-6))

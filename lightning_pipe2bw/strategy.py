@@ -439,7 +439,14 @@ class Pipe2BWStrategy(ParallelStrategy):
     def _agree_across_stages(self) -> None:
         assert self.groups is not None
         group = self.groups.pipeline  # clipping and inf checks span one pipeline
-        make_clipping_global(self.precision_plugin, self.root_device, group, self.num_stages)
+        runtime = self._runtime
+
+        def counted(param: Tensor) -> bool:  # the current runtime's ties (moves rebuild them)
+            return runtime.tied is None or runtime.tied.counted(param)
+
+        make_clipping_global(
+            self.precision_plugin, self.root_device, group, self.num_stages, counted
+        )
         scaler = self._scaler()
         if scaler is not None:
             agree_on_inf_checks(scaler, self.root_device, group, self.num_stages)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
+from lightning_pipe2bw.partition.pipemodel import PipeModelBody, release, restore_model
 from lightning_pipe2bw.partition.split import BodyRef, Partition, make_partition
+from lightning_pipe2bw.partition.ties import Tie, find_ties
 from lightning_pipe2bw.runtime.stage import StageBody
 
 __all__ = ["build_stage"]
@@ -46,8 +49,8 @@ def build_stage(
     blocks = list(current.children())
     _check_callable_blocks(blocks, ref.path)
     partition = make_partition(len(blocks), num_stages, balance)
-    _check_no_tied_parameters(blocks, partition, ref.path)
     owned = partition.blocks_of(stage)
+    model_body = current if isinstance(current, PipeModelBody) else None
     stage_body = StageBody(
         ((i, blocks[i]) for i in owned),
         stage=stage,
@@ -55,12 +58,42 @@ def build_stage(
         balance=partition.balance,
         recompute=recompute,
         memory_plan=memory_plan,
+        takes_any_call=model_body is not None,
+        owner=model_body.owner if model_body is not None else None,
     )
+    stage_body.ties = find_ties(blocks)
+    if model_body is not None:
+        model = model_body.spec.model
+        object.__setattr__(stage_body, "model", model)  # not a child: it holds other stages'
+        stage_body.restore = functools.partial(restore_model, model)
+        stage_body.release = functools.partial(release, model)
+        release(model_body.spec.model, [b for i, b in enumerate(blocks) if i not in owned])
     setattr(ref.parent, ref.attr, stage_body)  # the other stages' blocks are released here
-    del blocks, current
+    del blocks, current, model_body
     _check_params_outside_body(module, ref.path)
     stage_body.built_on_meta = _materialize(module, stage_body, owned, device)
+    if stage_body.built_on_meta:
+        retie(stage_body)
     return stage_body, partition
+
+
+def retie(body: StageBody) -> None:
+    """Make the blocks of ``body`` that share a parameter share it again (materialising each
+    block on its own gives each its own copy): every use on this stage becomes the primary's."""
+    for tie in body.ties:
+        mine = [(b, n) for b, n in tie.uses if b in body.indices]
+        if len(mine) < 2:
+            continue
+        first = body.block(mine[0][0]).get_parameter(mine[0][1])
+        for block, name in mine[1:]:
+            owner_path, _, attr = name.rpartition(".")
+            owner = body.block(block).get_submodule(owner_path) if owner_path else body.block(block)
+            owner._parameters[attr] = first
+
+
+def ties_across_stages(ties: list[Tie], partition: Partition) -> list[Tie]:
+    """The ties whose uses are on more than one stage (each stage trains a copy)."""
+    return [t for t in ties if len(t.stages(partition)) > 1]
 
 
 def _check_callable_blocks(blocks: list[nn.Module], body: str) -> None:
@@ -86,27 +119,6 @@ def _check_params_outside_body(module: nn.Module, body_path: str) -> None:
             f"parameters outside the pipeline body {body_path!r}: {stray}. Every layer with "
             "parameters must be a block of the body so that exactly one stage owns it; move "
             "these layers into the body (e.g. an embedding as its first block, a head as its last)"
-        )
-
-
-def _check_no_tied_parameters(blocks: list[nn.Module], partition: Partition, body: str) -> None:
-    """A parameter shared by blocks on different stages would be trained as two copies."""
-    owner: dict[int, tuple[int, int, str]] = {}
-    problems = []
-    for stage in range(partition.num_stages):
-        for index in partition.blocks_of(stage):
-            for name, param in blocks[index].named_parameters(remove_duplicate=False):
-                first = owner.setdefault(id(param), (stage, index, name))
-                if first[0] != stage:
-                    problems.append(
-                        f"{body}.{first[1]}.{first[2]} (stage {first[0]}) is "
-                        f"{body}.{index}.{name} (stage {stage})"
-                    )
-    if problems:
-        raise ValueError(
-            f"parameters shared between blocks on different stages: {problems}. Each stage "
-            "would train its own copy; untie them, or choose a balance that puts the blocks that "
-            "share a parameter on one stage"
         )
 
 

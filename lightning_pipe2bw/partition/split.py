@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from lightning_pipe2bw.partition.pipemodel import PipeModel, pipe_model_for
 from lightning_pipe2bw.runtime.stage import StageBody
 
 __all__ = ["BodyRef", "Partition", "find_body", "make_partition"]
@@ -40,6 +41,10 @@ def _resolve(root: nn.Module, path: str) -> BodyRef:
         raise ValueError(
             f"body path {path!r}: {type(parent).__name__} has no attribute {attr!r}; pass the name of the nn.Sequential attribute that holds the blocks"
         )
+    if not isinstance(body, (nn.Sequential, StageBody)) and isinstance(body, nn.Module):
+        spec = pipe_model_for(body)
+        if spec is not None:
+            return _install(parent, attr, path, spec)
     if not isinstance(body, (nn.Sequential, StageBody)):
         hint = (
             " (a ModuleList has no forward: nn.Sequential(*layers) holds the same layers under "
@@ -49,9 +54,21 @@ def _resolve(root: nn.Module, path: str) -> BodyRef:
         )
         raise TypeError(
             f"the pipeline body {path!r} must be an nn.Sequential of blocks, got {type(body).__name__}; "
-            f"wrap the blocks in nn.Sequential or define `pipeline_body()` returning one{hint}"
+            f"wrap the blocks in nn.Sequential, or describe the model with `pipeline_body()` "
+            f"returning a PipeModel(model, blocks=..., pre=[...], post=[...]){hint}"
         )
     return BodyRef(parent, attr, path)
+
+
+def _install(parent: nn.Module, attr: str, path: str, spec: PipeModel) -> BodyRef:
+    """Put ``spec``'s body in place of its model at ``parent.<attr>``: the model's own modules
+    as a sequence of blocks (see ``partition.pipemodel``)."""
+    setattr(parent, attr, spec.body())
+    return BodyRef(parent, attr, path)
+
+
+def _path_of(module: nn.Module, target: nn.Module) -> str | None:
+    return next((path for path, sub in module.named_modules() if sub is target and path), None)
 
 
 def find_body(module: nn.Module, name: str | None = None) -> BodyRef:
@@ -64,6 +81,17 @@ def find_body(module: nn.Module, name: str | None = None) -> BodyRef:
     hook = getattr(module, "pipeline_body", None)
     if callable(hook):
         target = hook()
+        if isinstance(target, PipeModel):
+            where = _path_of(module, target.model)
+            if where is None:
+                raise ValueError(
+                    f"{type(module).__name__}.pipeline_body() returned a PipeModel of a "
+                    f"{type(target.model).__name__} that is not a submodule of the module; "
+                    "describe the model your step calls (e.g. PipeModel(self.model, ...))"
+                )
+            parent_path, _, attr = where.rpartition(".")
+            parent = module.get_submodule(parent_path) if parent_path else module
+            return _install(parent, attr, where, target)
         for path, sub in module.named_modules():
             if sub is target and path:
                 return _resolve(module, path)
@@ -83,6 +111,9 @@ def find_body(module: nn.Module, name: str | None = None) -> BodyRef:
     if len(top) == 1:
         return _resolve(module, top[0])
     if not top:
+        known = _known_models(module)
+        if len(known) == 1:
+            return _resolve(module, known[0])
         raise TypeError(
             f"{type(module).__name__} has no nn.Sequential attribute to split into pipeline stages. "
             "pipe2bw's rule: the layers that hold parameters live in one nn.Sequential (the body) that "
@@ -100,6 +131,16 @@ def find_body(module: nn.Module, name: str | None = None) -> BodyRef:
         f"{type(module).__name__} has several nn.Sequential attributes with parameters: {top}; name the "
         f"pipeline body with Pipe2BWStrategy(body=...) or a `pipeline_body()` method{within}"
     )
+
+
+def _known_models(module: nn.Module) -> list[str]:
+    """The outermost submodules of a family ``pipe_model_for`` knows (Hugging Face models)."""
+    found: list[str] = []
+    for path, sub in module.named_modules():
+        if path and not any(path.startswith(q + ".") for q in found):
+            if any(True for _ in sub.parameters()) and pipe_model_for(sub) is not None:
+                found.append(path)
+    return found
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from lightning_pipe2bw.pipeline.options import (
     raise_problems,
 )
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
+from lightning_pipe2bw.pipeline.ties import TiedCopies
 from lightning_pipe2bw.pipeline.topology import Topology
 from lightning_pipe2bw.runtime import P2PTransport, PipelineEngine, StageBody
 from lightning_pipe2bw.runtime.channel import ObjectChannel
@@ -183,7 +184,19 @@ def build_runtime(
                 scales_loss=scales_loss,
             )
         )
+    across = [t for t in body.ties if len(t.stages(partition)) > 1]
+    if across and training and options.schedule == "pipedream":
+        raise ValueError(
+            f"parameters shared between blocks on different stages ({across[0].describe()}) "
+            "need every copy updated at the same step; schedule='pipedream' updates each stage "
+            "on its own. Use '2bw', '1f1b' or 'gpipe', or a balance that puts the blocks "
+            "sharing a parameter on one stage"
+        )
     # collectives from here on: every rank makes the same groups in the same order
+    tied = TiedCopies(body, partition, topology, groups)
+    tied.sync_weights()  # the copies start from the primary's value
+    if tied and topology.rank == topology.rank_of_stage(0):
+        log.info("pipe2bw: parameters shared across stages: %s", tied.describe())
     channel = None
     if training and options.is_async and topology.num_stages > 1:
         members = topology.pipeline_ranks()
@@ -237,6 +250,7 @@ def build_runtime(
         num_microbatches=num_microbatches,
         optimizers=runtime_optimizers,
         evicting=evicting,
+        tied=tied,
     )
 
 

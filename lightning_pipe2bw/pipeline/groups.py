@@ -9,7 +9,9 @@ processes) and reused by every Trainer call:
   stage (its replicas average gradients in it), at set-up, when ``data_parallel > 1``;
 * a gloo group per replica for the step values 2BW delivers one step late (made on first use
   when there is one replica);
-* two two-rank groups per BPipe pair, one per direction (made on first use).
+* two two-rank groups per BPipe pair, one per direction (made on first use);
+* one per replica for each set of stages that hold copies of a shared (tied) parameter (made on
+  first use).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class ProcessGroups:
         self._values: Any = None  # gloo: the step values of asynchronous schedules
         self._metrics: Any = None  # the last stage of every replica: where metrics live
         self._offload: dict[tuple[int, int], Any] = {}  # (src rank, dst rank) -> two-rank group
+        self._ties: dict[tuple[int, ...], Any] = {}  # stages -> this replica's group of them
 
     @classmethod
     def create(cls, topology: Topology) -> ProcessGroups:
@@ -82,6 +85,18 @@ class ProcessGroups:
                 for pair in ((a, b), (b, a)):
                     if pair not in self._offload:  # collective: all ranks, same order
                         self._offload[pair] = dist.new_group(sorted(pair))
+
+    def tie(self, stages: tuple[int, ...]) -> Any:
+        """The group of ``stages`` of this rank's replica, which hold copies of one parameter
+        (collective on first use: every rank finds the same ties at the same point, and makes
+        the group of every replica, in order)."""
+        if stages not in self._ties:
+            t = self.topology
+            for replica in range(t.data_parallel):
+                group = dist.new_group(sorted(t.rank_of_stage(s, replica) for s in stages))
+                if replica == t.replica:
+                    self._ties[stages] = group
+        return self._ties[stages]
 
     def offload_pair(self, src: int, dst: int) -> Any:
         """The group that carries activations from rank ``src`` to rank ``dst``."""

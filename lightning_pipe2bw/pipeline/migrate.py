@@ -37,6 +37,7 @@ from lightning_pipe2bw.pipeline.repartition import (
     optimizer_state_by_name,
 )
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
+from lightning_pipe2bw.pipeline.ties import TiedCopies
 from lightning_pipe2bw.runtime.stage import StageBody
 
 __all__ = [
@@ -151,6 +152,8 @@ def move_blocks(runtime: StageRuntime, balance: Sequence[int], carried: CarriedS
             )  # fmt: skip
     body.balance = new.balance
     runtime.partition = new
+    # shared parameters: this stage's copies are other objects now, maybe on other stages
+    runtime.tied = TiedCopies(body, new, t, runtime.groups)
     raise_problems(memory_plan_problems(runtime.options, new, body.recompute))
 
 
@@ -231,7 +234,19 @@ def restore_body(runtime: StageRuntime) -> str | None:
     blocks.update(mine)  # this stage's own modules, not copies of them
     parent_path, _, attr = path.rpartition(".")
     parent = runtime.root.get_submodule(parent_path)
-    setattr(parent, attr, nn.Sequential(OrderedDict((str(i), blocks[i]) for i in sorted(blocks))))
+    if body.restore is not None:  # a model's body: the model object, holding every block
+        whole = body.restore(blocks)
+        names = {(b, n): n for tie in body.ties for b, n in tie.uses}  # the model's paths
+    else:
+        whole = nn.Sequential(OrderedDict((str(i), blocks[i]) for i in sorted(blocks)))
+        names = {(b, n): f"{b}.{n}" for tie in body.ties for b, n in tie.uses}
+    for tie in body.ties:  # the copies of a shared parameter are one parameter again
+        first = whole.get_parameter(names[tie.primary])
+        for use in tie.uses[1:]:
+            owner_path, _, name = names[use].rpartition(".")
+            owner = whole.get_submodule(owner_path) if owner_path else whole
+            owner._parameters[name] = first
+    setattr(parent, attr, whole)
     return None
 
 

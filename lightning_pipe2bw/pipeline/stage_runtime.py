@@ -25,6 +25,7 @@ from lightning_pipe2bw.pipeline.groups import (
     broadcast_from_last,
 )
 from lightning_pipe2bw.pipeline.options import PipeOptions
+from lightning_pipe2bw.pipeline.ties import TiedCopies
 from lightning_pipe2bw.pipeline.topology import Topology
 from lightning_pipe2bw.runtime.driver import Driver, DueGradient, Report
 from lightning_pipe2bw.runtime.engine import PipelineEngine, StepFn, step_loss
@@ -67,6 +68,7 @@ class StageRuntime:
         num_microbatches: int,
         optimizers: list[Any],
         evicting: frozenset[int] = frozenset(),
+        tied: TiedCopies | None = None,
     ) -> None:
         self.topology = topology
         self.groups = groups
@@ -79,6 +81,7 @@ class StageRuntime:
         self.num_microbatches = num_microbatches
         self.optimizers = optimizers
         self.evicting = evicting  # the stages that evict activations this fit (BPipe)
+        self.tied = tied  # this stage's copies of parameters shared with other stages
         # the body's dotted name in the user's module (it stays known once the whole body is
         # handed back at the end of the Trainer call)
         self.body_path = next(str(name) for name, m in root.named_modules() if m is body)
@@ -140,8 +143,13 @@ class StageRuntime:
         return [broadcast_from_last(values, self.topology, self.groups)]
 
     def average_gradients(self, params: Iterable[Tensor]) -> None:
-        """Average the stage's gradients with its replicas (data parallel x pipeline)."""
+        """Average the stage's due gradients with its replicas (data parallel x pipeline), and
+        sum the gradients of parameters shared across stages over their copies (collective
+        when any is due: every stage has a due gradient at the same steps)."""
+        params = list(params)
         average_over_replicas(params, self.groups.stage, self.topology.data_parallel)
+        if self.tied and params:
+            self.tied.sum_gradients()
 
     def flush(self, backward: Callable[[Tensor], None]) -> DueGradient | None:
         """Drain the pipeline (2BW); the gradient now due, if any."""

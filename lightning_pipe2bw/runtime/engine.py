@@ -440,12 +440,12 @@ class PipelineEngine:
                     "micro-batch, so call self.body(x) / self(x) exactly once in each step"
                 )
             if self.is_first:
-                out = stage_body.run_blocks(x, slot.params)
+                out = stage_body.run_blocks(x, slot.params, call=x)
                 if self.is_last:
                     return out
                 slot.outputs = out
                 raise _BodyReached
-            return stage_body.run_blocks(slot.inputs, slot.params)
+            return stage_body.run_blocks(slot.inputs, slot.params, call=x)
 
         body.set_call(call)
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,11 +14,43 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_pipe2bw.runtime.stash import ActivationStash
 
-__all__ = ["BodyCall", "StageBody"]
+__all__ = [
+    "BodyCall",
+    "BodyInput",
+    "StageBody",
+    "add_block_index",
+    "call_input",
+    "drop_block_index",
+]
 
 # Called with (stage body, the input the user's step passed to the body); returns what the body
 # call returns to the user's code, or raises to stop the step (see runtime.engine).
 BodyCall = Callable[["StageBody", Any], Any]
+
+
+@dataclass(frozen=True)
+class BodyInput:
+    """The arguments the user's step passed to a body that takes any call
+    (``self.model(input_ids, labels=y)``, see ``partition.pipemodel``)."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+@contextmanager
+def call_input(block: nn.Module, call: Any) -> Iterator[None]:
+    """Give a block that takes them (``takes_call_input``: a model's last block, its head) the
+    step's own arguments for one call: on the last stage the body's input is the received
+    activation, while the head needs the step's labels."""
+    if not getattr(block, "takes_call_input", False):
+        yield
+        return
+    previous = block.__dict__.get("call_input")
+    block.__dict__["call_input"] = call if isinstance(call, BodyInput) else None
+    try:
+        yield
+    finally:
+        block.__dict__["call_input"] = previous
 
 
 class StageBody(nn.Module):
@@ -41,7 +74,12 @@ class StageBody(nn.Module):
         *,
         recompute: bool = False,
         memory_plan: Mapping[int, str] | None = None,
+        takes_any_call: bool = False,
+        owner: Mapping[str, int] | None = None,
     ) -> None:
+        """``takes_any_call``: the body is a model's (``partition.pipemodel``): its call takes any
+        arguments, passed on as a :class:`BodyInput`; ``owner``: then the block that holds each
+        of the model's state-dict keys (the stage's keys are the model's, without the index)."""
         super().__init__()
         self.stage = stage
         self.num_stages = num_stages
@@ -68,6 +106,23 @@ class StageBody(nn.Module):
         self._partial_access = 0
         self._block_s: dict[int, float] = {}
         self._block_events: list[tuple[int, Any, Any]] = []
+        self.takes_any_call = takes_any_call
+        self.owner: dict[str, int] | None = dict(owner) if owner is not None else None
+        if self.owner is not None:
+            self._register_state_dict_hook(drop_block_index)
+            self._register_load_state_dict_pre_hook(self._body_keys, with_module=False)
+        # the original model object of a model's body (its blocks point into it); None otherwise
+        self.model: nn.Module | None = None
+        # parameters shared by several blocks of the whole body (partition.ties.Tie)
+        self.ties: list[Any] = []
+        # drops blocks from the model object (a block that leaves this stage frees its memory)
+        self.release: Callable[[list[nn.Module]], None] | None = None
+        # builds what the user's module holds again from every block (the hand-back)
+        self.restore: Callable[[Mapping[int, nn.Module]], nn.Module] | None = None
+
+    def _body_keys(self, state: dict[str, Any], prefix: str, *args: Any) -> None:
+        assert self.owner is not None
+        add_block_index(state, prefix, self.owner)
 
     # ------------------------------------------------------------------ blocks (repartitioning)
     def block(self, index: int) -> nn.Module:
@@ -79,10 +134,14 @@ class StageBody(nn.Module):
         block = self._modules.pop(str(index))
         assert block is not None
         self.indices.remove(index)
+        if self.release is not None:
+            self.release([block])  # the model object no longer holds it either
         return block
 
     def put_block(self, index: int, block: nn.Module) -> None:
         """Own ``block`` as block ``index``, in block order."""
+        if self.model is not None and getattr(block, "whole_model", self.model) is None:
+            object.__setattr__(block, "whole_model", self.model)  # a model's block that travelled
         self.add_module(str(index), block)
         self._modules = dict(sorted(self._modules.items(), key=lambda kv: int(kv[0])))
         self.indices = sorted(int(k) for k in self._modules)
@@ -102,8 +161,11 @@ class StageBody(nn.Module):
         finally:
             self.microbatch, self.stash = None, None
 
-    def run_blocks(self, x: Any, weights: Mapping[str, Tensor] | None = None) -> Any:
-        """Apply the owned blocks in order, with ``nn.Sequential`` semantics (one input each).
+    def run_blocks(
+        self, x: Any, weights: Mapping[str, Tensor] | None = None, call: Any = None
+    ) -> Any:
+        """Apply the owned blocks in order, with ``nn.Sequential`` semantics (one input each);
+        ``call``: the step's :class:`BodyInput`, for a block that takes it (a model's head).
 
         ``weights`` (names as in ``self.named_parameters()``) replace the parameters for this
         call (``torch.func.functional_call``, block by block): a weight version other than the
@@ -115,16 +177,23 @@ class StageBody(nn.Module):
         ``"recompute"`` is checkpointed on its own.
         """
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._apply_blocks, x, weights, use_reentrant=False)
-        return self._apply_blocks(x, weights)
+            return checkpoint(self._apply_blocks, x, weights, call, use_reentrant=False)
+        return self._apply_blocks(x, weights, call)
 
-    def _apply_blocks(self, x: Any, weights: Mapping[str, Tensor] | None) -> Any:
+    def _apply_blocks(self, x: Any, weights: Mapping[str, Tensor] | None, call: Any = None) -> Any:
         stash = self.stash
+        names = None
+        if weights is not None:  # by identity: a parameter shared by two blocks is one weight
+            names = {id(p): name for name, p in self.named_parameters()}
         for index, block in zip(self.indices, self.children(), strict=True):
             own = None
             if weights is not None:
-                prefix = f"{index}."
-                own = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+                assert names is not None
+                own = {
+                    local: weights[names[id(p)]]
+                    for local, p in block.named_parameters(remove_duplicate=False)
+                    if names.get(id(p)) in weights
+                }
             policy = self.memory_plan.get(index, "keep")
             if stash is not None:
                 stash.current_policy = policy
@@ -135,9 +204,9 @@ class StageBody(nn.Module):
                 if policy == "recompute" and torch.is_grad_enabled():
                     if stash is not None and self.microbatch is not None:
                         stash.note_held(self.microbatch, x)  # checkpoint keeps the input
-                    x = checkpoint(_call_block, block, own, x, use_reentrant=False)
+                    x = checkpoint(_call_block, block, own, x, call, use_reentrant=False)
                 else:
-                    x = _call_block(block, own, x)
+                    x = _call_block(block, own, x, call)
             finally:
                 if stash is not None:
                     stash.current_policy = None
@@ -212,25 +281,55 @@ class StageBody(nn.Module):
         self._call = call
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs or len(args) != 1:
+        if self.takes_any_call:
+            call: Any = BodyInput(args, kwargs)
+        elif kwargs or len(args) != 1:
             raise TypeError(
                 "the pipeline body is an nn.Sequential and takes exactly one positional input "
                 f"(got {len(args)} positional and {sorted(kwargs)} keyword arguments); pack several "
                 "inputs into one tuple or dict"
             )
+        else:
+            call = args[0]
         if self._call is None:
             raise RuntimeError(
                 "the pipeline body was called outside a pipelined step: with pipe2bw each rank holds "
                 f"only its stage's blocks (stage {self.stage} of {self.num_stages}). Run the model "
                 "through trainer.fit/validate/test/predict, or load a checkpoint on one device."
             )
-        return self._call(self, args[0])
+        return self._call(self, call)
 
     def extra_repr(self) -> str:
         return f"stage={self.stage}/{self.num_stages}, blocks={self.indices}"
 
 
-def _call_block(block: nn.Module, weights: Mapping[str, Tensor] | None, x: Any) -> Any:
-    if weights is None:
-        return block(x)
-    return torch.func.functional_call(block, dict(weights), (x,), strict=False)
+def add_block_index(state: dict[str, Any], prefix: str, owner: Mapping[str, int]) -> None:
+    """Load a model's keys into its body: ``prefix + key`` -> ``prefix + "3." + key``, where
+    ``owner[key]`` (3) is the block that holds it."""
+    for key in list(state):
+        if key.startswith(prefix):
+            local = key[len(prefix) :]
+            if local in owner:
+                state[f"{prefix}{owner[local]}.{local}"] = state.pop(key)
+
+
+def drop_block_index(module: nn.Module, state: dict[str, Any], prefix: str, _: Any) -> None:
+    """A model's body saves under the model's keys: ``prefix + "3." + key`` -> ``prefix + key``
+    (a state-dict hook)."""
+    items = list(state.items())
+    state.clear()
+    for key, value in items:
+        if key.startswith(prefix):
+            index, _, local = key[len(prefix) :].partition(".")
+            if index.isdigit():
+                key = prefix + local
+        state[key] = value
+
+
+def _call_block(
+    block: nn.Module, weights: Mapping[str, Tensor] | None, x: Any, call: Any = None
+) -> Any:
+    with call_input(block, call):
+        if weights is None:
+            return block(x)
+        return torch.func.functional_call(block, dict(weights), (x,), strict=False)

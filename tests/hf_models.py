@@ -1,0 +1,145 @@
+"""Small third-party models (Hugging Face transformers: GPT-2, Llama, ViT) as a user hands them
+over: the LightningModule holds the model as it comes and its step calls it as usual; nothing is
+rewritten for the pipeline. And the single-device references they are compared with."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+warnings.filterwarnings("ignore", message=".*token_id.*")
+transformers = __import__("transformers")
+transformers.logging.set_verbosity_error()
+
+VOCAB, SEQ, IMAGE = 64, 12, 16
+BATCH = 8
+LR = 1e-3
+
+
+def gpt2(tie: bool = True) -> nn.Module:
+    config = transformers.GPT2Config(
+        n_layer=4, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
+        bos_token_id=0, eos_token_id=0, tie_word_embeddings=tie,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def llama(tie: bool = False) -> nn.Module:
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+        tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def vit() -> nn.Module:
+    config = transformers.ViTConfig(
+        hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64,
+        image_size=IMAGE, patch_size=4, num_labels=5,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return transformers.ViTForImageClassification(config)
+
+
+FAMILIES: dict[str, Callable[[], nn.Module]] = {
+    "gpt2_untied": lambda: gpt2(tie=False),
+    "gpt2": gpt2,
+    "llama": llama,
+    "llama_tied": lambda: llama(tie=True),
+    "vit": vit,
+}
+
+
+def batches(family: str, n: int = 5, seed: int = 0) -> list[tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        if family == "vit":
+            out.append((torch.randn(BATCH, 3, IMAGE, IMAGE, generator=g), torch.randint(0, 5, (BATCH,), generator=g)))
+        else:
+            ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+            out.append((ids, ids))
+    return out
+
+
+def loader(family: str, n: int = 5) -> DataLoader[Any]:
+    xs, ys = zip(*batches(family, n), strict=True)
+    return DataLoader(TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=BATCH)
+
+
+def call(model: nn.Module, family: str, x: Tensor, y: Tensor) -> Any:
+    """The model's own call, as a user writes it."""
+    if family == "vit":
+        return model(pixel_values=x, labels=y)
+    return model(input_ids=x, labels=y)
+
+
+class HFModule(LightningModule):
+    """The whole user code: the model as it comes, and its call in the step."""
+
+    def __init__(self, family: str) -> None:
+        super().__init__()
+        self.family = family
+        torch.manual_seed(0)
+        self.model = FAMILIES[family]()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = call(self.model, self.family, x, y).loss
+        self.log("train_loss", loss)
+        return loss  # type: ignore[no-any-return]
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", call(self.model, self.family, x, y).loss)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=LR)
+
+
+def _accumulate(model: nn.Module, family: str, x: Tensor, y: Tensor, m: int) -> None:
+    for xs, ys in zip(torch.tensor_split(x, m), torch.tensor_split(y, m), strict=True):
+        (call(model, family, xs, ys).loss * (xs.shape[0] / x.shape[0])).backward()
+
+
+def _state(model: nn.Module) -> dict[str, Tensor]:
+    return {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def reference(family: str, steps: int, m: int, delayed: bool = False) -> dict[str, Tensor]:
+    """One device, the whole model: gradient accumulation over the same micro-batches and
+    AdamW; with ``delayed``, 2BW's rule W(t+1) = W(t) - step(grad f(W(t-1))), W(-1) = W(0)."""
+    torch.manual_seed(0)
+    model = FAMILIES[family]()
+    torch.manual_seed(0)
+    shadow = FAMILIES[family]()
+    model.train()
+    shadow.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    history = {0: model.state_dict()}
+    history[0] = {k: v.clone() for k, v in history[0].items()}
+    for step, (x, y) in enumerate(batches(family, steps)):
+        if delayed:
+            shadow.load_state_dict(history[max(step - 1, 0)])
+            shadow.zero_grad()
+            _accumulate(shadow, family, x, y, m)
+            for p, q in zip(model.parameters(), shadow.parameters(), strict=True):
+                p.grad = None if q.grad is None else q.grad.clone()
+        else:
+            opt.zero_grad()
+            _accumulate(model, family, x, y, m)
+        opt.step()
+        history[step + 1] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {f"model.{k}": v for k, v in history[steps].items()}
+
+
+def named(model: nn.Module) -> Iterator[str]:
+    yield from model.state_dict()
