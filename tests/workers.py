@@ -101,6 +101,10 @@ class LateBuiltModel(RegressionModel):
         self.register_buffer("calls", torch.zeros(()), persistent=False)
         self.built_on_meta = all(p.is_meta for p in self.body.parameters())
 
+    def reset_parameters(self) -> None:
+        """Materialising calls this for the module's own tensors built on meta: the buffer."""
+        self.calls.zero_()
+
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         x = batch[0]
         return self(x).pow(2).mean()
