@@ -140,9 +140,8 @@ class Uninitialized:
     cls: str
     value: str
     initialiser: str
-    order: tuple[
-        tuple[int, int | str], ...
-    ] = ()  # the module's path in natural order, then the tensor's place
+    # the sort key: the module's path in natural order, then the tensor's place in it
+    order: tuple[tuple[int, int | str], ...] = ()
 
     def describe(self) -> str:
         held = {"NaN": "holds NaN (never written)", "inf": "holds inf"}.get(
