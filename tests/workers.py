@@ -101,6 +101,10 @@ class LateBuiltModel(RegressionModel):
         self.register_buffer("calls", torch.zeros(()), persistent=False)
         self.built_on_meta = all(p.is_meta for p in self.body.parameters())
 
+    def reset_parameters(self) -> None:
+        """Materialising calls this for the module's own tensors built on meta: the buffer."""
+        self.calls.zero_()
+
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         x = batch[0]
         return self(x).pow(2).mean()
@@ -158,3 +162,92 @@ def fit_error(schedule: str, **strategy_kwargs: Any) -> str:
     except (ValueError, TypeError) as err:
         return str(err)
     return "no error"
+
+
+# ----------------------------------------------------------------------------- initialising a
+# body built in configure_model: a block without reset_parameters (transformers' Conv1D)
+
+
+class ConvBlock(torch.nn.Module):
+    """GPT-2's layer: transformers' ``Conv1D`` has no ``reset_parameters`` (it initialises
+    itself in ``__init__``, which the meta device skips)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D
+
+        self.proj = Conv1D(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.proj(x))
+
+
+def conv_body() -> torch.nn.Sequential:
+    """Four blocks; with ``balance=[3, 1]`` the Conv1D blocks are all on stage 0."""
+    from models import HIDDEN, IN, OUT
+
+    return torch.nn.Sequential(
+        torch.nn.Linear(IN, HIDDEN),
+        ConvBlock(HIDDEN),
+        ConvBlock(HIDDEN),
+        torch.nn.Linear(HIDDEN, OUT),
+    )
+
+
+def conv_init(module: torch.nn.Module) -> None:
+    """GPT-2's initialisation of ``Conv1D``, ``reset_parameters()`` for the rest."""
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(module, Conv1D):
+        torch.nn.init.normal_(module.weight, std=0.02)
+        torch.nn.init.zeros_(module.bias)
+    elif isinstance(module, torch.nn.Linear):
+        module.reset_parameters()
+
+
+class LateConvModel(RegressionModel):
+    """``conv_body()`` built in ``configure_model``, without an initialiser for Conv1D."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.body
+        self.body: Any = None
+
+    def configure_model(self) -> None:
+        if self.body is None:
+            self.body = conv_body()
+
+
+class LateConvModelWithInit(LateConvModel):
+    def pipeline_init(self, module: torch.nn.Module) -> None:
+        conv_init(module)
+
+
+class StateAtFitStart(Callback):
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self.state = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+
+
+def fit_late_conv(with_init: bool, steps: int, microbatches: int) -> dict[str, Any]:
+    """Fit ``LateConvModel`` (seed 42) with 1F1B on balance [3, 1]: the error each rank raises,
+    or its stage's initial weights and the trained model."""
+    from lightning.pytorch import seed_everything
+
+    seed_everything(42, verbose=False)
+    model = LateConvModelWithInit() if with_init else LateConvModel()
+    start = StateAtFitStart()
+    strategy = Pipe2BWStrategy(schedule="1f1b", microbatches=microbatches, balance=[3, 1])
+    trainer = quiet_trainer(
+        devices=dist.get_world_size(), strategy=strategy, max_steps=steps, callbacks=[start]
+    )
+    try:
+        trainer.fit(model, loader(8))
+    except Exception as err:
+        return {"error": type(err).__name__, "message": str(err)}
+    full = strategy.full_state_dict()
+    return {
+        "error": None,
+        "initial": start.state,
+        "blocks": list(strategy.engine.body.indices),
+        "state": full if dist.get_rank() == 0 else None,
+    }

@@ -280,6 +280,8 @@ class PipeModelBody(nn.Sequential):
         parts.append(_Last(model, spec.post, spec.head or _chain))
         super().__init__(*parts)
         object.__setattr__(self, "spec", spec)
+        if spec.init is not None:  # a body built on meta is initialised by the model's own init
+            object.__setattr__(self, "_init_weights", spec.init)
         covered = {id(p) for part in parts for p in part.parameters()}
         stray = [n for n, p in model.named_parameters() if id(p) not in covered]
         if stray:

@@ -16,10 +16,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe2bw.partition import BodyRef, Partition, build_stage
 from lightning_pipe2bw.partition.balance import balance_by_params
+from lightning_pipe2bw.partition.build import Init, Uninitialized, UninitializedError
 from lightning_pipe2bw.partition.plans import PlanResult
 from lightning_pipe2bw.pipeline.groups import ProcessGroups, broadcast_from_last
 from lightning_pipe2bw.pipeline.options import (
@@ -46,7 +48,13 @@ from lightning_pipe2bw.schedule import (
     stashed_microbatches,
 )
 
-__all__ = ["build_runtime", "memory_plan_problems", "place_stage", "resolve_balance"]
+__all__ = [
+    "build_runtime",
+    "memory_plan_problems",
+    "place_stage",
+    "resolve_balance",
+    "resolve_init",
+]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +78,20 @@ def resolve_balance(
     return balance_by_params(list(ref.module.children()), num_stages)
 
 
+def resolve_init(module: nn.Module) -> Init | None:
+    """The user's ``pipeline_init(self, module)``, if ``module`` defines it: the initialiser of
+    blocks built in ``configure_model``, called for every submodule like ``nn.Module.apply``."""
+    fn = getattr(module, "pipeline_init", None)
+    if fn is None:
+        return None
+    if not callable(fn):
+        raise TypeError(
+            f"{type(module).__name__}.pipeline_init must be a method "
+            f"pipeline_init(self, module: nn.Module) -> None, got {type(fn).__name__}"
+        )
+    return fn  # type: ignore[no-any-return]
+
+
 def place_stage(
     module: nn.Module,
     ref: BodyRef,
@@ -81,19 +103,36 @@ def place_stage(
 ) -> tuple[StageBody, Partition]:
     """Replace ``module``'s body by this rank's stage (see ``partition.build_stage``), running
     ``balance`` blocks per stage; ``recompute`` is one flag for every stage or one per stage
-    (the planner's choice or the option). Checks the memory plan against the partition."""
+    (the planner's choice or the option). Checks the memory plan against the partition.
+
+    Blocks built in ``configure_model`` are initialised with the module's ``pipeline_init``
+    when it has one (see ``partition.build_stage``); a tensor that no initialiser wrote, on any
+    rank, raises the same :class:`UninitializedError` on every rank, naming them all."""
     stage = topology.stage
     flag = recompute[stage] if isinstance(recompute, tuple) else bool(recompute)
-    body, partition = build_stage(
-        module,
-        ref,
-        stage,
-        topology.num_stages,
-        balance,
-        device,
-        recompute=flag,
-        memory_plan=options.memory_plan,
-    )
+    on_meta = any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+    entries: tuple[Uninitialized, ...] = ()
+    try:
+        body, partition = build_stage(
+            module,
+            ref,
+            stage,
+            topology.num_stages,
+            balance,
+            device,
+            recompute=flag,
+            memory_plan=options.memory_plan,
+            init=resolve_init(module),
+        )
+    except UninitializedError as err:
+        entries = err.entries
+    # every rank built the same module in configure_model, so all of them take part
+    if on_meta and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, entries)
+        entries = tuple(e for rank_entries in gathered for e in rank_entries)
+    if entries:
+        raise UninitializedError(entries)
     raise_problems(memory_plan_problems(options, partition, flag))
     log.info(
         "pipe2bw: rank %d runs stage %d/%d with blocks %s of %r",
