@@ -140,3 +140,80 @@ def test_a_weight_tied_across_stages(pools: Any, schedule: str, clip: float | No
     assert diff <= TOL
     assert torch.equal(state["body.1.weight"], state["body.6.weight"])
     assert all(r["tied_again"] for r in results)  # one parameter again after fit
+
+
+# ---------------------------------------------------------------------- checkpoints and meta
+def _fit_and_save(path: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    module = hf_models.HFModule("gpt2")
+    strategy = Pipe2BWStrategy(schedule="1f1b", microbatches=M)
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=2)
+    trainer.fit(module, hf_models.loader("gpt2", 2))
+    trainer.save_checkpoint(path)
+    x, _ = hf_models.batches("gpt2", 1, seed=5)[0]
+    with torch.no_grad():
+        logits = module.model.eval()(input_ids=x).logits
+    return {"logits": logits}
+
+
+def test_a_checkpoint_keeps_the_model_names_and_loads_on_one_device(pools: Any, tmp_path) -> None:
+    """``trainer.save_checkpoint`` writes the Hugging Face keys (``model.transformer.h.0...``),
+    the tied weight once under both its names (one storage, as one device saves it), and the
+    file loads, strictly, into the model on one device."""
+    path = str(tmp_path / "gpt2.ckpt")
+    results = pools(2).run(_fit_and_save, path)
+    checkpoint = torch.load(path, weights_only=True)
+    state = checkpoint["state_dict"]
+    fresh = hf_models.gpt2()
+    assert set(state) == {f"model.{k}" for k in fresh.state_dict()}
+    wte, head = state["model.transformer.wte.weight"], state["model.lm_head.weight"]
+    assert wte.untyped_storage().data_ptr() == head.untyped_storage().data_ptr()
+    fresh.load_state_dict({k[len("model.") :]: v for k, v in state.items()}, strict=True)
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight  # still tied
+    x, _ = hf_models.batches("gpt2", 1, seed=5)[0]
+    with torch.no_grad():
+        logits = fresh.eval()(input_ids=x).logits
+    for r in results:  # the handed-back model on each rank computes the same
+        assert torch.equal(r["logits"], logits)
+
+
+class _BuiltLate(hf_models.HFModule):
+    """The model built in configure_model: on the meta device, each rank allocating its part."""
+
+    def __init__(self, family: str) -> None:
+        super(hf_models.HFModule, self).__init__()
+        self.family = family
+        self.model: nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = hf_models.FAMILIES[self.family]()
+
+
+def _fit_late(family: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    module = _BuiltLate(family)
+    losses: list[float] = []
+    strategy = Pipe2BWStrategy(schedule="1f1b", microbatches=M)
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=3)
+    trainer.fit(module, hf_models.loader(family, 3))
+    params = [p for p in strategy.engine.body.parameters()]
+    losses.append(float(trainer.callback_metrics.get("train_loss", float("nan"))))
+    return {
+        "finite": all(bool(torch.isfinite(p).all()) for p in params),
+        "largest": max(float(p.abs().max()) for p in params),
+        "loss": losses[0],
+    }
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_model_built_in_configure_model_is_initialised_by_its_own_init(
+    pools: Any, family: str
+) -> None:
+    """GPT-2's Conv1D has no reset_parameters: the model's _init_weights initialises each
+    rank's part (std 0.02), so nothing is left as uninitialised memory."""
+    results = pools(2).run(_fit_late, family)
+    for r in results:
+        assert r["finite"] and r["largest"] < 10, r
+    assert results[0]["loss"] == results[0]["loss"]  # not NaN
+    assert 2.0 < results[0]["loss"] < 6.0, results[0]  # about log(64) = 4.16 at the start

@@ -93,13 +93,25 @@ class CheckpointFormat:
         root, t = self.runtime.root, self.runtime.topology
         if self.sharded:
             return self.runtime.stage_state_dict()  # this stage's share, by original name
-        return gather_state_dict(root, t.rank, t.world_size)
+        return self._one_tensor_per_tie(gather_state_dict(root, t.rank, t.world_size))
 
     @_stage_state
     def whole_state(self) -> dict[str, Any]:
         """The whole model's state dict on global rank 0 (collective; ``{}`` elsewhere)."""
         t = self.runtime.topology
-        return gather_state_dict(self.runtime.root, t.rank, t.world_size)
+        return self._one_tensor_per_tie(gather_state_dict(self.runtime.root, t.rank, t.world_size))
+
+    def _one_tensor_per_tie(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Every name of a shared parameter refers to one tensor (the primary's copy), as in the
+        single-device model's state dict: the file holds it once, under each of its names."""
+        body, path = self.runtime.body, self.runtime.body_path
+        for tie in body.ties:
+            keys = [f"{path}.{body.key_of(block, name)}" for block, name in tie.uses]
+            if keys[0] in state:
+                for key in keys[1:]:
+                    if key in state:
+                        state[key] = state[keys[0]]
+        return state
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """``optimizer``'s state to save: by parameter name (sharded), or every stage's in

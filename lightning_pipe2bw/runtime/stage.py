@@ -138,6 +138,10 @@ class StageBody(nn.Module):
             self.release([block])  # the model object no longer holds it either
         return block
 
+    def key_of(self, index: int, name: str) -> str:
+        """The state-dict key (within the body) of block ``index``'s tensor ``name``."""
+        return name if self.owner is not None else f"{index}.{name}"
+
     def put_block(self, index: int, block: nn.Module) -> None:
         """Own ``block`` as block ``index``, in block order."""
         if self.model is not None and getattr(block, "whole_model", self.model) is None:
