@@ -48,3 +48,17 @@ def test_recompute_per_stage(pools) -> None:
 def test_recompute_list_must_match_the_stages(pools) -> None:
     for message in pools(2).run(workers.fit_error, "1f1b", recompute=[True, False, True]):
         assert "recompute=[True, False, True] has 3 entries but the pipeline has 2" in message
+
+
+def test_recompute_protects_the_input_of_an_in_place_first_block(pools) -> None:
+    """Stage 1 starts with ``x += shift`` (``balance=[5, 3]``), which is not idempotent: the
+    recomputation must see the input the first forward saw, not the one it modified. (The
+    weights; the buffers are the next test's.)"""
+    kwargs = dict(model="conv", balance=[5, 3])
+    plain = pools(2).run(workers.fit, "1f1b", 4, 3, **kwargs)
+    again = pools(2).run(workers.fit, "1f1b", 4, 3, recompute=True, **kwargs)
+    ref = reference_train(3, 4, model_name="conv")[0]
+    weights = [k for k in ref if "running_" not in k and "num_batches" not in k]
+    got = {k: again[0]["state"][k] for k in weights}
+    assert max_abs_diff(got, {k: plain[0]["state"][k] for k in weights}) <= 1e-6
+    assert max_abs_diff(got, {k: ref[k] for k in weights}) <= 1e-5

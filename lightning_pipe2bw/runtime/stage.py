@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_pipe2bw.runtime.inplace import copy_tensors, tensor_versions
 from lightning_pipe2bw.runtime.stash import ActivationStash
 
 __all__ = ["BodyCall", "StageBody"]
@@ -68,6 +69,10 @@ class StageBody(nn.Module):
         self._partial_access = 0
         self._block_s: dict[int, float] = {}
         self._block_events: list[tuple[int, Any, Any]] = []
+        # recomputed regions (by their blocks' indices) whose first forward modified the
+        # region's input in place: they run on a copy of it, so the recomputation sees the
+        # input the first forward saw (see :meth:`_checkpoint`)
+        self._modifies_input: dict[tuple[int, ...], bool] = {}
 
     # ------------------------------------------------------------------ blocks (repartitioning)
     def block(self, index: int) -> nn.Module:
@@ -113,10 +118,50 @@ class StageBody(nn.Module):
         with the same weights and random state, when the backward needs their activations
         (``torch.utils.checkpoint``, non-reentrant). A block whose :attr:`policy` is
         ``"recompute"`` is checkpointed on its own.
+
+        Blocks may modify their input in place (``nn.ReLU(inplace=True)``); a received
+        activation must be made writable first (``runtime.inplace.writable``, as the engine
+        does).
         """
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._apply_blocks, x, weights, use_reentrant=False)
+            return self._checkpoint(tuple(self.indices), self._apply_blocks, x, weights)
         return self._apply_blocks(x, weights)
+
+    def _checkpoint(
+        self, region: tuple[int, ...], fn: Callable[..., Any], x: Any, *args: Any
+    ) -> Any:
+        """``fn(x, *args)`` under ``torch.utils.checkpoint`` (non-reentrant), for the blocks
+        ``region``.
+
+        The recomputation runs ``fn`` again on ``x``: if the first forward modified ``x`` in
+        place (an in-place first block), it would see the modified input. So the region's first
+        forward runs on a copy of ``x`` and records whether the copy was modified; from then on
+        only a region that modifies its input gets a copy (a clone per forward and per
+        recomputation), one that does not runs on ``x`` itself at no cost, and raises if it ever
+        does modify it.
+        """
+        modifies = self._modifies_input.get(region)
+        first_run = [True]
+
+        def run(inp: Any, *rest: Any) -> Any:
+            own = copy_tensors(inp) if modifies is not False else inp
+            before = tensor_versions(own)
+            out = fn(own, *rest)
+            if first_run[0]:  # the forward; the recomputation runs it again
+                first_run[0] = False
+                changed = tensor_versions(own) != before
+                if modifies is None:
+                    self._modifies_input[region] = changed
+                elif changed and not modifies:
+                    raise RuntimeError(
+                        f"blocks {list(region)} of the pipeline body modified their input in "
+                        "place, which they did not do in their first recomputed forward: the "
+                        "recomputation would see the modified input. Keep in-place operations "
+                        "on a block's input unconditional, or do not recompute these blocks"
+                    )
+            return out
+
+        return checkpoint(run, x, *args, use_reentrant=False)
 
     def _apply_blocks(self, x: Any, weights: Mapping[str, Tensor] | None) -> Any:
         stash = self.stash
@@ -135,7 +180,7 @@ class StageBody(nn.Module):
                 if policy == "recompute" and torch.is_grad_enabled():
                     if stash is not None and self.microbatch is not None:
                         stash.note_held(self.microbatch, x)  # checkpoint keeps the input
-                    x = checkpoint(_call_block, block, own, x, use_reentrant=False)
+                    x = self._checkpoint((index,), _call_on, x, block, own)
                 else:
                     x = _call_block(block, own, x)
             finally:
@@ -228,6 +273,10 @@ class StageBody(nn.Module):
 
     def extra_repr(self) -> str:
         return f"stage={self.stage}/{self.num_stages}, blocks={self.indices}"
+
+
+def _call_on(x: Any, block: nn.Module, weights: Mapping[str, Tensor] | None) -> Any:
+    return _call_block(block, weights, x)
 
 
 def _call_block(block: nn.Module, weights: Mapping[str, Tensor] | None, x: Any) -> Any:
