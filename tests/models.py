@@ -80,6 +80,88 @@ class RegressionModel(LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class BasicBlock(nn.Module):
+    """torchvision's ResNet ``BasicBlock`` (torchvision does not import here): two 3x3
+    convolutions with batch norm, the residual added in place, one ``ReLU(inplace=True)``."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: Tensor) -> Tensor:
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+class InPlaceShift(nn.Module):
+    """Adds a learned per-channel shift to its input in place (``x += residual`` style): not
+    idempotent, so running it again on its own output would give another result."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.shift = nn.Parameter(torch.linspace(-0.5, 0.5, channels))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x += self.shift.view(1, -1, 1, 1)
+        return x
+
+
+CHANNELS, SIDE = 4, 6
+
+
+def make_conv_body() -> nn.Sequential:
+    """A small ResNet-style body whose blocks act in place: block 2 is ``ReLU(inplace=True)``
+    (the first block of stage 1 with ``balance=[2, 6]``) and block 5 adds to its input in place
+    (the first of stage 1 with ``balance=[5, 3]``; it follows a convolution, which does not
+    save its output); batch norm in blocks 1, 3 and 6."""
+    c = CHANNELS
+    return nn.Sequential(
+        nn.Conv2d(3, c, 3, padding=1, bias=False),
+        nn.BatchNorm2d(c),
+        nn.ReLU(inplace=True),
+        BasicBlock(c),
+        nn.Conv2d(c, c, 1),
+        InPlaceShift(c),
+        BasicBlock(c),
+        nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, OUT)),
+    )
+
+
+class ConvModel(RegressionModel):
+    """``RegressionModel`` with the ResNet-style body (images of 3 x SIDE x SIDE in)."""
+
+    def __init__(self, optimizer: str = "adamw") -> None:
+        super().__init__(optimizer=optimizer)
+        torch.manual_seed(1234)
+        self.body = make_conv_body()
+
+
+def conv_loader(batch_size: int = 8, n: int = 64, seed: int = 0) -> DataLoader[Any]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, SIDE, SIDE, generator=g)
+    y = torch.randn(n, OUT, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+
+
+def make_model(name: str, optimizer: str = "adamw", num_blocks: int = 8) -> RegressionModel:
+    """A test model by name: ``"regression"`` (the MLP) or ``"conv"`` (:class:`ConvModel`)."""
+    if name == "conv":
+        return ConvModel(optimizer)
+    return RegressionModel(num_blocks, optimizer)
+
+
+def make_loader(name: str, batch_size: int = 8, n: int = 64) -> DataLoader[Any]:
+    """The data of the test model ``name``."""
+    return conv_loader(batch_size, n) if name == "conv" else loader(batch_size, n)
+
+
 def dataset(n: int = 64, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, IN, generator=g)
@@ -136,12 +218,16 @@ def reference_train(
     optimizer: str = "adamw",
     clip: tuple[str, float] | None = None,
     data: Iterable[Any] | None = None,
+    model_name: str = "regression",
 ) -> tuple[dict[str, Tensor], list[float]]:
-    """Single-device gradient accumulation over the same micro-batches: the exactness reference."""
-    model = RegressionModel(num_blocks, optimizer)
+    """Single-device gradient accumulation over the same micro-batches: the exactness reference.
+    Batch norm normalises each micro-batch with its own statistics and updates its running
+    statistics once per micro-batch, as a pipeline stage does."""
+    model = make_model(model_name, optimizer, num_blocks)
     opt, sched = make_optimizer(model.parameters(), optimizer)
     losses = []
-    for step, (x, y) in enumerate(loader(batch_size) if data is None else data):
+    data = make_loader(model_name, batch_size) if data is None else data
+    for step, (x, y) in enumerate(data):
         if step == steps:
             break
         opt.zero_grad()
@@ -169,21 +255,30 @@ def reference_2bw(
     optimizer: str = "adamw",
     clip: tuple[str, float] | None = None,
     data: Iterable[Any] | None = None,
+    model_name: str = "regression",
 ) -> dict[str, Tensor]:
     """Single-process PipeDream-2BW: batch t's gradient is computed with weight version
     max(t - 1, 0) and applied by the optimizer to the newest weights, so
     W(t+1) = W(t) - step(grad f(W(t-1))), W(-1) = W(0). The scheduler steps once per update,
-    so the update of batch t uses the learning rate of step t, as on one device."""
-    model = RegressionModel(num_blocks, optimizer)
-    shadow = RegressionModel(num_blocks, optimizer)  # evaluates gradients at old versions
+    so the update of batch t uses the learning rate of step t, as on one device. Buffers (batch
+    norm's running statistics) are not versioned: every forward updates the live ones."""
+    model = make_model(model_name, optimizer, num_blocks)
+    shadow = make_model(model_name, optimizer, num_blocks)  # evaluates old weight versions
     opt, sched = make_optimizer(model.parameters(), optimizer)
     history = {0: {k: v.detach().clone() for k, v in model.state_dict().items()}}
-    for step, (x, y) in enumerate(loader(batch_size) if data is None else data):
+    data = make_loader(model_name, batch_size) if data is None else data
+    for step, (x, y) in enumerate(data):
         if step == steps:
             break
         shadow.load_state_dict(history[max(step - 1, 0)])
+        with torch.no_grad():
+            for live, old in zip(model.buffers(), shadow.buffers(), strict=True):
+                old.copy_(live)
         shadow.zero_grad()
         accumulate_gradient(shadow, x, y, microbatches)
+        with torch.no_grad():
+            for live, old in zip(model.buffers(), shadow.buffers(), strict=True):
+                live.copy_(old)
         for p, q in zip(model.parameters(), shadow.parameters(), strict=True):
             p.grad = q.grad.detach().clone() if q.grad is not None else None
         _clip(model.parameters(), clip)

@@ -271,3 +271,38 @@ def test_profile_sizes_records_the_update_in_every_size() -> None:
     for profile in profiles.profiles:
         assert profile.blocks[0].update_s > 0 and profile.blocks[1].update_s == 0.0
     assert profiles.at(3).blocks[0].update_s == profiles.profiles[0].blocks[0].update_s
+
+
+class AddOne(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        x += 1.0
+        return x
+
+
+class InputRecorder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.seen: list[Tensor] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.seen.append(x.detach().clone())
+        return self.fc(x)
+
+
+def test_in_place_blocks_are_profiled_on_copies() -> None:
+    """Blocks that modify their input in place (a received activation is a leaf that requires
+    grad) are profiled, forward and backward, on copies: the sample and every later block's
+    input are the same in every run."""
+    body = nn.Sequential(
+        nn.ReLU(inplace=True), AddOne(), InputRecorder(), nn.ReLU(inplace=True), nn.Linear(6, 3)
+    )
+    sample = torch.randn(B, 6)
+    kept = sample.clone()
+    p = profile_blocks(body, sample, warmup=1, repeats=2)
+    assert torch.equal(sample, kept)
+    expected = kept.relu() + 1.0
+    assert len(body[2].seen) == 1 + 1 + 2  # measuring bytes, warm-up, timed runs
+    assert all(torch.equal(x, expected) for x in body[2].seen)
+    assert p.blocks[0].saved_bytes == 0  # the in-place ReLU saves its input's storage
+    assert p.blocks[4].backward_s > 0

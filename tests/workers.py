@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
-from models import RegressionModel, loader, quiet_trainer
+from models import RegressionModel, loader, make_loader, make_model, quiet_trainer
 
 from lightning_pipe2bw import Pipe2BWStrategy
 
@@ -38,7 +38,8 @@ def fit(
     **strategy_kwargs: Any,
 ) -> dict[str, Any]:
     world = dist.get_world_size()
-    model = RegressionModel(optimizer=optimizer)
+    model_name = strategy_kwargs.pop("model", "regression")  # see models.make_model
+    model = make_model(model_name, optimizer)
     trainer_kwargs = strategy_kwargs.pop("trainer_kwargs", {})
     val_batches = strategy_kwargs.pop("val_batches", 0)
     callbacks = strategy_kwargs.pop("callbacks", [])
@@ -52,8 +53,8 @@ def fit(
         callbacks=[record, *callbacks],
         **trainer_kwargs,
     )
-    val = loader(batch_size, n=8 * val_batches) if val_batches else None
-    trainer.fit(model, loader(batch_size), val)
+    val = make_loader(model_name, batch_size, n=8 * val_batches) if val_batches else None
+    trainer.fit(model, make_loader(model_name, batch_size), val)
     state = strategy.full_state_dict()
     opt = trainer.optimizers[0]
     return {

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from lightning_pipe2bw.partition.profile import BlockProfile, Profile, ProfileSet
+from lightning_pipe2bw.runtime.inplace import writable
 
 __all__ = [
     "MakeOptimizer",
@@ -41,7 +42,8 @@ def profile_blocks(
     """Measure every block of a body on one micro-batch ``sample`` (the body's input).
 
     Each block runs on a detached copy of the previous block's output (floating leaves require
-    grad, as a pipeline stage receives them). ``forward_s`` and ``backward_s`` are medians over
+    grad, as a pipeline stage receives them), which it may modify in place as a stage's blocks
+    may (``nn.ReLU(inplace=True)``): the sample and the next block's input are not touched. ``forward_s`` and ``backward_s`` are medians over
     ``repeats`` timed runs after ``warmup`` untimed ones. A run is what a stage does with one
     micro-batch: every block's forward in order, keeping the outputs, then every block's
     backward in reverse order, each timed on its own. Timing the blocks in sequence, not each one
@@ -293,8 +295,11 @@ def _time_in_sequence(
 
 
 def _call(block: nn.Module, inp: Any, index: int, name: str) -> Any:
+    """``block`` on ``inp`` (a fresh copy, see :func:`_fresh`), made writable as a stage makes
+    what it receives: an in-place block modifies the copy, never the sample or the recorded
+    input of the next block."""
     try:
-        return block(inp)
+        return block(writable(inp))
     except Exception as err:
         raise ValueError(
             f"block {index} ({name!r}) failed on its input (the sample for block 0, else the "

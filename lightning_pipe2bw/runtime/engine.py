@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure, mark_action
+from lightning_pipe2bw.runtime.inplace import writable
 from lightning_pipe2bw.runtime.peer import PeerLink
 from lightning_pipe2bw.runtime.stage import StageBody
 from lightning_pipe2bw.runtime.stash import ActivationStash
@@ -428,8 +429,10 @@ class PipelineEngine:
 
     def _forward(self, slot: _Slot, microbatch: Any, step: StepFn, index: int) -> None:
         body = self.body
+        # the received leaves stay in slot.inputs (their .grad is the gradient sent upstream);
+        # the blocks run on aliases of them, which an in-place first block may modify
         if not self.is_first and not self.is_last:
-            slot.outputs = body.run_blocks(slot.inputs, slot.params)
+            slot.outputs = body.run_blocks(writable(slot.inputs), slot.params)
             return
 
         def call(stage_body: StageBody, x: Any) -> Any:
@@ -445,7 +448,7 @@ class PipelineEngine:
                     return out
                 slot.outputs = out
                 raise _BodyReached
-            return stage_body.run_blocks(slot.inputs, slot.params, call=x)
+            return stage_body.run_blocks(writable(slot.inputs), slot.params, call=x)
 
         body.set_call(call)
         try:

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_pipe2bw.runtime.inplace import copy_tensors, tensor_versions
 from lightning_pipe2bw.runtime.stash import ActivationStash
 
 __all__ = [
@@ -123,6 +124,15 @@ class StageBody(nn.Module):
     def _body_keys(self, state: dict[str, Any], prefix: str, *args: Any) -> None:
         assert self.owner is not None
         add_block_index(state, prefix, self.owner)
+        # recomputed regions (by their blocks' indices) whose first forward modified the
+        # region's input in place: they run on a copy of it, so the recomputation sees the
+        # input the first forward saw (see :meth:`_checkpoint`)
+        self._modifies_input: dict[tuple[int, ...], bool] = {}
+        # recomputed regions' buffers that a forward updates (batch norm's running statistics):
+        # the region's blocks and the (owner, name) of each such buffer
+        self._updated_buffers: dict[
+            tuple[int, ...], tuple[list[nn.Module], list[tuple[nn.Module, str]]]
+        ] = {}
 
     # ------------------------------------------------------------------ blocks (repartitioning)
     def block(self, index: int) -> nn.Module:
@@ -179,10 +189,81 @@ class StageBody(nn.Module):
         with the same weights and random state, when the backward needs their activations
         (``torch.utils.checkpoint``, non-reentrant). A block whose :attr:`policy` is
         ``"recompute"`` is checkpointed on its own.
+
+        Blocks may modify their input in place (``nn.ReLU(inplace=True)``); a received
+        activation must be made writable first (``runtime.inplace.writable``, as the engine
+        does).
         """
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._apply_blocks, x, weights, call, use_reentrant=False)
+            return self._checkpoint(tuple(self.indices), self._apply_blocks, x, weights, call)
         return self._apply_blocks(x, weights, call)
+
+    def _checkpoint(
+        self, region: tuple[int, ...], fn: Callable[..., Any], x: Any, *args: Any
+    ) -> Any:
+        """``fn(x, *args)`` under ``torch.utils.checkpoint`` (non-reentrant), for the blocks
+        ``region``.
+
+        The recomputation runs ``fn`` again on ``x``: if the first forward modified ``x`` in
+        place (an in-place first block), it would see the modified input. So the region's first
+        forward runs on a copy of ``x`` and records whether the copy was modified; from then on
+        only a region that modifies its input gets a copy (a clone per forward and per
+        recomputation), one that does not runs on ``x`` itself at no cost, and raises if it ever
+        does modify it.
+
+        The recomputation must not update the blocks' buffers a second time (batch norm's
+        running statistics and ``num_batches_tracked``; in train mode it normalises with the
+        batch's statistics, so its output does not depend on them): the buffers a forward
+        updates are saved before the recomputation and put back after it. Which buffers those
+        are is learnt from the region's first forward, by value (batch norm's kernel updates the
+        running statistics without bumping their version counters), and from version counters
+        and identities in every forward; static buffers (masks, caches) are never copied.
+        """
+        modifies = self._modifies_input.get(region)
+        modules = [self.block(i) for i in region]
+        first_run = [True]
+        changed: list[tuple[nn.Module, str]] = []  # the buffers the first forward changed
+
+        def run(inp: Any, *rest: Any) -> Any:
+            own = copy_tensors(inp) if modifies is not False else inp
+            if not first_run[0]:  # the recomputation
+                with _buffers_kept(changed):
+                    return fn(own, *rest)
+            first_run[0] = False
+            before = tensor_versions(own)
+            buffers = _buffer_versions(modules)
+            known = self._updated_buffers.get(region)
+            if known is not None and not _same_modules(known[0], modules):
+                known = None  # blocks moved since
+            values = None if known is not None else [b.clone() for _, _, b, _ in buffers]
+            out = fn(own, *rest)
+            updated = {
+                (id(m), n): (m, n)
+                for m, n, b, v in buffers
+                if m._buffers.get(n) is not b or b._version != v
+            }
+            if known is not None:
+                updated.update(((id(m), n), (m, n)) for m, n in known[1])
+            else:
+                assert values is not None
+                for (m, n, b, _), value in zip(buffers, values, strict=True):
+                    if not torch.equal(b, value):
+                        updated[(id(m), n)] = (m, n)
+                self._updated_buffers[region] = (modules, list(updated.values()))
+            changed.extend(updated.values())
+            modified = tensor_versions(own) != before
+            if modifies is None:
+                self._modifies_input[region] = modified
+            elif modified and not modifies:
+                raise RuntimeError(
+                    f"blocks {list(region)} of the pipeline body modified their input in "
+                    "place, which they did not do in their first recomputed forward: the "
+                    "recomputation would see the modified input. Keep in-place operations "
+                    "on a block's input unconditional, or do not recompute these blocks"
+                )
+            return out
+
+        return checkpoint(run, x, *args, use_reentrant=False)
 
     def _apply_blocks(self, x: Any, weights: Mapping[str, Tensor] | None, call: Any = None) -> Any:
         stash = self.stash
@@ -208,7 +289,7 @@ class StageBody(nn.Module):
                 if policy == "recompute" and torch.is_grad_enabled():
                     if stash is not None and self.microbatch is not None:
                         stash.note_held(self.microbatch, x)  # checkpoint keeps the input
-                    x = checkpoint(_call_block, block, own, x, call, use_reentrant=False)
+                    x = self._checkpoint((index,), _call_on, x, block, own, call)
                 else:
                     x = _call_block(block, own, x, call)
             finally:
@@ -328,6 +409,37 @@ def drop_block_index(module: nn.Module, state: dict[str, Any], prefix: str, _: A
             if index.isdigit():
                 key = prefix + local
         state[key] = value
+
+
+def _buffer_versions(blocks: Iterable[nn.Module]) -> list[tuple[nn.Module, str, Tensor, int]]:
+    """Every buffer of ``blocks``: its owner, name, tensor and version counter."""
+    owners = dict.fromkeys(m for block in blocks for m in block.modules())
+    return [(m, n, b, b._version) for m in owners for n, b in m._buffers.items() if b is not None]
+
+
+def _same_modules(a: list[nn.Module], b: list[nn.Module]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
+@contextmanager
+def _buffers_kept(buffers: list[tuple[nn.Module, str]]) -> Iterator[None]:
+    """Put ``buffers`` (owner, name) back as they were on entry, tensor and values, on exit."""
+    saved = [(m, n, m._buffers[n]) for m, n in buffers]
+    values = [b.clone() if b is not None else None for _, _, b in saved]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for (m, n, b), value in zip(saved, values, strict=True):
+                m._buffers[n] = b
+                if b is not None and value is not None:
+                    b.copy_(value)
+
+
+def _call_on(
+    x: Any, block: nn.Module, weights: Mapping[str, Tensor] | None, call: Any = None
+) -> Any:
+    return _call_block(block, weights, x, call)
 
 
 def _call_block(
