@@ -120,10 +120,6 @@ class StageBody(nn.Module):
         self.release: Callable[[list[nn.Module]], None] | None = None
         # builds what the user's module holds again from every block (the hand-back)
         self.restore: Callable[[Mapping[int, nn.Module]], nn.Module] | None = None
-
-    def _body_keys(self, state: dict[str, Any], prefix: str, *args: Any) -> None:
-        assert self.owner is not None
-        add_block_index(state, prefix, self.owner)
         # recomputed regions (by their blocks' indices) whose first forward modified the
         # region's input in place: they run on a copy of it, so the recomputation sees the
         # input the first forward saw (see :meth:`_checkpoint`)
@@ -133,6 +129,10 @@ class StageBody(nn.Module):
         self._updated_buffers: dict[
             tuple[int, ...], tuple[list[nn.Module], list[tuple[nn.Module, str]]]
         ] = {}
+
+    def _body_keys(self, state: dict[str, Any], prefix: str, *args: Any) -> None:
+        assert self.owner is not None
+        add_block_index(state, prefix, self.owner)
 
     # ------------------------------------------------------------------ blocks (repartitioning)
     def block(self, index: int) -> nn.Module:
@@ -194,6 +194,8 @@ class StageBody(nn.Module):
         activation must be made writable first (``runtime.inplace.writable``, as the engine
         does).
         """
+        if not self.takes_any_call:
+            call = None  # only a model's head takes the step's arguments
         if self.recompute and torch.is_grad_enabled():
             return self._checkpoint(tuple(self.indices), self._apply_blocks, x, weights, call)
         return self._apply_blocks(x, weights, call)
