@@ -31,7 +31,7 @@ from models import (
 )
 from torch import Tensor, nn
 
-from lightning_pipe2bw import Pipe2BWStrategy
+from lightning_pipe2bw import Pipe2BWStrategy, PipeModel
 
 STEPS, M = 5, 4
 TOL = 1e-5
@@ -217,3 +217,115 @@ def test_a_model_built_in_configure_model_is_initialised_by_its_own_init(
         assert r["finite"] and r["largest"] < 10, r
     assert results[0]["loss"] == results[0]["loss"]  # not NaN
     assert 2.0 < results[0]["loss"] < 6.0, results[0]  # about log(64) = 4.16 at the start
+
+
+# ---------------------------------------------------------------------- a model described by hand
+class _TinyViT(nn.Module):
+    """timm's VisionTransformer in miniature: parameters directly on the model (class token,
+    position table), the blocks in an nn.Sequential called as a whole, a head on the class token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch_embed = nn.Conv2d(3, 16, 4, stride=4)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, 16) * 0.02)
+        self.pos_embed = nn.Parameter(torch.randn(1, 17, 16) * 0.02)
+        self.blocks = nn.Sequential(
+            *[nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True) for _ in range(4)]
+        )
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 5)
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        x = self.patch_embed(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        return self.blocks(x)  # type: ignore[no-any-return]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.norm(self.forward_features(x))[:, 0])  # type: ignore[no-any-return]
+
+
+def vit_head(model: nn.Module, hidden: Tensor, args: Any, kwargs: Any) -> Tensor:
+    return model.head(model.norm(hidden)[:, 0])  # type: ignore[no-any-return, operator]
+
+
+class _DescribedModule(RegressionModel):
+    def __init__(self, post: tuple[str, ...] = ("norm", "head")) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        del self.body
+        self.net = _TinyViT()
+        self.post = post
+
+    def pipeline_body(self) -> PipeModel:
+        return PipeModel(
+            self.net,
+            blocks="blocks",
+            pre=["patch_embed", "cls_token", "pos_embed"],
+            post=list(self.post),
+            head=vit_head,
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _images(n: int = 5) -> list[tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(n)]
+
+
+def _fit_described(schedule: str, post: tuple[str, ...] = ("norm", "head")) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    module = _DescribedModule(post)
+    strategy = Pipe2BWStrategy(schedule=schedule, microbatches=M)
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=STEPS)
+    xs, ys = zip(*_images(), strict=True)
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=8
+    )
+    try:
+        trainer.fit(module, data)
+    except ValueError as err:
+        return {"error": str(err)}
+    state = strategy.full_state_dict()
+    return {"state": state if dist.get_rank() == 0 else None}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_a_model_described_with_pipe_model(pools: Any, schedule: str) -> None:
+    """A model the strategy does not know, described in pipeline_body(): parameters as ``pre``,
+    a Sequential of blocks called as a whole, a head function; exact against one device."""
+    results = pools(2).run(_fit_described, schedule)
+    torch.manual_seed(3)
+    model, shadow = _DescribedModule().net, _DescribedModule().net
+    shadow.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    history = [{k: v.clone() for k, v in model.state_dict().items()}]
+    for step, (x, y) in enumerate(_images()):
+        net = model
+        if schedule == "2bw":
+            shadow.load_state_dict(history[max(step - 1, 0)])
+            net = shadow
+        net.zero_grad()
+        for xs, ys in zip(torch.tensor_split(x, M), torch.tensor_split(y, M), strict=True):
+            (nn.functional.cross_entropy(net(xs), ys) * xs.shape[0] / x.shape[0]).backward()
+        if net is shadow:
+            for p, q in zip(model.parameters(), shadow.parameters(), strict=True):
+                p.grad = q.grad.clone()
+        opt.step()
+        history.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    ref = {f"net.{k}": v for k, v in history[-1].items()}
+    diff = max_abs_diff(results[0]["state"], ref)
+    print(f"described {schedule}: max|dW| vs one device {diff:.3e}")
+    assert diff <= TOL
+
+
+def test_a_parameter_in_no_part_is_named(pools: Any) -> None:
+    for r in pools(2).run(_fit_described, "1f1b", ("head",)):
+        assert r["error"].startswith(
+            "parameters of _TinyViT in none of its pipeline parts: ['norm.weight', 'norm.bias']"
+        ), r

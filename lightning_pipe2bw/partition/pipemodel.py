@@ -39,6 +39,7 @@ import copy
 import functools
 import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,8 +119,8 @@ class _Part(nn.Module):
 
     def __init__(self, model: nn.Module, paths: Sequence[str]) -> None:
         super().__init__()
-        self.paths = list(paths)
-        for path in self.paths:
+        self.pipe_paths = list(paths)
+        for path in self.pipe_paths:
             _set_nested(self, path, _get(model, path))
         # the model object itself is not a child: its other parts belong to other blocks
         object.__setattr__(self, "whole_model", model)
@@ -134,8 +135,32 @@ class _Part(nn.Module):
         object.__setattr__(self, "whole_model", None)
 
     def parts(self) -> Iterator[tuple[str, nn.Module | Tensor]]:
-        for path in self.paths:
+        for path in self.pipe_paths:
             yield path, _get(self, path)
+
+    @contextmanager
+    def params_in_model(self) -> Iterator[None]:
+        """During a call: the model object's slots of the parameters this part holds directly
+        (``cls_token``) hold what the part holds now. A module is the same object in both, but
+        a parameter of the model itself is a slot of its own there, which a weight version
+        swapped into the part (2BW, ``torch.func.functional_call``) would not reach."""
+        model = self.whole_model
+        direct = [(p, _get(self, p)) for p in self.pipe_paths]
+        direct = [(p, t) for p, t in direct if not isinstance(t, nn.Module)]
+        saved = [(p, _get(model, p)) for p, _ in direct]
+        for path, tensor in direct:
+            _set_slot(model, path, tensor)  # type: ignore[arg-type]
+        try:
+            yield
+        finally:
+            for path, tensor in saved:
+                _set_slot(model, path, tensor)  # type: ignore[arg-type]
+
+
+def _set_slot(root: nn.Module, path: str, tensor: Tensor) -> None:
+    parent_path, _, name = path.rpartition(".")
+    parent = root.get_submodule(parent_path) if parent_path else root
+    parent._parameters[name] = tensor  # type: ignore[assignment]
 
 
 def _set_nested(holder: nn.Module, path: str, value: nn.Module | Tensor) -> None:
@@ -162,30 +187,32 @@ class _First(_Part):
         self, model: nn.Module, paths: Sequence[str], blocks: str, embed: Callable[..., Any] | None
     ) -> None:
         super().__init__(model, paths)
-        self.blocks_path = blocks
-        self.embed = embed
+        self.pipe_blocks = blocks
+        self.pipe_embed = embed
 
     def forward(self, x: BodyInput) -> Any:
         if not isinstance(x, BodyInput):
             raise TypeError(f"the first block takes the body's call arguments, got {type(x).__name__}")
-        if self.embed is not None:
-            return self.embed(self.whole_model, *x.args, **x.kwargs)
+        if self.pipe_embed is not None:
+            with self.params_in_model():
+                return self.pipe_embed(self.whole_model, *x.args, **x.kwargs)
         model = self.whole_model
-        layers = _get(model, self.blocks_path)
+        layers = _get(model, self.pipe_blocks)
         stand_in = nn.Sequential(_Capture()) if isinstance(layers, nn.Sequential) else nn.ModuleList([_Capture()])
         kwargs = dict(x.kwargs)
         if getattr(getattr(model, "config", None), "use_cache", None) is not None:
             kwargs.setdefault("use_cache", False)  # no key/value cache in training
-        _set(model, self.blocks_path, stand_in)
+        _set(model, self.pipe_blocks, stand_in)
         try:
-            model(*x.args, **kwargs)
+            with self.params_in_model():
+                model(*x.args, **kwargs)
         except _Captured as captured:
             return captured.carry
         finally:
-            _set(model, self.blocks_path, layers)  # type: ignore[arg-type]
+            _set(model, self.pipe_blocks, layers)  # type: ignore[arg-type]
         raise RuntimeError(
             f"{type(model).__name__}.forward returned without calling its layers "
-            f"{self.blocks_path!r}: name the list its forward iterates as `blocks`, or give an "
+            f"{self.pipe_blocks!r}: name the list its forward iterates as `blocks`, or give an "
             "`embed` function"
         )
 
@@ -195,7 +222,7 @@ class _Layer(_Part):
 
     def forward(self, carry: Any) -> Any:
         hidden, args, kwargs = carry
-        out = _get(self, self.paths[0])(hidden, *args, **kwargs)  # type: ignore[operator]
+        out = _get(self, self.pipe_paths[0])(hidden, *args, **kwargs)  # type: ignore[operator]
         if isinstance(out, tuple):  # older layers return (hidden, attentions, ...)
             out = out[0]
         return out, args, kwargs
@@ -208,22 +235,25 @@ class _Last(_Part):
 
     def __init__(self, model: nn.Module, paths: Sequence[str], head: Head) -> None:
         super().__init__(model, paths)
-        self.head = head
+        self.pipe_head = head
         self.call_input: BodyInput | None = None
 
     def forward(self, carry: Any) -> Any:
         hidden = carry[0] if isinstance(carry, tuple) and len(carry) == 3 else carry
         call = self.call_input or BodyInput((), {})
-        return self.head(self, hidden, call.args, call.kwargs)
+        with self.params_in_model():
+            return self.pipe_head(_whole(self), hidden, call.args, call.kwargs)
 
 
 @dataclass
 class PipeModel:
     """How ``model`` splits into pipeline blocks (see the module notes).
 
-    ``head(model, hidden, args, kwargs)`` runs the ``post`` part; it receives a module on which
-    the ``post`` paths resolve (``model.lm_head``) and the step's arguments. Without ``head`` the
-    ``post`` modules are applied in order to the hidden state. ``embed(model, *args, **kwargs)``
+    ``head(model, hidden, args, kwargs)`` runs the ``post`` part on the last stage; it receives
+    the model object (whose ``post`` modules are there: ``model.lm_head``) and the step's
+    arguments (the labels). Without ``head`` the ``post`` modules are applied in order to the
+    hidden state. ``head`` and ``embed`` must be module-level functions (or
+    ``functools.partial`` of one): blocks travel between processes pickled. ``embed(model, *args, **kwargs)``
     replaces the capture of the first layer's arguments; it must then return what the first
     layer block takes: ``(hidden, args, kwargs)``. ``init(module)`` initialises a module built on
     the meta device (default: the model's ``_init_weights``, as Hugging Face models have).
@@ -243,8 +273,15 @@ class PipeModel:
         return PipeModelBody(self)
 
 
-def _chain(model: nn.Module, hidden: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    for path in model.paths:  # type: ignore[union-attr]
+def _chain(
+    paths: Sequence[str],
+    model: nn.Module,
+    hidden: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """The default head: the ``post`` modules applied in order."""
+    for path in paths:
         hidden = _get(model, path)(hidden)  # type: ignore[operator]
     return hidden
 
@@ -277,7 +314,7 @@ class PipeModelBody(nn.Sequential):
         names = [f"{spec.blocks}.{name}" for name in layers._modules]
         parts: list[nn.Module] = [_First(model, spec.pre, spec.blocks, spec.embed)]
         parts += [_Layer(model, [n]) for n in names]
-        parts.append(_Last(model, spec.post, spec.head or _chain))
+        parts.append(_Last(model, spec.post, spec.head or functools.partial(_chain, spec.post)))
         super().__init__(*parts)
         object.__setattr__(self, "spec", spec)
         if spec.init is not None:  # a body built on meta is initialised by the model's own init
@@ -408,14 +445,14 @@ def _causal_lm_head(
     """A Hugging Face causal LM's end: final norm, ``lm_head``, the model's own loss."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    whole = _whole(model)
     if norm is not None:
         hidden = _get(model, norm)(hidden)  # type: ignore[operator]
     logits = model.lm_head(hidden)  # type: ignore[operator]
-    labels = _argument(whole, "labels", args, kwargs)
+    labels = _argument(model, "labels", args, kwargs)
     loss = None
     if labels is not None:
-        loss = whole.loss_function(logits=logits, labels=labels, vocab_size=whole.config.vocab_size)
+        config: Any = model.config
+        loss = model.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size)  # type: ignore[operator]
     return CausalLMOutputWithPast(loss=loss, logits=logits)
 
 
@@ -426,14 +463,13 @@ def _image_classifier_head(
     the model's own loss."""
     from transformers.modeling_outputs import ImageClassifierOutput
 
-    whole = _whole(model)
     if norm is not None:
         hidden = _get(model, norm)(hidden)  # type: ignore[operator]
     logits = model.classifier(hidden[:, 0, :])  # type: ignore[operator]
-    labels = _argument(whole, "labels", args, kwargs)
+    labels = _argument(model, "labels", args, kwargs)
     loss = None
     if labels is not None:
-        loss = whole.loss_function(labels, logits, whole.config)
+        loss = model.loss_function(labels, logits, model.config)  # type: ignore[operator]
     return ImageClassifierOutput(loss=loss, logits=logits)
 
 
