@@ -52,7 +52,12 @@ from lightning_pipe2bw.launcher import (
 from lightning_pipe2bw.partition import BodyRef, Partition, find_body
 from lightning_pipe2bw.partition.plans import PlanResult
 from lightning_pipe2bw.pipeline.assembly import build_runtime, place_stage, resolve_balance
-from lightning_pipe2bw.pipeline.autoplan import AutoPlanInputs, plan_from_loader
+from lightning_pipe2bw.pipeline.autoplan import (
+    TRUST_NOTE,
+    AutoPlanInputs,
+    PlanCheck,
+    plan_from_loader,
+)
 from lightning_pipe2bw.pipeline.checkpoint import CheckpointFormat, layout_to_adopt
 from lightning_pipe2bw.pipeline.checkpoint_io import gather_state_dict, is_sharded_checkpoint
 from lightning_pipe2bw.pipeline.groups import ProcessGroups
@@ -72,6 +77,7 @@ from lightning_pipe2bw.pipeline.topology import Topology
 from lightning_pipe2bw.runtime import PipelineEngine, StageBody
 from lightning_pipe2bw.runtime.driver import Driver, DueGradient
 from lightning_pipe2bw.runtime.failure import SignalStop
+from lightning_pipe2bw.runtime.microbatch import batch_size_of
 from lightning_pipe2bw.schedule import SCHEDULES, ActivationBudget
 from lightning_pipe2bw.steplog import StepRecording, quiet_epoch_sync_advice, share_metrics
 
@@ -172,6 +178,8 @@ class Pipe2BWStrategy(ParallelStrategy):
         self.groups: ProcessGroups | None = None  # made at set-up, kept for every Trainer call
         self.runtime: StageRuntime | None = None  # this rank's stage, rebuilt by every set-up
         self.plan: PlanResult | None = None  # what balance="auto" chose (saved in checkpoints)
+        # the plan's predicted throughput against the run's (``plan_check.result`` once measured)
+        self.plan_check: PlanCheck | None = None
         self._repartitioner = Repartitioner(repartition_every, self.options.repartition_threshold)
         self._due = DueGradient()  # the gradient Lightning's coming optimizer step applies
         self._failed = False  # this Trainer call raised: no collective at teardown
@@ -428,9 +436,12 @@ class Pipe2BWStrategy(ParallelStrategy):
         )  # fmt: skip
         loader = compat.training_dataloader(module.trainer)
         self.plan = plan_from_loader(module, ref, loader, inputs, compat.optimizer_factory(module))
+        self.plan_check = PlanCheck(self.plan.best.throughput)
         if self.global_rank == 0:
             log.info("pipe2bw: balance='auto' planned\n%s", self.plan.explain())
-            rank_zero_info(f"pipe2bw: balance='auto' chose {self.plan.best.summary()}")
+            rank_zero_info(
+                f"pipe2bw: balance='auto' chose {self.plan.best.summary()} ({TRUST_NOTE})"
+            )
 
     def _scaler(self) -> Any:
         plugin = self.precision_plugin
@@ -558,6 +569,10 @@ class Pipe2BWStrategy(ParallelStrategy):
         if module is None or runtime is None:
             return
         step = module.trainer.global_step
+        if self.plan_check is not None:
+            line = self.plan_check.step(step, batch_size_of(batch) * self.data_parallel)
+            if line is not None and self.global_rank == 0:
+                rank_zero_info(line)
         decision = self._repartitioner.poll(step, runtime.engine, runtime.partition.balance)
         if decision is None:
             return
@@ -651,6 +666,10 @@ class Pipe2BWStrategy(ParallelStrategy):
 
     @override
     def on_train_end(self) -> None:
+        if self.plan_check is not None:
+            line = self.plan_check.finish()
+            if line is not None and self.global_rank == 0:
+                rank_zero_info(line)
         self.flush()
         if self.runtime is not None:
             self.runtime.close()

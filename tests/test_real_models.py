@@ -329,3 +329,27 @@ def test_a_parameter_in_no_part_is_named(pools: Any) -> None:
         assert r["error"].startswith(
             "parameters of _TinyViT in none of its pipeline parts: ['norm.weight', 'norm.bias']"
         ), r
+
+
+def _fit_auto(family: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    module = hf_models.HFModule(family)
+    strategy = Pipe2BWStrategy(schedule="2bw", balance="auto")
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=10)
+    trainer.fit(module, hf_models.loader(family, 10))
+    assert strategy.plan is not None and strategy.plan_check is not None
+    return {"balance": strategy.plan.best.balance, "check": strategy.plan_check.result}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "vit"])
+def test_balance_auto_plans_a_real_model_and_reports_how_far_to_trust_it(
+    pools: Any, family: str
+) -> None:
+    """The planner profiles the model's blocks (the first one on the step's own arguments) and
+    the run reports its measured throughput against the prediction."""
+    results = pools(2).run(_fit_auto, family)
+    check = results[0]["check"]
+    print(f"auto {family}: balance {results[0]['balance']}, {check}")
+    assert sum(results[0]["balance"]) == 6  # first block, 4 layers, last block
+    assert check is not None and check["measured"] > 0 and check["steps"] == 5
+    assert abs(check["ratio"] - check["measured"] / check["predicted"]) < 1e-9

@@ -21,6 +21,7 @@ from lightning_pipe2bw.partition.plans import PlanResult
 from lightning_pipe2bw.partition.profile import ProfileSet
 from lightning_pipe2bw.partition.split import BodyRef
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, split_batch
+from lightning_pipe2bw.runtime.stage import BodyInput
 from lightning_pipe2bw.runtime.transport import P2PTransport
 
 __all__ = [
@@ -47,10 +48,14 @@ def body_input(module: nn.Module, ref: BodyRef, batch: Any, size: int) -> Any:
     parts, _ = split_batch(batch, max(whole // size, 1))
     sample = parts[0]
 
-    def capture(_: nn.Module, args: tuple[Any, ...]) -> None:
+    takes_any_call = getattr(ref.module, "takes_any_call", False)
+
+    def capture(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if takes_any_call:  # a model's body: its first block takes the call's arguments
+            raise _Captured(BodyInput(args, kwargs))
         raise _Captured(args[0] if len(args) == 1 else args)
 
-    handle = ref.module.register_forward_pre_hook(capture)
+    handle = ref.module.register_forward_pre_hook(capture, with_kwargs=True)
     try:
         with torch.no_grad():
             module.training_step(sample, 0)  # type: ignore[operator]
@@ -282,3 +287,55 @@ def plan_from_loader(
             "balance as a list of block counts or 'params'"
         )
     return auto_plan(module, ref, next(iter(loader)), inputs, optimizer)
+
+
+# how the figure a plan predicts compares with what the run achieves: printed with the plan
+TRUST_NOTE = (
+    "the predicted samples/s count the blocks' measured compute and the transfers only, not the "
+    "per-step overhead (the optimizer step and Lightning's loop in series across stages, Python "
+    "per action), which dominates small steps: use it to rank configurations; the run reports "
+    "the measured rate after its first steps"
+)
+
+
+class PlanCheck:
+    """The training throughput measured against the plan's prediction: from the start of step
+    ``skip`` (after the warm-up) over ``span`` steps, or until fit ends if it is shorter."""
+
+    def __init__(self, predicted: float, skip: int = 5, span: int = 20) -> None:
+        self.predicted = predicted
+        self.skip, self.span = skip, span
+        self.marks: list[tuple[float, int]] = []  # (start time, samples) of each measured step
+        self.result: dict[str, float] | None = None
+
+    def step(self, step: int, samples: int) -> str | None:
+        """Called at the start of every training step with the samples it trains (over all
+        replicas); the report line once ``span`` steps are measured."""
+        if self.result is not None or step < self.skip:
+            return None
+        now = time.perf_counter()
+        if len(self.marks) == self.span:
+            return self.finish(now)
+        self.marks.append((now, samples))
+        return None
+
+    def finish(self, now: float | None = None) -> str | None:
+        """The report line (once; ``now``: when the last measured step ended), if at least
+        three steps were measured."""
+        if self.result is not None or len(self.marks) < 3:
+            return None
+        end = time.perf_counter() if now is None else now
+        samples = sum(n for _, n in self.marks)
+        measured = samples / (end - self.marks[0][0])
+        ratio = measured / self.predicted
+        self.result = {
+            "predicted": self.predicted,
+            "measured": measured,
+            "ratio": ratio,
+            "steps": float(len(self.marks)),
+        }
+        return (
+            f"pipe2bw: balance='auto' predicted {self.predicted:.1f} samples/s for its plan; "
+            f"measured {measured:.1f} samples/s over {len(self.marks)} steps ({ratio:.2f}x the "
+            "prediction)"
+        )

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from lightning_pipe2bw.runtime.inplace import copy_tensors, tensor_versions
@@ -36,6 +37,20 @@ class BodyInput:
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+
+
+def _unflatten_body_input(children: Iterable[Any], _: Any) -> BodyInput:
+    args, kwargs = children
+    return BodyInput(tuple(args), dict(kwargs))
+
+
+# a pytree node: its tensors are found, copied and moved like those of a tuple or dict
+pytree.register_pytree_node(
+    BodyInput,
+    lambda b: ([b.args, b.kwargs], None),
+    _unflatten_body_input,
+    serialized_type_name="lightning_pipe2bw.BodyInput",
+)
 
 
 @contextmanager
