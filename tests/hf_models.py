@@ -54,6 +54,7 @@ FAMILIES: dict[str, Callable[[], nn.Module]] = {
     "gpt2": gpt2,
     "llama": llama,
     "llama_tied": lambda: llama(tie=True),
+    "llama_masked": llama,  # called with a padding mask: a 4-d float mask crosses stages
     "vit": vit,
 }
 
@@ -79,6 +80,10 @@ def call(model: nn.Module, family: str, x: Tensor, y: Tensor) -> Any:
     """The model's own call, as a user writes it."""
     if family == "vit":
         return model(pixel_values=x, labels=y)
+    if family.endswith("_masked"):  # every other sequence padded on the left by 3 tokens
+        mask = torch.ones_like(x)
+        mask[::2, :3] = 0
+        return model(input_ids=x, attention_mask=mask, labels=y.masked_fill(mask == 0, -100))
     return model(input_ids=x, labels=y)
 
 

@@ -53,7 +53,7 @@ def _fit(family: str, schedule: str, **kwargs: Any) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("family", ["gpt2", "gpt2_untied", "llama", "vit"])
+@pytest.mark.parametrize("family", ["gpt2", "gpt2_untied", "llama", "llama_masked", "vit"])
 @pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
 def test_hf_model_as_it_comes(pools: Any, family: str, schedule: str) -> None:
     results = pools(2).run(_fit, family, schedule)
@@ -353,3 +353,36 @@ def test_balance_auto_plans_a_real_model_and_reports_how_far_to_trust_it(
     assert sum(results[0]["balance"]) == 6  # first block, 4 layers, last block
     assert check is not None and check["measured"] > 0 and check["steps"] == 5
     assert abs(check["ratio"] - check["measured"] / check["predicted"]) < 1e-9
+
+
+def _fit_resume(
+    path: str, steps: int, resume: bool, state_dict_type: str, family: str = "gpt2"
+) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    module = hf_models.HFModule(family)
+    strategy = Pipe2BWStrategy(schedule="2bw", microbatches=M, state_dict_type=state_dict_type)
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=steps)
+    # one batch per epoch: the checkpoint falls on an epoch's end, where Lightning resumes
+    trainer.fit(module, hf_models.loader(family, 1), ckpt_path=path if resume else None)
+    if not resume:
+        trainer.save_checkpoint(path)
+    state = strategy.full_state_dict()
+    return {"state": state if dist.get_rank() == 0 else None}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt2_untied"])
+@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
+def test_a_run_resumed_from_a_checkpoint_goes_on_exactly(
+    pools: Any, tmp_path, state_dict_type: str, family: str
+) -> None:
+    """GPT-2 (tied) under 2BW: 2 steps, a checkpoint, 3 more steps from it equal 5 straight
+    steps (the checkpoint keeps the model's names, both weight versions and the tie)."""
+    path = str(tmp_path / ("ckpt" if state_dict_type == "sharded" else "gpt2.ckpt"))
+    pool = pools(2)
+    args = (state_dict_type, family)
+    straight = pool.run(_fit_resume, path + ".unused", STEPS, False, *args)[0]["state"]
+    pool.run(_fit_resume, path, 2, False, *args)
+    resumed = pool.run(_fit_resume, path, STEPS, True, *args)[0]["state"]
+    diff = max_abs_diff(resumed, straight)
+    print(f"resume {family} {state_dict_type}: max|dW| vs straight {diff:.3e}")
+    assert diff <= 1e-6

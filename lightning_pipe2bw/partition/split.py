@@ -108,12 +108,12 @@ def find_body(module: nn.Module, name: str | None = None) -> BodyRef:
     ]
     # keep only the outermost Sequentials (a Sequential inside a block is part of that block)
     top = [p for p in candidates if not any(p.startswith(q + ".") for q in candidates if q != p)]
+    known = _known_models(module)
+    if len(known) == 1 and all(p.startswith(known[0] + ".") for p in top):
+        return _resolve(module, known[0])  # a Hugging Face model (its Sequentials are inside)
     if len(top) == 1:
         return _resolve(module, top[0])
     if not top:
-        known = _known_models(module)
-        if len(known) == 1:
-            return _resolve(module, known[0])
         raise TypeError(
             f"{type(module).__name__} has no nn.Sequential attribute to split into pipeline stages. "
             "pipe2bw's rule: the layers that hold parameters live in one nn.Sequential (the body) that "

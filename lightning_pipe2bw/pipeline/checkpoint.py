@@ -58,6 +58,22 @@ def _stage_state(method: _F) -> _F:
     return wrapped  # type: ignore[return-value]
 
 
+def _renamed(flat: dict[str, Any], names: Mapping[str, str]) -> dict[str, Any]:
+    """An optimizer state keyed ``state.<name>.<key>`` / ``param_groups.<name>.<key>`` with the
+    parameter names in ``names`` replaced."""
+    if not names:
+        return flat
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        head, _, rest = key.partition(".")
+        for old, new in names.items():
+            if rest.startswith(old + "."):
+                key = f"{head}.{new}.{rest[len(old) + 1 :]}"
+                break
+        out[key] = value
+    return out
+
+
 def layout_to_adopt(
     state: Mapping[str, Any] | None, runtime: StageRuntime, fixed: bool
 ) -> tuple[int, ...] | None:
@@ -118,7 +134,7 @@ class CheckpointFormat:
         stage order with the layout (full; collective along the pipeline)."""
         runtime = self.runtime
         if self.sharded:
-            return stage_optimizer_state(runtime.root, optimizer)
+            return _renamed(stage_optimizer_state(runtime.root, optimizer), self._stable_names())
         t = runtime.topology
         return gather_optimizer_state(
             optimizer, t.stage, t.num_stages, runtime.partition.balance, runtime.groups.pipeline
@@ -174,6 +190,19 @@ class CheckpointFormat:
         meta["pipe2bw"] = pipeline
         save_sharded(path, tensors, meta, self.runtime.topology.rank)
 
+    def _stable_names(self) -> dict[str, str]:
+        """The module's current parameter names that differ from the names a checkpoint keeps
+        (a model's body: ``model.3.transformer.h.2...`` while partitioned, the model's own
+        names once handed back; the checkpoint always has the model's)."""
+        runtime = self.runtime
+        params = [p for _, p in runtime.root.named_parameters()]
+        stable = runtime.parameter_names(params)
+        return {
+            name: new
+            for (name, _), new in zip(runtime.root.named_parameters(), stable, strict=True)
+            if name != new
+        }
+
     # ------------------------------------------------------------------ loading
     @_stage_state
     def load_sharded(
@@ -201,8 +230,10 @@ class CheckpointFormat:
                     f"{path} holds the state of {pipeline['num_optimizers']} optimizers, but "
                     f"configure_optimizers returned {len(optimizers)}"
                 )
+            stable = self._stable_names()
             template["optimizer_states"] = {
-                str(i): stage_optimizer_state(root, opt) for i, opt in enumerate(optimizers)
+                str(i): _renamed(stage_optimizer_state(root, opt), stable)
+                for i, opt in enumerate(optimizers)
             }
         names = runtime.weight_names()
         if pipeline.get("has_previous") and runtime.driver.state(names):
@@ -214,7 +245,10 @@ class CheckpointFormat:
         checkpoint = {**meta, "state_dict": template["state_dict"]}
         if restoring_optimizers:
             states = template["optimizer_states"]
-            checkpoint["optimizer_states"] = [states[str(i)] for i in range(len(states))]
+            back = {v: k for k, v in self._stable_names().items()}
+            checkpoint["optimizer_states"] = [
+                _renamed(states[str(i)], back) for i in range(len(states))
+            ]
         pipeline["previous_weights"] = template.get("previous_weights", {})
         checkpoint["pipe2bw"] = pipeline
         return checkpoint

@@ -241,8 +241,12 @@ def restore_body(runtime: StageRuntime) -> str | None:
         whole = nn.Sequential(OrderedDict((str(i), blocks[i]) for i in sorted(blocks)))
         names = {(b, n): f"{b}.{n}" for tie in body.ties for b, n in tie.uses}
     for tie in body.ties:  # the copies of a shared parameter are one parameter again
-        first = whole.get_parameter(names[tie.primary])
-        for use in tie.uses[1:]:
+        # this stage's own copy where it has one (the optimizer steps it), else the primary's
+        keep = next((u for u in tie.uses if u[0] in body.indices), tie.primary)
+        first = whole.get_parameter(names[keep])
+        for use in tie.uses:
+            if use == keep:
+                continue
             owner_path, _, name = names[use].rpartition(".")
             owner = whole.get_submodule(owner_path) if owner_path else whole
             owner._parameters[name] = first

@@ -169,24 +169,36 @@ class StageRuntime:
 
     # ------------------------------------------------------------------ names
     def parameter_names(self, params: Iterable[Tensor]) -> list[str]:
-        """The user's module's names of ``params``."""
+        """The user's module's names of ``params`` (the body's by :meth:`weight_names`)."""
         name_of = {id(p): name for name, p in self.root.named_parameters()}
+        prefix = self.body_path + "."
+        name_of.update((id(p), prefix + name) for name, p in self.body.named_weights())
         return [name_of[id(p)] for p in params]
 
     def stage_state_dict(self) -> dict[str, Any]:
         """The user's module's state of this stage: its own blocks and everything outside the
         body, under the original names (whether the body is partitioned or handed back)."""
         prefix = self.body_path + "."
-        owned = {str(i) for i in self.body.indices}
+        body = self.body
+        owned = set(body.indices)
+
+        def mine(local: str) -> bool:
+            if body.owner is not None:  # a model's keys: the block that holds each
+                return body.owner.get(local, -1) in owned
+            head = local.split(".", 1)[0]
+            return head.isdigit() and int(head) in owned
+
         return {
             k: v
             for k, v in self.root.state_dict().items()
-            if not k.startswith(prefix) or k[len(prefix) :].split(".", 1)[0] in owned
+            if not k.startswith(prefix) or mine(k[len(prefix) :])
         }
 
     def weight_names(self) -> list[str]:
-        """The names of the parameters whose versions the driver keeps (the stage's)."""
-        return self.parameter_names(self.body.parameters())
+        """The names of the parameters whose versions the driver keeps (the stage's), as the
+        body's state dict names them (stable across splits and the hand-back)."""
+        prefix = self.body_path + "."
+        return [prefix + name for name, _ in self.body.named_weights()]
 
     # ------------------------------------------------------------------ failures
     def report_failure(self, exception: BaseException) -> bool:

@@ -163,6 +163,17 @@ class StageBody(nn.Module):
             self.release([block])  # the model object no longer holds it either
         return block
 
+    def named_weights(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The stage's parameters, in ``parameters()`` order, under the names the body's state
+        dict uses (a model's body: the model's names, whether or not its blocks have been handed
+        back into the model; those stay the same across splits and across a hand-back)."""
+        seen: set[int] = set()
+        for index, block in zip(self.indices, self.children(), strict=True):
+            for local, p in block.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield self.key_of(index, local), p
+
     def key_of(self, index: int, name: str) -> str:
         """The state-dict key (within the body) of block ``index``'s tensor ``name``."""
         return name if self.owner is not None else f"{index}.{name}"
