@@ -35,12 +35,11 @@ decoders with ``lm_head``) and image classifiers (ViT); any other model is descr
 
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -192,13 +191,19 @@ class _First(_Part):
 
     def forward(self, x: BodyInput) -> Any:
         if not isinstance(x, BodyInput):
-            raise TypeError(f"the first block takes the body's call arguments, got {type(x).__name__}")
+            raise TypeError(
+                f"the first block takes the body's call arguments, got {type(x).__name__}"
+            )
         if self.pipe_embed is not None:
             with self.params_in_model():
                 return self.pipe_embed(self.whole_model, *x.args, **x.kwargs)
         model = self.whole_model
         layers = _get(model, self.pipe_blocks)
-        stand_in = nn.Sequential(_Capture()) if isinstance(layers, nn.Sequential) else nn.ModuleList([_Capture()])
+        stand_in: nn.Module = (
+            nn.Sequential(_Capture())
+            if isinstance(layers, nn.Sequential)
+            else nn.ModuleList([_Capture()])
+        )
         kwargs = dict(x.kwargs)
         if getattr(getattr(model, "config", None), "use_cache", None) is not None:
             kwargs.setdefault("use_cache", False)  # no key/value cache in training
@@ -239,7 +244,7 @@ class _Last(_Part):
         self.call_input: BodyInput | None = None
 
     def forward(self, carry: Any) -> Any:
-        hidden = carry[0] if isinstance(carry, tuple) and len(carry) == 3 else carry
+        hidden, _, _ = carry  # (hidden, args, kwargs) from the last layer
         call = self.call_input or BodyInput((), {})
         with self.params_in_model():
             return self.pipe_head(_whole(self), hidden, call.args, call.kwargs)
@@ -253,9 +258,9 @@ class PipeModel:
     the model object (whose ``post`` modules are there: ``model.lm_head``) and the step's
     arguments (the labels). Without ``head`` the ``post`` modules are applied in order to the
     hidden state. ``head`` and ``embed`` must be module-level functions (or
-    ``functools.partial`` of one): blocks travel between processes pickled. ``embed(model, *args, **kwargs)``
-    replaces the capture of the first layer's arguments; it must then return what the first
-    layer block takes: ``(hidden, args, kwargs)``. ``init(module)`` initialises a module built on
+    ``functools.partial`` of one): blocks travel between processes pickled.
+    ``embed(model, *args, **kwargs)`` replaces the capture of the first layer's arguments; it
+    must then return what the first layer block takes: ``(hidden, args, kwargs)``. ``init(module)`` initialises a module built on
     the meta device (default: the model's ``_init_weights``, as Hugging Face models have).
     """
 
@@ -266,7 +271,6 @@ class PipeModel:
     head: Head | None = None
     embed: Callable[..., Any] | None = None
     init: Callable[[nn.Module], None] | None = None
-    name: str = field(default="")
 
     def body(self) -> PipeModelBody:
         """The model as an ``nn.Sequential`` of blocks (the model's modules, not copies)."""
@@ -511,10 +515,5 @@ def pipe_model_for(model: nn.Module) -> PipeModel | None:
         post=post,
         head=head,
         init=init if callable(init) else None,
-        name=type(model).__name__,
     )
 
-
-def copy_spec(spec: PipeModel) -> PipeModel:
-    """A shallow copy (the model object shared)."""
-    return copy.copy(spec)
