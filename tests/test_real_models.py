@@ -8,6 +8,7 @@ Tolerance: max abs difference <= 1e-5 after 5 AdamW steps against the whole mode
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -386,3 +387,40 @@ def test_a_run_resumed_from_a_checkpoint_goes_on_exactly(
     diff = max_abs_diff(resumed, straight)
     print(f"resume {family} {state_dict_type}: max|dW| vs straight {diff:.3e}")
     assert diff <= 1e-6
+
+
+# ---------------------------------------------------------------------- live repartitioning
+def _slow_layer(module: nn.Module, args: Any, output: Any) -> None:
+    time.sleep(0.01)  # a layer much slower than the others: the split should change
+
+
+def _fit_moving(repartition: bool) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    module = hf_models.HFModule("gpt2")
+    for layer in module.model.transformer.h[:2]:  # both on stage 0 with the even split
+        layer.register_forward_hook(_slow_layer)
+    extra = {"repartition_every": 2} if repartition else {}
+    strategy = Pipe2BWStrategy(schedule="2bw", microbatches=M, **extra)
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=STEPS)
+    trainer.fit(module, hf_models.loader("gpt2", STEPS))
+    state = strategy.full_state_dict()
+    return {
+        "state": state if dist.get_rank() == 0 else None,
+        "balance": list(strategy.partition.balance) if strategy.partition else [],
+        "whole": {f"model.{k}": v.clone() for k, v in module.model.state_dict().items()},
+        "tied": module.model.lm_head.weight is module.model.transformer.wte.weight,
+    }
+
+
+def test_live_repartitioning_moves_a_models_layers_and_changes_no_weight(pools: Any) -> None:
+    """Two slow GPT-2 layers on stage 0: blocks move to stage 1 at a flush point, with their
+    weights, 2BW's second version and the optimizer state; the weights equal the run without
+    moving, and after fit the model object is whole again, tie included."""
+    pool = pools(2)
+    still = pool.run(_fit_moving, False)
+    moved = pool.run(_fit_moving, True)
+    print(f"repartition: balance {still[0]['balance']} -> {moved[0]['balance']}")
+    assert moved[0]["balance"] != still[0]["balance"] == [3, 3]
+    assert max_abs_diff(moved[0]["state"], still[0]["state"]) == 0.0
+    for r in moved:
+        assert max_abs_diff(r["whole"], still[0]["state"]) == 0.0 and r["tied"]

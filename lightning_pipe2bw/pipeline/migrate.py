@@ -123,6 +123,11 @@ def move_blocks(runtime: StageRuntime, balance: Sequence[int], carried: CarriedS
     for block, src, dst in moves:
         prefix = f"{path}.{block}."
         if t.stage == src:
+            # the block's weight names as the driver keys them (a model's: without the index)
+            names = {
+                f"{path}.{body.key_of(block, local)}"
+                for local, _ in body.block(block).named_parameters()
+            }
             leaving = body.take_block(block)
             payload = {
                 "module": leaving.to("cpu"),
@@ -133,7 +138,7 @@ def move_blocks(runtime: StageRuntime, balance: Sequence[int], carried: CarriedS
                         for part in carried.optimizers
                     ]
                 ),
-                "previous": to_cpu({k: v for k, v in previous.items() if k.startswith(prefix)}),
+                "previous": to_cpu({k: v for k, v in previous.items() if k in names}),
             }
             dist.send_object_list([payload], dst=t.rank_of_stage(dst))
         elif t.stage == dst:
