@@ -73,6 +73,12 @@ OURS_TIMEOUT_S = 180.0
 PG_TIMEOUT_S = 90.0
 
 
+# the workload: "mlp" (the default) or "gpt" (--model); ranks started by the pools inherit it
+# through the environment, which main() sets before any pool starts
+MODEL = os.environ.get("PIPE2BW_BENCH_MODEL", "mlp")
+GPT = {"vocab": 256, "seq": 128, "d": 256, "heads": 4, "layers": 8}
+
+
 class ResidualBlock(nn.Module):
     """x + Linear(HIDDEN -> WIDTH)(GELU(Linear(WIDTH -> HIDDEN)(x)))."""
 
@@ -85,20 +91,80 @@ class ResidualBlock(nn.Module):
         return x + self.fc2(nn.functional.gelu(self.fc1(x)))
 
 
+class GPTBlock(nn.Module):
+    """Pre-LN: x + attn(LN(x)) with causal ``scaled_dot_product_attention``, then
+    x + MLP(LN(x)) with a 4x hidden layer."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        a = nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+class GPTFirst(nn.Module):
+    """Token + position embedding, then the first block (so that the model is 8 equal-ish
+    blocks, which split into 2 or 4 equal stages for torch's schedules too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        d = GPT["d"]
+        self.token = nn.Embedding(GPT["vocab"], d)
+        self.position = nn.Embedding(GPT["seq"], d)
+        self.block = GPTBlock(d, GPT["heads"])
+
+    def forward(self, ids: Tensor) -> Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        return self.block(self.token(ids) + self.position(positions))  # type: ignore[no-any-return]
+
+
+class GPTLast(nn.Module):
+    """The last block, then the final LayerNorm and the head to the vocabulary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        d = GPT["d"]
+        self.block = GPTBlock(d, GPT["heads"])
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, GPT["vocab"])
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.ln(self.block(x)))  # type: ignore[no-any-return]
+
+
 def make_body(blocks: int = BLOCKS) -> nn.Sequential:
     """The whole model, with the same initial weights in every process."""
     torch.manual_seed(SEED)
+    if MODEL == "gpt":
+        middle = [GPTBlock(GPT["d"], GPT["heads"]) for _ in range(GPT["layers"] - 2)]
+        return nn.Sequential(GPTFirst(), *middle, GPTLast())
     return nn.Sequential(*[ResidualBlock() for _ in range(blocks)])
 
 
 def make_data(batch_size: int, num_batches: int) -> tuple[Tensor, Tensor]:
-    """Inputs and regression targets for ``num_batches`` batches (the same in every process)."""
+    """Inputs and targets for ``num_batches`` batches (the same in every process): regression
+    data for the MLP; for the GPT, byte-like token sequences and the next token of each."""
     g = torch.Generator().manual_seed(0)
     n = batch_size * num_batches
+    if MODEL == "gpt":
+        tokens = torch.randint(0, GPT["vocab"], (n, GPT["seq"] + 1), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
     return torch.randn(n, WIDTH, generator=g), torch.randn(n, WIDTH, generator=g)
 
 
 def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+    if MODEL == "gpt":
+        return nn.functional.cross_entropy(output.flatten(0, 1), target.flatten())
     return nn.functional.mse_loss(output, target)
 
 
@@ -310,10 +376,10 @@ def run_peer(name: str, m: int, batch_size: int, warmup: int, steps: int) -> dic
 
     rank, world = dist.get_rank(), dist.get_world_size()
     ids, num_stages = _peer_stage_ids(name, rank, world)
-    if BLOCKS % num_stages:
-        raise ValueError(f"{BLOCKS} blocks do not split into {num_stages} equal stages")
     blocks = list(make_body())
-    per = BLOCKS // num_stages
+    if len(blocks) % num_stages:
+        raise ValueError(f"{len(blocks)} blocks do not split into {num_stages} equal stages")
+    per = len(blocks) // num_stages
     submodules = [nn.Sequential(*blocks[i * per : (i + 1) * per]) for i in ids]
     del blocks
     device = torch.device("cpu")
@@ -604,6 +670,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
+    parser.add_argument(
+        "--model",
+        choices=("mlp", "gpt"),
+        default="mlp",
+        help="mlp: 8 residual MLP blocks (the default); gpt: a GPT-like model (embedding, 8 "
+        "pre-LN blocks with causal attention, d=256, 4 heads, sequence 128, vocabulary 256, "
+        "LN + head; use --batch-size 32)",
+    )
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--ranks", default="2,4", help="pipeline sizes p, comma separated")
     parser.add_argument(
@@ -742,7 +816,9 @@ def measure_peers(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    global MODEL
     args = parse_args(argv)
+    MODEL = os.environ["PIPE2BW_BENCH_MODEL"] = args.model  # the ranks inherit it
     started = time.perf_counter()
     load_before = _machine_load()
     configs = [(p, f * p) for p in args.ranks for f in args.mb_factors]
@@ -808,12 +884,18 @@ def build_groups(
 def header(args: argparse.Namespace) -> str:
     import lightning
 
+    model = (
+        f"GPT-like (embedding, {GPT['layers']} pre-LN blocks with causal SDPA and a 4x MLP, "
+        f"d={GPT['d']}, {GPT['heads']} heads, sequence {GPT['seq']}, vocabulary {GPT['vocab']}, "
+        "LN + head; the embedding and the head share a block with the first and last block)"
+        if MODEL == "gpt"
+        else f"{BLOCKS} x [Linear({WIDTH},{HIDDEN}) GELU Linear({HIDDEN},{WIDTH}) + residual]"
+    )
     return (
         f"{len(os.sched_getaffinity(0))} cores ({platform.machine()}, {_cpu_model()}), "
         f"torch {torch.__version__}, lightning {lightning.__version__}, 1 intra-op thread per "
-        f"rank; model {BLOCKS} x [Linear({WIDTH},{HIDDEN}) GELU Linear({HIDDEN},{WIDTH}) + "
-        f"residual] fp32 AdamW, batch {args.batch_size}, {args.warmup} warm-up + {args.steps} "
-        "timed steps"
+        f"rank; model {model} fp32 AdamW, batch {args.batch_size}, {args.warmup} warm-up + "
+        f"{args.steps} timed steps"
     )
 
 
@@ -874,7 +956,11 @@ def write_json(
             "lightning": lightning.__version__,
             "python": platform.python_version(),
             "threads_per_rank": 1,
-            "model": {"blocks": BLOCKS, "width": WIDTH, "hidden": HIDDEN, "dtype": "float32"},
+            "model": (
+                {"name": "gpt", **GPT, "dtype": "float32"}
+                if MODEL == "gpt"
+                else {"name": "mlp", "blocks": BLOCKS, "width": WIDTH, "hidden": HIDDEN, "dtype": "float32"}
+            ),
             "optimizer": f"AdamW(lr={LR})",
             "batch_size": bench.batch_size,
             "warmup": bench.warmup,
