@@ -424,3 +424,42 @@ def test_live_repartitioning_moves_a_models_layers_and_changes_no_weight(pools: 
     assert max_abs_diff(moved[0]["state"], still[0]["state"]) == 0.0
     for r in moved:
         assert max_abs_diff(r["whole"], still[0]["state"]) == 0.0 and r["tied"]
+
+
+class _Predicting(hf_models.HFModule):
+    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, _ = batch
+        return self.model(input_ids=x).logits  # type: ignore[no-any-return]
+
+
+def _fit_validate_predict() -> dict[str, Any]:
+    torch.set_num_threads(1)
+    module = _Predicting("gpt2")
+    strategy = Pipe2BWStrategy(schedule="1f1b", microbatches=2)
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=2, limit_val_batches=2)
+    data = hf_models.loader("gpt2", 2)
+    trainer.fit(module, data, data)
+    validated = trainer.validate(module, data)
+    predicted = trainer.predict(module, data)
+    return {"val": validated[0]["val_loss"], "pred": predicted, "model": module.model}
+
+
+def test_validate_and_predict_a_model_as_it_comes(pools: Any) -> None:
+    """The evaluation loops run the model's own call too: the validation loss and the
+    predicted logits (merged over micro-batches, in batch order) equal the trained model's on
+    one device."""
+    results = pools(2).run(_fit_validate_predict)
+    model = results[0]["model"].eval()
+    data = hf_models.batches("gpt2", 2)
+    with torch.no_grad():
+        logits = [model(input_ids=x).logits for x, _ in data]
+        loss = sum(float(model(input_ids=x, labels=y).loss) for x, y in data) / len(data)
+    for r in results:
+        assert all(torch.equal(a, b) for a, b in zip(r["pred"], logits, strict=True))
+        assert abs(r["val"] - loss) < 1e-6
+
+
+def test_the_model_may_be_named_as_the_body(pools: Any) -> None:
+    """``Pipe2BWStrategy(body="model")`` names the Hugging Face model instead of finding it."""
+    results = pools(2).run(_fit, "llama", "1f1b", body="model")
+    assert max_abs_diff(results[0]["state"], hf_models.reference("llama", STEPS, M)) == 0.0
