@@ -75,6 +75,8 @@ class TiedCopies:
         """Sum the copies' gradients over the stages holding them (collective among them; a
         copy without a gradient contributes zeros and then has the sum)."""
         for c in self.copies:
+            if not c.param.requires_grad:  # frozen: no copy has a gradient to sum
+                continue
             if c.param.grad is None:
                 c.param.grad = c.param.detach().new_zeros(c.param.shape)
             dist.all_reduce(c.param.grad, group=c.group)
