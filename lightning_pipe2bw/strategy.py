@@ -569,7 +569,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         if module is None or runtime is None:
             return
         step = module.trainer.global_step
-        if self.plan_check is not None:
+        if self.plan_check is not None and self.plan_check.result is None:
             line = self.plan_check.step(step, batch_size_of(batch) * self.data_parallel)
             if line is not None and self.global_rank == 0:
                 rank_zero_info(line)

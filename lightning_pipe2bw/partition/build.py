@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_pipe2bw.partition.pipemodel import PipeModelBody, release, restore_model
 from lightning_pipe2bw.partition.split import BodyRef, Partition, make_partition
-from lightning_pipe2bw.partition.ties import find_ties
+from lightning_pipe2bw.partition.ties import find_ties, share_parameter
 from lightning_pipe2bw.runtime.stage import StageBody
 
 __all__ = ["Init", "Uninitialized", "UninitializedError", "build_stage", "uninitialized_message"]
@@ -96,14 +96,9 @@ def retie(body: StageBody) -> None:
     """Make the blocks of ``body`` that share a parameter share it again (materialising each
     block on its own gives each its own copy): every use on this stage becomes the primary's."""
     for tie in body.ties:
-        mine = [(b, n) for b, n in tie.uses if b in body.indices]
-        if len(mine) < 2:
-            continue
-        first = body.block(mine[0][0]).get_parameter(mine[0][1])
-        for block, name in mine[1:]:
-            owner_path, _, attr = name.rpartition(".")
-            owner = body.block(block).get_submodule(owner_path) if owner_path else body.block(block)
-            owner._parameters[attr] = first
+        mine = [f"{b}.{n}" for b, n in tie.uses if b in body.indices]
+        if len(mine) > 1:
+            share_parameter(body, mine[0], mine[1:])
 
 
 def _check_callable_blocks(blocks: list[nn.Module], body: str) -> None:

@@ -148,18 +148,12 @@ class _Part(nn.Module):
         direct = [(p, t) for p, t in direct if not isinstance(t, nn.Module)]
         saved = [(p, _get(model, p)) for p, _ in direct]
         for path, tensor in direct:
-            _set_slot(model, path, tensor)  # type: ignore[arg-type]
+            _set(model, path, tensor)
         try:
             yield
         finally:
             for path, tensor in saved:
-                _set_slot(model, path, tensor)  # type: ignore[arg-type]
-
-
-def _set_slot(root: nn.Module, path: str, tensor: Tensor) -> None:
-    parent_path, _, name = path.rpartition(".")
-    parent = root.get_submodule(parent_path) if parent_path else root
-    parent._parameters[name] = tensor  # type: ignore[assignment]
+                _set(model, path, tensor)
 
 
 def _set_nested(holder: nn.Module, path: str, value: nn.Module | Tensor) -> None:
@@ -336,10 +330,6 @@ class PipeModelBody(nn.Sequential):
         self._register_load_state_dict_pre_hook(self._add_block_index, with_module=False)
 
     # ------------------------------------------------------------------ names
-    def block_key(self, key: str) -> str:
-        """The body's own key (``"3.transformer.h.2.attn.weight"``) for a model key."""
-        return f"{self._owner[key]}.{key}" if key in self._owner else key
-
     def _add_block_index(self, state: dict[str, Any], prefix: str, *args: Any) -> None:
         add_block_index(state, prefix, self._owner)
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from lightning_pipe2bw.partition.split import Partition
 
-__all__ = ["Tie", "find_ties"]
+__all__ = ["Tie", "find_ties", "share_parameter"]
 
 
 @dataclass(frozen=True)
@@ -42,3 +42,14 @@ def find_ties(blocks: Sequence[nn.Module]) -> list[Tie]:
             if not found or found[-1][0] != index:
                 found.append((index, name))
     return [Tie(tuple(u)) for u in uses.values() if len(u) > 1]
+
+
+def share_parameter(root: nn.Module, keep: str, paths: Sequence[str]) -> None:
+    """Make the parameters at ``paths`` (dotted, within ``root``) the one at ``keep``: the
+    copies of a tie become one parameter again."""
+    first = root.get_parameter(keep)
+    for path in paths:
+        if path != keep:
+            owner_path, _, name = path.rpartition(".")
+            owner = root.get_submodule(owner_path) if owner_path else root
+            owner._parameters[name] = first

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_pipe2bw.partition import make_partition
+from lightning_pipe2bw.partition.ties import share_parameter
 from lightning_pipe2bw.pipeline.assembly import memory_plan_problems
 from lightning_pipe2bw.pipeline.checkpoint_io import to_cpu
 from lightning_pipe2bw.pipeline.options import raise_problems
@@ -241,20 +242,12 @@ def restore_body(runtime: StageRuntime) -> str | None:
     parent = runtime.root.get_submodule(parent_path)
     if body.restore is not None:  # a model's body: the model object, holding every block
         whole = body.restore(blocks)
-        names = {(b, n): n for tie in body.ties for b, n in tie.uses}  # the model's paths
     else:
         whole = nn.Sequential(OrderedDict((str(i), blocks[i]) for i in sorted(blocks)))
-        names = {(b, n): f"{b}.{n}" for tie in body.ties for b, n in tie.uses}
     for tie in body.ties:  # the copies of a shared parameter are one parameter again
         # this stage's own copy where it has one (the optimizer steps it), else the primary's
         keep = next((u for u in tie.uses if u[0] in body.indices), tie.primary)
-        first = whole.get_parameter(names[keep])
-        for use in tie.uses:
-            if use == keep:
-                continue
-            owner_path, _, name = names[use].rpartition(".")
-            owner = whole.get_submodule(owner_path) if owner_path else whole
-            owner._parameters[name] = first
+        share_parameter(whole, body.key_of(*keep), [body.key_of(*u) for u in tie.uses])
     setattr(parent, attr, whole)
     return None
 

@@ -295,18 +295,14 @@ class StageBody(nn.Module):
 
     def _apply_blocks(self, x: Any, weights: Mapping[str, Tensor] | None, call: Any = None) -> Any:
         stash = self.stash
-        names = None
-        if weights is not None:  # by identity: a parameter shared by two blocks is one weight
-            names = {id(p): name for name, p in self.named_parameters()}
+        aliases = self._tie_aliases() if weights is not None and self.ties else {}
         for index, block in zip(self.indices, self.children(), strict=True):
             own = None
             if weights is not None:
-                assert names is not None
-                own = {
-                    local: weights[names[id(p)]]
-                    for local, p in block.named_parameters(remove_duplicate=False)
-                    if names.get(id(p)) in weights
-                }
+                prefix = f"{index}."
+                own = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+                for local, source in aliases.get(index, ()):
+                    own[local] = weights[source]
             policy = self.memory_plan.get(index, "keep")
             if stash is not None:
                 stash.current_policy = policy
@@ -332,6 +328,17 @@ class StageBody(nn.Module):
             if timed:
                 self._record(index, start)
         return x
+
+    def _tie_aliases(self) -> dict[int, list[tuple[str, str]]]:
+        """Block -> ``(name in the block, weight name)`` for the uses of a parameter that an
+        earlier block of this stage holds too: the weights of a version are named once (as in
+        ``named_parameters()``), under the stage's first use."""
+        out: dict[int, list[tuple[str, str]]] = {}
+        for tie in self.ties:
+            mine = [(b, n) for b, n in tie.uses if b in self.indices]
+            for block, name in mine[1:]:
+                out.setdefault(block, []).append((name, f"{mine[0][0]}.{mine[0][1]}"))
+        return out
 
     def _clock(self) -> Any:
         if self.device_type == "cuda":
