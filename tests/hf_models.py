@@ -5,7 +5,7 @@ rewritten for the pipeline. And the single-device references they are compared w
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -110,41 +110,50 @@ class HFModule(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=LR)
 
 
-def _accumulate(model: nn.Module, family: str, x: Tensor, y: Tensor, m: int) -> None:
-    for xs, ys in zip(torch.tensor_split(x, m), torch.tensor_split(y, m), strict=True):
-        (call(model, family, xs, ys).loss * (xs.shape[0] / x.shape[0])).backward()
+# the loss of one micro-batch, as the step computes it: (model, inputs, targets) -> loss
+Loss = Callable[[nn.Module, Tensor, Tensor], Tensor]
 
 
-def _state(model: nn.Module) -> dict[str, Tensor]:
-    return {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+def train_reference(
+    build: Callable[[], nn.Module],
+    data: Sequence[tuple[Tensor, Tensor]],
+    m: int,
+    loss: Loss,
+    lr: float = LR,
+    delayed: bool = False,
+) -> dict[str, Tensor]:
+    """One device, the whole model (``build()``, called twice: it must seed itself): AdamW on
+    the gradient accumulated over ``m`` micro-batches of each batch (micro-batch i's loss
+    weighted by its share); with ``delayed``, 2BW's rule W(t+1) = W(t) - step(grad f(W(t-1))),
+    W(-1) = W(0). The final state dict."""
+    model, shadow = build().train(), build().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    history = [{k: v.detach().clone() for k, v in model.state_dict().items()}]
+    for step, (x, y) in enumerate(data):
+        net = model
+        if delayed:  # the gradient of the version before the newest, on the shadow copy
+            shadow.load_state_dict(history[max(step - 1, 0)])
+            net = shadow
+        net.zero_grad()
+        for xs, ys in zip(torch.tensor_split(x, m), torch.tensor_split(y, m), strict=True):
+            (loss(net, xs, ys) * (xs.shape[0] / x.shape[0])).backward()
+        if delayed:
+            for p, q in zip(model.parameters(), shadow.parameters(), strict=True):
+                p.grad = None if q.grad is None else q.grad.clone()
+        opt.step()
+        history.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return history[-1]
 
 
 def reference(family: str, steps: int, m: int, delayed: bool = False) -> dict[str, Tensor]:
-    """One device, the whole model: gradient accumulation over the same micro-batches and
-    AdamW; with ``delayed``, 2BW's rule W(t+1) = W(t) - step(grad f(W(t-1))), W(-1) = W(0)."""
-    torch.manual_seed(0)
-    model = FAMILIES[family]()
-    torch.manual_seed(0)
-    shadow = FAMILIES[family]()
-    model.train()
-    shadow.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    history = {0: model.state_dict()}
-    history[0] = {k: v.clone() for k, v in history[0].items()}
-    for step, (x, y) in enumerate(batches(family, steps)):
-        if delayed:
-            shadow.load_state_dict(history[max(step - 1, 0)])
-            shadow.zero_grad()
-            _accumulate(shadow, family, x, y, m)
-            for p, q in zip(model.parameters(), shadow.parameters(), strict=True):
-                p.grad = None if q.grad is None else q.grad.clone()
-        else:
-            opt.zero_grad()
-            _accumulate(model, family, x, y, m)
-        opt.step()
-        history[step + 1] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {f"model.{k}": v for k, v in history[steps].items()}
+    """:func:`train_reference` for a family, on :func:`batches`, under the module's names."""
 
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return FAMILIES[family]()
 
-def named(model: nn.Module) -> Iterator[str]:
-    yield from model.state_dict()
+    def loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        return call(model, family, x, y).loss  # type: ignore[no-any-return]
+
+    state = train_reference(build, batches(family, steps), m, loss, delayed=delayed)
+    return {f"model.{k}": v for k, v in state.items()}

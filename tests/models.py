@@ -150,10 +150,30 @@ def conv_loader(batch_size: int = 8, n: int = 64, seed: int = 0) -> DataLoader[A
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
 
 
+class TiedModel(RegressionModel):
+    """Blocks 1 and 6 share one weight (an embedding/head tie in miniature): on two stages,
+    each holds a copy."""
+
+    def __init__(self, optimizer: str = "adamw") -> None:
+        super().__init__(optimizer=optimizer)
+        torch.manual_seed(7)
+        self.body = nn.Sequential(
+            nn.Linear(IN, HIDDEN),
+            nn.Linear(HIDDEN, HIDDEN, bias=False),
+            *[Block(HIDDEN) for _ in range(4)],
+            nn.Linear(HIDDEN, HIDDEN, bias=False),
+            nn.Linear(HIDDEN, OUT),
+        )
+        self.body[6].weight = self.body[1].weight
+
+
 def make_model(name: str, optimizer: str = "adamw", num_blocks: int = 8) -> RegressionModel:
-    """A test model by name: ``"regression"`` (the MLP) or ``"conv"`` (:class:`ConvModel`)."""
+    """A test model by name: ``"regression"`` (the MLP), ``"conv"`` (:class:`ConvModel`) or
+    ``"tied"`` (:class:`TiedModel`)."""
     if name == "conv":
         return ConvModel(optimizer)
+    if name == "tied":
+        return TiedModel(optimizer)
     return RegressionModel(num_blocks, optimizer)
 
 

@@ -19,16 +19,13 @@ import hf_models
 import torch
 import torch.distributed as dist
 from models import (
-    HIDDEN,
-    IN,
-    OUT,
-    Block,
     RegressionModel,
-    accumulate_gradient,
+    TiedModel,
     loader,
-    make_optimizer,
     max_abs_diff,
     quiet_trainer,
+    reference_2bw,
+    reference_train,
 )
 from torch import Tensor, nn
 
@@ -73,58 +70,19 @@ def test_hf_model_as_it_comes(pools: Any, family: str, schedule: str) -> None:
 
 
 # ---------------------------------------------------------------------- a tie in a plain body
-class _TiedModel(RegressionModel):
-    """Blocks 1 and 6 share one weight: on two stages, each holds a copy."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(7)
-        self.body = nn.Sequential(
-            nn.Linear(IN, HIDDEN),
-            nn.Linear(HIDDEN, HIDDEN, bias=False),
-            *[Block(HIDDEN) for _ in range(4)],
-            nn.Linear(HIDDEN, HIDDEN, bias=False),
-            nn.Linear(HIDDEN, OUT),
-        )
-        self.body[6].weight = self.body[1].weight
-
-
 def _fit_tied(schedule: str, clip: float | None) -> dict[str, Any]:
     torch.set_num_threads(1)
-    module = _TiedModel()
+    module = TiedModel()
     strategy = Pipe2BWStrategy(schedule=schedule, microbatches=M)
     extra = {"gradient_clip_val": clip} if clip is not None else {}
-    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=STEPS, **extra)
+    world = dist.get_world_size()
+    trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=STEPS, **extra)
     trainer.fit(module, loader(8))
     state = strategy.full_state_dict()
     return {
         "state": state if dist.get_rank() == 0 else None,
         "tied_again": module.body[6].weight is module.body[1].weight,
     }
-
-
-def _reference_tied(delayed: bool, clip: float | None) -> dict[str, Tensor]:
-    model, shadow = _TiedModel(), _TiedModel()
-    opt, sched = make_optimizer(model.parameters())
-    history = {0: {k: v.clone() for k, v in model.state_dict().items()}}
-    for step, (x, y) in enumerate(loader(8)):
-        if step == STEPS:
-            break
-        if delayed:
-            shadow.load_state_dict(history[max(step - 1, 0)])
-            shadow.zero_grad()
-            accumulate_gradient(shadow, x, y, M)
-            for p, q in zip(model.parameters(), shadow.parameters(), strict=True):
-                p.grad = None if q.grad is None else q.grad.clone()
-        else:
-            opt.zero_grad()
-            accumulate_gradient(model, x, y, M)
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        sched.step()
-        history[step + 1] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return history[STEPS]
 
 
 @pytest.mark.parametrize(
@@ -135,12 +93,25 @@ def test_a_weight_tied_across_stages(pools: Any, schedule: str, clip: float | No
     counted once by clipping), so the copies stay equal and equal one device with the tie."""
     results = pools(2).run(_fit_tied, schedule, clip)
     state = results[0]["state"]
-    ref = _reference_tied(schedule == "2bw", clip)
+    norm = ("norm", clip) if clip is not None else None
+    if schedule == "2bw":
+        ref = reference_2bw(STEPS, M, clip=norm, model_name="tied")
+    else:
+        ref = reference_train(STEPS, M, clip=norm, model_name="tied")[0]
     diff = max_abs_diff(state, ref)
     print(f"tie {schedule} clip={clip}: max|dW| vs one device {diff:.3e}")
     assert diff <= TOL
     assert torch.equal(state["body.1.weight"], state["body.6.weight"])
     assert all(r["tied_again"] for r in results)  # one parameter again after fit
+
+
+def test_a_weight_tied_within_one_stage_takes_its_version(pools: Any) -> None:
+    """One stage holding both uses: under 2BW both run on the micro-batch's weight version
+    (the version names the shared parameter once), exact against the delayed rule."""
+    state = pools(1).run(_fit_tied, "2bw", None)[0]["state"]
+    diff = max_abs_diff(state, reference_2bw(STEPS, M, model_name="tied"))
+    print(f"tie within a stage, 2bw: max|dW| vs the delayed rule {diff:.3e}")
+    assert diff <= TOL
 
 
 # ---------------------------------------------------------------------- checkpoints and meta
@@ -301,25 +272,15 @@ def test_a_model_described_with_pipe_model(pools: Any, schedule: str) -> None:
     """A model the strategy does not know, described in pipeline_body(): parameters as ``pre``,
     a Sequential of blocks called as a whole, a head function; exact against one device."""
     results = pools(2).run(_fit_described, schedule)
-    torch.manual_seed(3)
-    model, shadow = _DescribedModule().net, _DescribedModule().net
-    shadow.load_state_dict(model.state_dict())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    history = [{k: v.clone() for k, v in model.state_dict().items()}]
-    for step, (x, y) in enumerate(_images()):
-        net = model
-        if schedule == "2bw":
-            shadow.load_state_dict(history[max(step - 1, 0)])
-            net = shadow
-        net.zero_grad()
-        for xs, ys in zip(torch.tensor_split(x, M), torch.tensor_split(y, M), strict=True):
-            (nn.functional.cross_entropy(net(xs), ys) * xs.shape[0] / x.shape[0]).backward()
-        if net is shadow:
-            for p, q in zip(model.parameters(), shadow.parameters(), strict=True):
-                p.grad = q.grad.clone()
-        opt.step()
-        history.append({k: v.detach().clone() for k, v in model.state_dict().items()})
-    ref = {f"net.{k}": v for k, v in history[-1].items()}
+
+    def cross_entropy(net: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        return nn.functional.cross_entropy(net(x), y)
+
+    state = hf_models.train_reference(
+        lambda: _DescribedModule().net, _images(), M, cross_entropy, lr=1e-3,
+        delayed=schedule == "2bw",
+    )  # fmt: skip
+    ref = {f"net.{k}": v for k, v in state.items()}
     diff = max_abs_diff(results[0]["state"], ref)
     print(f"described {schedule}: max|dW| vs one device {diff:.3e}")
     assert diff <= TOL
