@@ -20,12 +20,20 @@ from hypothesis import strategies as st
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, merge_outputs, split_batch
-from lightning_pipe2bw.runtime.transport import P2PTransport, TensorMeta, flatten_payload
+from lightning_pipe2bw.runtime.transport import (
+    PACK_LIMIT,
+    P2PTransport,
+    TensorMeta,
+    flatten_payload,
+)
 
 FAST = settings(max_examples=40, deadline=None, database=None)
 TIMEOUT = 60  # seconds; a deadlocked transport fails the test instead of hanging the session
 MIB_FLOATS = 1 << 18  # float32 elements in 1 MiB: larger than any eager-send buffering
+CONTROL = 3 * 8  # a message's control: header length, filler count, largest filler (int64)
+LARGE = 40_000  # a sequence length whose message takes more than PACK_LIMIT bytes
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -146,10 +154,11 @@ PAYLOADS: dict[str, Callable[[], Any]] = {
 
 
 def sequence_message(length: int, step: int) -> Any:
-    """A message whose shapes depend on ``length`` (a sequence length) and values on ``step``."""
+    """A message whose shapes (and whether its hidden state requires grad) depend on ``length`` (a
+    sequence length) and values on ``step``."""
     g = torch.Generator().manual_seed(100 + step)
     return {
-        "hidden": torch.randn(2, length, 4, generator=g).requires_grad_(step % 2 == 0),
+        "hidden": torch.randn(2, length, 4, generator=g).requires_grad_(length % 2 == 1),
         "positions": torch.arange(length),
     }
 
@@ -178,7 +187,47 @@ def _on_rank_sequence(lengths: list[int]) -> Any:
             deltas.append(tr.bytes_sent - before)
         tr.wait_sends()
         return {"deltas": deltas, "pending": tr.pending_bytes}
-    return {"received": [summarize(tr.recv(0)) for _ in lengths]}
+    received = [summarize(tr.recv(0)) for _ in lengths]
+    return {"received": received, "bytes": tr.bytes_received}
+
+
+def packed_size(tensors: list[Tensor]) -> int:
+    """The bytes of a packed message: a 64-byte control, then each tensor at a multiple of 64."""
+    end = 64
+    for t in tensors:
+        end = -(-end // 64) * 64 + t.numel() * t.element_size()
+    return end
+
+
+def expected_deltas(lengths: list[int]) -> list[int]:
+    """The bytes each message of :func:`sequence_message` puts on the channel. After a message
+    that kept its predecessor's header, the receiver expects the next one to keep it too and
+    posts its receives: one packed buffer (control and tensors) up to PACK_LIMIT bytes of
+    tensors, else the control and a receive per tensor. Otherwise a message is the control, the
+    header when it changed, and the tensors. A changed header that was expected to stay comes
+    after fillers of the expected sizes."""
+    deltas = []
+    previous: bytes | None = None
+    previous_tensors: list[Tensor] = []
+    kept = False  # the previous message kept its predecessor's header
+    for step, length in enumerate(lengths):
+        tensors, header = flatten_payload(sequence_message(length, step))
+        payload = sum(t.numel() * t.element_size() for t in tensors)
+        same = header == previous
+        packed = kept and sum(t.numel() * t.element_size() for t in previous_tensors) <= PACK_LIMIT
+        if same and packed:
+            deltas.append(packed_size(tensors))
+        elif same:
+            deltas.append(CONTROL + payload)
+        else:
+            lead = CONTROL
+            if kept:
+                lead = packed_size(previous_tensors) if packed else CONTROL + sum(
+                    t.numel() * t.element_size() for t in previous_tensors
+                )
+            deltas.append(lead + len(header) + payload)
+        previous, previous_tensors, kept = header, tensors, same
+    return deltas
 
 
 def _on_rank_many_before_recv(count: int) -> Any:
@@ -231,9 +280,9 @@ def test_send_recv_roundtrip(pools: Any, name: str) -> None:
     assert sender["pending"] == 0
     tensors, header = flatten_payload(sent)
     payload_bytes = sum(t.numel() * t.element_size() for t in tensors)
-    # one int64 length, the header (first message on the channel) and the tensor leaves, counted
-    # the same way at both ends
-    assert sender["sent"] == 8 + len(header) + payload_bytes
+    # the control, the header (first message on the channel) and the tensor leaves, counted the
+    # same way at both ends
+    assert sender["sent"] == CONTROL + len(header) + payload_bytes
     assert receiver["bytes"] == sender["sent"]
 
 
@@ -246,21 +295,42 @@ def test_requires_grad_is_carried_over(pools: Any) -> None:
     assert all(x.is_leaf for x in got)
 
 
-def test_shapes_change_between_messages_on_one_channel(pools: Any) -> None:
-    lengths = [5, 7, 5, 5, 3, 7, 7]
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [5, 7, 5, 5, 3, 7, 7],
+        [4, 4, 4, 6, 6, 6, 2, 4, 4, 9],
+        [LARGE, LARGE, LARGE, LARGE + 1, LARGE + 1, LARGE + 1, 3],
+    ],
+    ids=["changing", "steady-then-changing", "larger-than-a-packed-message"],
+)
+def test_shapes_change_between_messages_on_one_channel(pools: Any, lengths: list[int]) -> None:
     sender, receiver = pools(2).run(_on_rank_sequence, lengths, timeout=TIMEOUT)
     for step, (length, got) in enumerate(zip(lengths, receiver["received"], strict=True)):
         assert_received(got, sequence_message(length, step))
-    # the header goes out only when it differs from the previous one on the channel
-    expected = []
-    previous: bytes | None = None
-    for step, length in enumerate(lengths):
-        tensors, header = flatten_payload(sequence_message(length, step))
-        payload_bytes = sum(t.numel() * t.element_size() for t in tensors)
-        expected.append(8 + (0 if header == previous else len(header)) + payload_bytes)
-        previous = header
-    assert sender["deltas"] == expected
+    # the header goes out only when it differs from the previous one on the channel; fillers
+    # only for a change right after a kept header (rounds 5 of the first list, 4 and 7 of the
+    # second, 4 and 7 of the third, whose tensors are not packed)
+    assert sender["deltas"] == expected_deltas(lengths)
+    assert sum(sender["deltas"]) == receiver["bytes"]
     assert sender["pending"] == 0
+
+
+def test_expected_deltas_pack_and_fill_only_after_a_kept_header() -> None:
+    plain = expected_deltas([3, 3, 3])
+    changed = expected_deltas([3, 3, 3, 4])
+    assert changed[:3] == plain
+    tensors3, _ = flatten_payload(sequence_message(3, 2))
+    tensors4, header4 = flatten_payload(sequence_message(4, 3))
+    # the third message is expected: one packed buffer; the fourth fills that buffer first
+    # the hidden state's 96 bytes at 64, the positions' 24 at 192 (the next multiple of 64)
+    assert plain[2] == packed_size(tensors3) == 192 + 3 * 8
+    assert changed[3] == packed_size(tensors3) + len(header4) + sum(
+        t.numel() * t.element_size() for t in tensors4
+    )
+    large = expected_deltas([LARGE] * 3)
+    tensors, _ = flatten_payload(sequence_message(LARGE, 2))
+    assert large[2] == CONTROL + sum(t.numel() * t.element_size() for t in tensors)  # not packed
 
 
 def test_sends_do_not_block_and_arrive_in_order(pools: Any) -> None:
@@ -483,3 +553,115 @@ def test_merge_outputs_single_and_empty() -> None:
 def test_merge_outputs_different_structures_are_listed() -> None:
     outputs = [{"a": torch.zeros(2)}, {"b": torch.zeros(2)}]
     assert merge_outputs(outputs, [2, 2]) == outputs
+
+
+# ----------------------------------------------------------------------------- failure notices
+
+
+def _on_rank_notice(length: int) -> Any:
+    """Three messages with one header, so that rank 1 posts the fourth's tensor receives with
+    its control; rank 0 then fails and sends a notice in the fourth's place."""
+    tr = _transport()
+    if _rank() == 0:
+        for step in range(3):
+            tr.send(sequence_message(length, step), 1)
+        tr.notify(FailureRecord(0, 0, "0F3", "RuntimeError: boom"), [1])
+        tr.wait_sends()
+        return None
+    for _ in range(3):
+        tr.recv(0)
+    try:
+        tr.recv(0)
+    except StageFailure as failure:
+        return (failure.record.rank, failure.record.action, failure.record.error, failure.source)
+    return "no failure"
+
+
+@pytest.mark.parametrize("length", [3, LARGE], ids=["packed", "larger-than-a-packed-message"])
+def test_a_notice_takes_the_place_of_an_expected_message(pools: Any, length: int) -> None:
+    _, got = pools(2).run(_on_rank_notice, length, timeout=TIMEOUT)
+    assert got == (0, "0F3", "RuntimeError: boom", 0)
+
+
+def _on_rank_stale_notice() -> Any:
+    """An earlier transport's notice, with a filler for the message its receiver expected and
+    never posted, stays on that transport's tag: the next transport on the channel gets its own
+    message."""
+    old = _transport()
+    if _rank() == 0:
+        for step in range(3):
+            old.send(sequence_message(3, step), 1)
+        old.notify(FailureRecord(0, 0, "0F3", "RuntimeError: old"), [1], timeout_s=0.5)
+    else:
+        for _ in range(3):
+            old.recv(0)  # the receiver fails here too, before it reads the notice
+    new = _transport()  # created on both ranks, as every rank creates its transports
+    if _rank() == 0:
+        new.send(sequence_message(5, 9), 1)
+        new.wait_sends()
+        return None
+    return summarize(new.recv(0))
+
+
+def test_a_notice_of_an_earlier_run_is_not_taken_for_a_message(pools: Any) -> None:
+    _, got = pools(2).run(_on_rank_stale_notice, timeout=TIMEOUT)
+    assert_received(got, sequence_message(5, 9))
+
+
+# ----------------------------------------------------------------------------- unchanged headers
+
+LEAVES = [1, 1, 1.0, True, float("nan"), float("nan"), "a", "a", torch.float16, None]
+
+
+def _on_rank_plain_leaves() -> Any:
+    """A tensor with each of ``LEAVES`` in turn: an unchanged header is told without pickling,
+    which must not take 1, 1.0 and True for one another (they compare equal)."""
+    tr = _transport()
+    x = torch.ones(2)
+    if _rank() == 0:
+        deltas = []
+        for leaf in LEAVES:
+            before = tr.bytes_sent
+            tr.send((x, leaf), 1)
+            deltas.append(tr.bytes_sent - before)
+        tr.wait_sends()
+        return deltas
+    got = [tr.recv(0)[1] for _ in LEAVES]
+    return [(type(v).__name__, repr(v)) for v in got]
+
+
+def test_unchanged_headers_keep_the_types_of_plain_leaves(pools: Any) -> None:
+    deltas, got = pools(2).run(_on_rank_plain_leaves, timeout=TIMEOUT)
+    assert got == [(type(v).__name__, repr(v)) for v in LEAVES]
+    # the header went out with every change of value or type, not with a repeat (NaN included)
+    resent = [d > CONTROL + 8 + 16 for d in deltas]  # control, fillers of 8 B, tensor: no header
+    assert resent == [True, False, True, True, True, False, True, False, True, True]
+
+
+class Box:
+    """A picklable, mutable non-tensor leaf."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:  # equal whatever the value: a careless __eq__
+        return isinstance(other, Box)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _on_rank_object_leaves() -> Any:
+    tr = _transport()
+    if _rank() == 0:
+        for i in range(3):
+            tr.send((torch.ones(1), Box(i)), 1)
+        tr.wait_sends()
+        return None
+    boxes = [tr.recv(0)[1] for _ in range(3)]
+    return [b.value for b in boxes], len({id(b) for b in boxes})
+
+
+def test_other_leaves_arrive_as_sent_and_as_fresh_objects(pools: Any) -> None:
+    _, (values, distinct) = pools(2).run(_on_rank_object_leaves, timeout=TIMEOUT)
+    assert values == [0, 1, 2]  # Box's __eq__ would have kept the first header
+    assert distinct == 3

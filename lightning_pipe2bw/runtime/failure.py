@@ -43,8 +43,9 @@ _runs = 0
 
 def new_run() -> int:
     """A new run number. Every rank creates its pipeline transports in the same order, so the
-    numbers agree across ranks; a notice left unread on a channel by an earlier run (whose
-    ranks all failed at once) is then skipped instead of being taken for a failure of this one."""
+    numbers agree across ranks; each transport sends on a tag of its own run, so a notice left
+    unread on a channel by an earlier run (whose ranks all failed at once) is never taken for a
+    message of this one."""
     global _runs
     _runs += 1
     return _runs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import pickle
 import time
 import warnings
@@ -19,6 +20,11 @@ from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure, new_r
 __all__ = ["P2PTransport", "TensorMeta", "flatten_payload"]
 
 _NOTICE = -1  # a message length that announces a failure notice instead of a payload
+_TAGS = 1 << 20  # a transport's tag is this plus its run number (earlier runs' messages wait apart)
+_ALIGN = 64  # bytes: where a packed message's control ends and each of its tensors starts
+# a message whose tensors take up to this many bytes travels as one buffer with its control
+# when the receiver expects it (copied in at the sender; the receiver's tensors are views of it)
+PACK_LIMIT = 1 << 20
 _UNREAD_NOTICES: list[tuple[dist.Work, torch.Tensor]] = []
 
 
@@ -43,12 +49,13 @@ class _TensorSlot:
         return (_TensorSlot, (self.index,))
 
 
-def flatten_payload(obj: Any) -> tuple[list[torch.Tensor], bytes]:
-    """Split ``obj`` into its tensor leaves and a pickled header describing everything else.
+# non-tensor leaves of these types are compared by value and type to tell whether a header is
+# unchanged without pickling it, and may be shared between the messages that carry them
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 
-    The header holds the tree structure, the non-tensor leaves (plain Python values) and a
-    :class:`TensorMeta` per tensor, so shapes may change from one message to the next.
-    """
+
+def _split(obj: Any) -> tuple[list[torch.Tensor], Any, list[Any], list[TensorMeta]]:
+    """``obj``'s tensor leaves, tree structure, header leaves (a slot per tensor) and metas."""
     leaves, spec = pytree.tree_flatten(obj)
     tensors: list[torch.Tensor] = []
     header_leaves: list[Any] = []
@@ -60,16 +67,29 @@ def flatten_payload(obj: Any) -> tuple[list[torch.Tensor], bytes]:
             tensors.append(leaf)
         else:
             header_leaves.append(leaf)
+    return tensors, spec, header_leaves, metas
+
+
+def _pickle_header(obj: Any, spec: Any, header_leaves: list[Any], metas: list[TensorMeta]) -> bytes:
     try:
         with warnings.catch_warnings():  # torch 2.13 warns when its own LeafSpec is pickled
             warnings.simplefilter("ignore", FutureWarning)
-            header = pickle.dumps((spec, header_leaves, metas), protocol=pickle.HIGHEST_PROTOCOL)
+            return pickle.dumps((spec, header_leaves, metas), protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, TypeError, AttributeError) as err:
         raise TypeError(
             "a pipeline stage output must be a tensor or a tuple/list/dict of tensors and picklable "
             f"Python values; got {type(obj).__name__} with an unpicklable leaf ({err})"
         ) from err
-    return tensors, header
+
+
+def flatten_payload(obj: Any) -> tuple[list[torch.Tensor], bytes]:
+    """Split ``obj`` into its tensor leaves and a pickled header describing everything else.
+
+    The header holds the tree structure, the non-tensor leaves (plain Python values) and a
+    :class:`TensorMeta` per tensor, so shapes may change from one message to the next.
+    """
+    tensors, spec, header_leaves, metas = _split(obj)
+    return tensors, _pickle_header(obj, spec, header_leaves, metas)
 
 
 def _load_header(header: bytes) -> tuple[Any, list[Any], list[TensorMeta]]:
@@ -78,20 +98,134 @@ def _load_header(header: bytes) -> tuple[Any, list[Any], list[TensorMeta]]:
         return pickle.loads(header)  # type: ignore[no-any-return]
 
 
-def _unflatten_payload(header: bytes, tensors: list[torch.Tensor]) -> Any:
-    spec, header_leaves, _ = _load_header(header)
-    leaves = [tensors[x.index] if isinstance(x, _TensorSlot) else x for x in header_leaves]
-    return pytree.tree_unflatten(leaves, spec)
+def _plain(header_leaves: list[Any]) -> bool:
+    return all(isinstance(x, _TensorSlot) or type(x) in _PLAIN for x in header_leaves)
+
+
+def _same_leaves(a: list[Any], b: list[Any]) -> bool:
+    """Equal header leaves, plain values compared with their types (1, 1.0 and True differ)."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if isinstance(x, _TensorSlot):
+            if not isinstance(y, _TensorSlot) or x.index != y.index:
+                return False
+        elif type(x) is not type(y) or not (x == y or (x != x and y != y)):  # NaN equals NaN
+            return False
+    return True
+
+
+def _nbytes(meta: TensorMeta) -> int:
+    return math.prod(meta.shape) * meta.dtype.itemsize
+
+
+def _layout(metas: list[TensorMeta]) -> tuple[list[int], int]:
+    """Where each tensor starts in a packed message, and the message's size: the control, then
+    the tensors, each at a multiple of ``_ALIGN`` bytes (so that every dtype may view it)."""
+    offsets, end = [], _ALIGN
+    for meta in metas:
+        start = -(-end // _ALIGN) * _ALIGN
+        offsets.append(start)
+        end = start + _nbytes(meta)
+    return offsets, end
+
+
+def _views(buffer: torch.Tensor, channel: _Channel) -> list[torch.Tensor]:
+    """The tensors of a packed message, as views of its buffer."""
+    return [
+        buffer[start : start + _nbytes(meta)].view(meta.dtype).view(meta.shape)
+        for start, meta in zip(channel.offsets, channel.metas, strict=True)
+    ]
+
+
+class _Channel:
+    """What both ends of a channel (an ordered pair of ranks) know of it after the same
+    messages: the last header, and whether the receiver posts the next message's tensors with
+    its control message."""
+
+    __slots__ = ("header", "leaves", "metas", "offsets", "plain", "predicted", "size", "spec")
+
+    def __init__(self) -> None:
+        self.header: bytes | None = None
+        self.spec: Any = None
+        self.leaves: list[Any] = []  # header leaves: plain values and a slot per tensor
+        self.metas: list[TensorMeta] = []
+        self.plain = False  # every non-tensor leaf is a plain value (shared between messages)
+        # the last message kept its predecessor's header, so the receiver expects the next one to
+        # keep it too and posts its tensors' receives together with its control message
+        self.predicted = False
+        self.offsets: list[int] = []  # of each tensor in a packed message
+        self.size = 0  # bytes of a packed message
+
+    @property
+    def packed(self) -> bool:
+        """The receiver expects the next message as one buffer: control, then each tensor."""
+        return self.predicted and self.size - _ALIGN <= PACK_LIMIT
+
+    def advance(self, header: bytes | None, same: bool) -> None:
+        """Both ends, after a message: ``header`` (None: unchanged, ``same``)."""
+        if not same:
+            assert header is not None
+            self.header = header
+            self.spec, self.leaves, self.metas = _load_header(header)
+            self.plain = _plain(self.leaves)
+            self.offsets, self.size = _layout(self.metas)
+        self.predicted = same
+
+    def keeps(self, spec: Any, header_leaves: list[Any], metas: list[TensorMeta]) -> bool:
+        """Whether a message with these parts has the last header, told without pickling it
+        (plain leaves only)."""
+        return (
+            self.plain
+            and metas == self.metas
+            and _same_leaves(header_leaves, self.leaves)
+            and spec == self.spec
+        )
+
+    def unflatten(self, tensors: list[torch.Tensor]) -> Any:
+        """The message with the last header and these tensors."""
+        assert self.header is not None
+        spec, header_leaves = self.spec, self.leaves
+        if not self.plain:  # fresh objects for every message
+            spec, header_leaves, _ = _load_header(self.header)
+        leaves = [tensors[x.index] if isinstance(x, _TensorSlot) else x for x in header_leaves]
+        return pytree.tree_unflatten(leaves, spec)
+
+
+@dataclass
+class _Posted:
+    """The receives of one message, posted together: its control (a packed message's head) and
+    the tensors it is expected to carry (views of a packed message, or receives of their own)."""
+
+    control: torch.Tensor  # three int64
+    control_work: dist.Work
+    tensors: list[torch.Tensor]
+    works: list[dist.Work]  # the tensors' own receives (none when packed)
 
 
 class P2PTransport:
     """Sends and receives pytrees between pipeline ranks.
 
-    A message on a channel (ordered pair of ranks) is: one int64 length, the pickled header
-    (only when it differs from the previous header on that channel, else length 0), then each
-    tensor leaf. Sends are non-blocking (``isend``; buffers are kept alive until completed),
-    receives block. Channels are FIFO, so the schedule's send order on a channel must equal the
-    peer's receive order; the schedule validator checks this.
+    A message on a channel (ordered pair of ranks) starts with a control: three int64, the
+    length of the pickled header when it changed (0 when it is the previous message's, -1 for a
+    failure notice), then the count and largest size of any fillers (below). The header, when
+    it changed, and each tensor leaf follow. Sends are non-blocking (``isend``; buffers are kept
+    alive until completed). Channels are FIFO, so the schedule's send order on a channel must
+    equal the peer's receive order; the schedule validator checks this.
+
+    A receive takes its whole message in one go. Gloo delivers a message at once only into a
+    receive that is already posted; a message that has to wait for its receive is delivered
+    later by the sender's background thread, which costs milliseconds when that rank is
+    computing (and a receive posted only once a control has arrived would always wait like
+    that). So when the last message on the channel kept its header (both ends know whether it
+    did), the receiver expects the next one to keep it too and posts its tensors' receives with
+    its control: as one buffer, when they take at most ``PACK_LIMIT`` bytes (the sender packs
+    control and tensors into it; the receiver's tensors are views of it), else a receive per
+    tensor. If the header changes after all, or a failure notice comes, the sender first sends
+    fillers of the expected sizes into those receives, so that both ends stay in step, on NCCL
+    too. The sender tells an unchanged header without pickling it when its non-tensor leaves
+    are plain values (numbers, strings, dtypes...). :meth:`post` posts a message's receives
+    before :meth:`recv` takes it.
 
     ``batch_isend_irecv`` is deliberately not used: with gloo it serialises per peer and has
     hung in mixed send/recv batches; plain ``isend``/``irecv`` pairs are safe on gloo and NCCL.
@@ -101,36 +235,100 @@ class P2PTransport:
         self.group = group
         self.device = device
         self._pending: list[tuple[dist.Work, list[torch.Tensor]]] = []
-        self._sent_header: dict[int, bytes] = {}
-        self._recv_header: dict[int, bytes] = {}
+        self._out: dict[int, _Channel] = {}
+        self._in: dict[int, _Channel] = {}
+        self._posted: dict[int, _Posted] = {}  # receives posted before recv() was called
         self.bytes_sent = 0
         self.bytes_received = 0
-        self.run = new_run()  # failure notices of earlier transports are skipped
+        self.run = new_run()
+        # a tag of its own: messages an earlier transport left unread on a channel (its ranks
+        # failed) are never taken for this one's (NCCL has no tags, nor survives a failure)
+        self.tag = _TAGS + self.run
         self._settled = 0  # sends before this index are older than the previous settle()
+        # on gloo a receive may be posted before an unrelated send; NCCL runs a pair's transfers
+        # in order on one stream, where that could hold back a send the peer waits for
+        self.can_post_early = device.type == "cpu"
 
     def _global(self, group_rank: int) -> int:
         if self.group is None:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
 
-    def send(self, obj: Any, dst: int) -> None:
-        """Start sending ``obj`` to group rank ``dst`` without waiting for it to arrive."""
-        tensors, header = flatten_payload(obj)
-        peer = self._global(dst)
-        same = self._sent_header.get(dst) == header
-        self._sent_header[dst] = header
-        length = torch.tensor([0 if same else len(header)], dtype=torch.int64, device=self.device)
-        buffers = [length]
-        if not same:
-            buffers.append(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device))
-        for t in tensors:
-            buffers.append(t.detach().to(self.device).contiguous())
+    def _isend(self, buffers: list[torch.Tensor], peer: int) -> None:
         for buf in buffers:
-            work = dist.isend(buf, dst=peer, group=self.group)
+            work = dist.isend(buf, dst=peer, group=self.group, tag=self.tag)
             assert work is not None
             self._pending.append((work, [buf]))
             self.bytes_sent += buf.numel() * buf.element_size()
-        self.reap()
+
+    def _irecv(self, buf: torch.Tensor, peer: int) -> dist.Work:
+        work = dist.irecv(buf, src=peer, group=self.group, tag=self.tag)
+        assert work is not None
+        self.bytes_received += buf.numel() * buf.element_size()
+        return work
+
+    def _packed(self, channel: _Channel, control: list[int], tensors: list[torch.Tensor]) -> torch.Tensor:
+        """One buffer: ``control``, then ``tensors`` (none: a filler for the receive)."""
+        buffer = torch.zeros(channel.size, dtype=torch.uint8, device=self.device)
+        buffer[:24].view(torch.int64).copy_(torch.tensor(control, dtype=torch.int64))
+        for view, t in zip(_views(buffer, channel), tensors, strict=False):
+            view.copy_(t.detach())
+        return buffer
+
+    def _lead(self, channel: _Channel, length: int) -> list[torch.Tensor]:
+        """What a message of header length ``length`` starts with: its control, and when the
+        receiver expects tensors of the last header that do not come (``length`` is not 0),
+        fillers in their place."""
+        if length != 0 and channel.packed:
+            return [self._packed(channel, [length, 0, 0], [])]
+        fillers = []
+        if length != 0 and channel.predicted:
+            fillers = [torch.zeros(m.shape, dtype=m.dtype, device=self.device) for m in channel.metas]
+        largest = max((f.numel() * f.element_size() for f in fillers), default=0)
+        control = torch.tensor([length, len(fillers), largest], dtype=torch.int64)
+        return [control.to(self.device), *fillers]
+
+    def send(self, obj: Any, dst: int) -> None:
+        """Start sending ``obj`` to group rank ``dst`` without waiting for it to arrive."""
+        tensors, spec, header_leaves, metas = _split(obj)
+        channel = self._out.setdefault(dst, _Channel())
+        header: bytes | None = None
+        same = channel.keeps(spec, header_leaves, metas)
+        if not same:
+            header = _pickle_header(obj, spec, header_leaves, metas)
+            same = header == channel.header
+        if same and channel.packed:
+            buffers = [self._packed(channel, [0, 0, 0], tensors)]
+        else:
+            length = 0 if same or header is None else len(header)
+            buffers = self._lead(channel, length)
+            if length:
+                assert header is not None
+                raw = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+                buffers.append(raw.to(self.device))
+            buffers.extend(t.detach().to(self.device).contiguous() for t in tensors)
+        self._isend(buffers, self._global(dst))
+        channel.advance(header, same)
+
+    def post(self, src: int) -> None:
+        """Post the receives of the next message from group rank ``src`` now, before
+        :meth:`recv` takes it (gloo only; elsewhere a no-op)."""
+        if self.can_post_early and src not in self._posted:
+            self._posted[src] = self._post_receives(src)
+
+    def _post_receives(self, src: int) -> _Posted:
+        peer = self._global(src)
+        channel = self._in.setdefault(src, _Channel())
+        if channel.packed:
+            buffer = torch.empty(channel.size, dtype=torch.uint8, device=self.device)
+            work = self._irecv(buffer, peer)
+            return _Posted(buffer[:24].view(torch.int64), work, _views(buffer, channel), [])
+        control = torch.empty(3, dtype=torch.int64, device=self.device)
+        control_work = self._irecv(control, peer)
+        tensors = []
+        if channel.predicted:
+            tensors = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in channel.metas]
+        return _Posted(control, control_work, tensors, [self._irecv(t, peer) for t in tensors])
 
     def recv(self, src: int, timeout_s: float | None = None) -> Any:
         """Receive the next message from group rank ``src`` (blocking). A failure notice from
@@ -138,36 +336,37 @@ class P2PTransport:
         for the message to start (default: the process group's timeout); its parts follow at once.
         """
         peer = self._global(src)
-        length = torch.empty(1, dtype=torch.int64, device=self.device)
-        work = dist.irecv(length, src=peer, group=self.group)
-        assert work is not None
+        posted = self._posted.pop(src, None) or self._post_receives(src)
         if timeout_s is None:
-            work.wait()
+            posted.control_work.wait()
         else:
-            work.wait(timedelta(seconds=timeout_s))
-        n = int(length.item())
-        while n == _NOTICE:
-            failure = self._recv_notice(peer)
-            if failure.record.run == self.run:
-                raise failure
-            dist.recv(length, src=peer, group=self.group)  # an earlier run's: skip it
-            n = int(length.item())
-        self.bytes_received += length.element_size() + n
-        if n > 0:
-            raw = torch.empty(n, dtype=torch.uint8, device=self.device)
-            dist.recv(raw, src=peer, group=self.group)
-            self._recv_header[src] = raw.cpu().numpy().tobytes()
-        header = self._recv_header[src]
-        _, _, metas = _load_header(header)
-        tensors: list[torch.Tensor] = []
-        for meta in metas:
-            t = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
-            dist.recv(t, src=peer, group=self.group)
-            self.bytes_received += t.numel() * t.element_size()
+            posted.control_work.wait(timedelta(seconds=timeout_s))
+        for work in posted.works:  # the expected tensors, or the fillers sent in their place
+            work.wait()
+        length, fillers, _ = posted.control.tolist()
+        if posted.works and length != 0 and fillers != len(posted.works):
+            raise RuntimeError(
+                f"pipe2bw: the channel from rank {peer} is out of step: fillers for "
+                f"{len(posted.works)} expected tensors were due and {fillers} came"
+            )
+        if length == _NOTICE:
+            raise self._recv_notice(peer)
+        channel = self._in[src]
+        if length > 0:
+            raw = torch.empty(length, dtype=torch.uint8, device=self.device)
+            self._irecv(raw, peer).wait()
+            channel.advance(raw.cpu().numpy().tobytes(), same=False)
+        if length == 0 and posted.tensors:
+            tensors = posted.tensors
+        else:  # not expected: the header changed, or it had just changed before
+            tensors = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in channel.metas]
+            for work in [self._irecv(t, peer) for t in tensors]:
+                work.wait()
+        channel.predicted = length == 0
+        for t, meta in zip(tensors, channel.metas, strict=True):
             if meta.requires_grad:
                 t.requires_grad_(True)
-            tensors.append(t)
-        return _unflatten_payload(header, tensors)
+        return channel.unflatten(tensors)
 
     def notify(self, record: FailureRecord, dsts: list[int], timeout_s: float = 5.0) -> None:
         """Send a failure notice to each group rank in ``dsts``, in place of their next message
@@ -177,26 +376,27 @@ class P2PTransport:
         works = []
         for dst in dsts:
             peer = self._global(dst)
+            lead = self._lead(self._out.setdefault(dst, _Channel()), _NOTICE)
             for buf in (
-                torch.tensor([_NOTICE], dtype=torch.int64, device=self.device),
+                *lead,
                 torch.tensor([len(data)], dtype=torch.int64, device=self.device),
                 torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device),
             ):
-                work = dist.isend(buf, dst=peer, group=self.group)
+                work = dist.isend(buf, dst=peer, group=self.group, tag=self.tag)
                 assert work is not None
                 works.append((work, buf))
         deadline = time.monotonic() + timeout_s
         while not all(w.is_completed() for w, _ in works) and time.monotonic() < deadline:
             time.sleep(0.01)
         # a send must outlive its completion (gloo's channel breaks if a pending send is
-        # destroyed), and a notice nobody read may still be read, and skipped, by a later run
+        # destroyed); a notice nobody read stays on its run's tag, which no later run uses
         _UNREAD_NOTICES.extend((w, b) for w, b in works if not w.is_completed())
 
     def _recv_notice(self, peer: int) -> StageFailure:
         size = torch.empty(1, dtype=torch.int64, device=self.device)
-        dist.recv(size, src=peer, group=self.group)
+        dist.recv(size, src=peer, group=self.group, tag=self.tag)
         raw = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        dist.recv(raw, src=peer, group=self.group)
+        dist.recv(raw, src=peer, group=self.group, tag=self.tag)
         record = FailureRecord.from_dict(json.loads(raw.cpu().numpy().tobytes()))
         return StageFailure(record.describe(), record, source=peer)
 
