@@ -7,7 +7,7 @@ import os
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -218,7 +218,7 @@ class PipelineEngine:
 
     def execute(
         self,
-        actions: Iterable[Action],
+        actions: Sequence[Action],
         microbatches: Mapping[int, Any],
         step: StepFn,
         *,
@@ -242,7 +242,7 @@ class PipelineEngine:
         action: Action | None = None
         try:
             self.transport.settle()
-            for action in actions:
+            for n, action in enumerate(actions):
                 start = time.perf_counter()
                 if self.debug:
                     _debug_log.info(
@@ -284,6 +284,7 @@ class PipelineEngine:
                     # the micro-batch's shapes travel along (in the cached header: free when they
                     # do not change), so that every stage checks it split the same batch
                     signature = batch_signature(microbatches[i]) if i in microbatches else None
+                    self._post_next_receive(actions, n)
                     self.transport.send((slot.outputs, signature), self._peer(self.next_rank))
                     if not train:
                         del slots[i]
@@ -315,6 +316,7 @@ class PipelineEngine:
                 elif kind is ActionKind.RETURN:
                     self._link().give_back(i)
                 elif kind is ActionKind.SEND_B:
+                    self._post_next_receive(actions, n)
                     self.transport.send(slot.grads_out, self._peer(self.prev_rank))
                     del slots[i]
                 else:  # pragma: no cover - the schedule validator rejects other kinds
@@ -382,6 +384,22 @@ class PipelineEngine:
             f"action {action}: {type(error).__name__}: {error}. {record.describe()}"
         )
         return StageFailure(message, record, source=peer)
+
+    def _post_next_receive(self, actions: Sequence[Action], n: int) -> None:
+        """Before the send ``actions[n]``: post the receive that follows it before the next
+        computation, if one does. The peer often answers this send with that very message: gloo
+        writes it at once into a receive already posted, where a late receive leaves it to the
+        peer's transport thread, which waits while the peer computes (see :class:`P2PTransport`;
+        a no-op on NCCL)."""
+        for k in range(n + 1, len(actions)):
+            kind = actions[k].kind
+            if kind is ActionKind.RECV_F:
+                self.transport.post(self._peer(self.prev_rank))
+            elif kind is ActionKind.RECV_B:
+                self.transport.post(self._peer(self.next_rank))
+            elif kind in _COMM_KINDS:
+                continue
+            return
 
     @staticmethod
     def _peer(rank: int | None) -> int:
