@@ -3,9 +3,15 @@ taken from logged metrics follow global rank 0 (the last stage)."""
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import pytest
+
+
+def report(i: int) -> dict[str, Any]:
+    """Report ``i``: from a few bytes to more than one first message holds (FIRST_BYTES)."""
+    return {"step": i, "logs": [("loss", float(i))], "blob": "x" * (2500 * i)}
 
 
 def _post_before_anyone_listens(n: int) -> list[Any]:
@@ -17,7 +23,7 @@ def _post_before_anyone_listens(n: int) -> list[Any]:
     received: list[Any] = []
     if channel.is_source:
         for i in range(n):
-            channel.post({"step": i, "logs": [("loss", float(i))]})
+            channel.post(report(i))
         # the receivers reach this barrier before they post a single receive: had a post waited
         # for its receiver, the source would never get here and the run would time out
         dist.barrier()
@@ -37,7 +43,39 @@ def test_reports_arrive_in_order_and_never_block_the_source(pools: Any, world: i
     assert results[0] == [0, []]
     for backlog, received in results[1:]:
         assert backlog == 0
-        assert received == [{"step": i, "logs": [("loss", float(i))]} for i in range(n - 1)]
+        assert received == [report(i) for i in range(n - 1)]
+
+
+def _expect_before_the_source_posts(n: int) -> list[Any]:
+    """The receivers post every report's receive before the source sends a single one (as the
+    flush schedules' ranks do at the start of a step); one report is received per step."""
+    import torch.distributed as dist
+
+    from lightning_pipe2bw.runtime.channel import FIRST_BYTES, ObjectChannel
+
+    channel = ObjectChannel(source=0, group=dist.new_group(backend="gloo"))
+    received: list[Any] = []
+    for i in range(n):
+        if not channel.is_source:
+            channel.expect()
+        dist.barrier()  # every receive of report i is posted before it is sent
+        if channel.is_source:
+            channel.post(report(i))
+        else:
+            received.append(channel.receive())
+    channel.drain()
+    return [FIRST_BYTES, received]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_reports_expected_before_they_are_posted(pools: Any, world: int) -> None:
+    n = 4
+    results = pools(world).run(_expect_before_the_source_posts, n)
+    first_bytes = results[0][0]
+    sizes = [len(pickle.dumps(report(i), protocol=pickle.HIGHEST_PROTOCOL)) for i in range(n)]
+    assert min(sizes) < first_bytes - 8 < max(sizes)  # whole in the first message, and not
+    for _, received in results[1:]:
+        assert received == [report(i) for i in range(n)]
 
 
 def _receive_unannounced() -> str:

@@ -10,7 +10,6 @@ shares), before the first collective, so no rank is left waiting.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,7 +22,7 @@ from lightning_pipe2bw.partition import BodyRef, Partition, build_stage
 from lightning_pipe2bw.partition.balance import balance_by_params
 from lightning_pipe2bw.partition.build import Init, Uninitialized, UninitializedError
 from lightning_pipe2bw.partition.plans import PlanResult
-from lightning_pipe2bw.pipeline.groups import ProcessGroups, broadcast_from_last
+from lightning_pipe2bw.pipeline.groups import ProcessGroups
 from lightning_pipe2bw.pipeline.options import (
     PipeOptions,
     Problem,
@@ -236,8 +235,8 @@ def build_runtime(
     tied.sync_weights()  # the copies start from the primary's value
     if tied and topology.rank == topology.rank_of_stage(0):
         log.info("pipe2bw: parameters shared across stages: %s", tied.describe())
-    channel = None
-    if training and options.is_async and topology.num_stages > 1:
+    channel = None  # the last stage's values of each training step, to the other stages
+    if training and topology.num_stages > 1:
         members = topology.pipeline_ranks()
         channel = ObjectChannel(topology.last_rank, groups.values(), members)
     if evicting:
@@ -275,8 +274,7 @@ def build_runtime(
         )
         runtime_optimizers = [driver.optimizer]
     else:
-        broadcast = functools.partial(broadcast_from_last, topology=topology, groups=groups)
-        driver = FlushDriver(engine, options.schedule, broadcast, evicting)
+        driver = FlushDriver(engine, options.schedule, channel, evicting)
     return StageRuntime(
         topology=topology,
         groups=groups,

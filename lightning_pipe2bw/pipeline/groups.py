@@ -7,8 +7,8 @@ processes) and reused by every Trainer call:
 
 * one per pipeline replica (its stages talk, clip and agree on inf checks in it) and one per
   stage (its replicas average gradients in it), at set-up, when ``data_parallel > 1``;
-* a gloo group per replica for the step values 2BW delivers one step late (made on first use
-  when there is one replica);
+* a gloo group per replica for the step values the last stage delivers (with one replica: the
+  default group when it is gloo, else a group made on first use);
 * two two-rank groups per BPipe pair, one per direction (made on first use);
 * one per replica for each set of stages that hold copies of a shared (tied) parameter (made on
   first use).
@@ -60,9 +60,10 @@ class ProcessGroups:
         return groups
 
     def values(self) -> Any:
-        """The gloo group this pipeline's step values travel in (collective on first use: every
+        """The gloo group this pipeline's step values travel in: the default group when it is
+        gloo and holds one pipeline (None), else a group made on first use (collective: every
         rank sets up the same schedule, so every rank asks at the same point)."""
-        if self._values is None:
+        if self._values is None and dist.get_backend() != "gloo":
             self._values = dist.new_group(backend="gloo")
         return self._values
 

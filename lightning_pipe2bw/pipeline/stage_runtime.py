@@ -136,8 +136,9 @@ class StageRuntime:
 
     def deliver(self, values: Report, *, train: bool, settle: bool = False) -> list[Report]:
         """The last stage's values of a step, on every rank of the pipeline, oldest first: a
-        training step's through the driver (2BW: one step late, without a barrier, unless
-        ``settle``), others broadcast."""
+        training step's through the driver's channel (posted ahead, so they are there when a
+        rank needs them; 2BW's one step late, without a barrier, unless ``settle``), others
+        broadcast."""
         if train:
             return self.driver.report(values, settle)
         return [broadcast_from_last(values, self.topology, self.groups)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from collections import deque
 from typing import Any
 
 import torch
@@ -10,8 +11,13 @@ import torch.distributed as dist
 
 __all__ = ["ObjectChannel"]
 
-_LENGTH_TAG = 0
-_DATA_TAG = 1
+# tags of their own, apart from the pipeline transports' (on gloo the channel may share the
+# default group with them)
+_FIRST_TAG = 1 << 19
+_REST_TAG = _FIRST_TAG + 1
+# a report's first message: its length (int64), then up to FIRST_BYTES - 8 bytes of it; a larger
+# report sends the rest in a second message
+FIRST_BYTES = 4096
 
 
 class ObjectChannel:
@@ -19,24 +25,31 @@ class ObjectChannel:
 
     The source does not wait: each report goes out with non-blocking sends, whose buffers are kept
     until the sends are done; only when ``max_unread`` reports are still unread does it wait for
-    the oldest (which bounds memory; in the strategy the receivers are one report behind). A receiver blocks only in :meth:`receive`. The channel runs on
-    its own process group (gloo, so CPU objects never wait on a GPU stream), so its messages never
-    interleave with the pipeline's activations and gradients.
+    the oldest (which bounds memory; in the strategy the receivers are one report behind). A
+    receiver blocks only in :meth:`receive`. The channel runs on a gloo group (so CPU objects never
+    wait on a GPU stream; ``None``: the default group, which must then be gloo), on tags of its
+    own, so its messages never mix with the pipeline's activations and gradients.
 
-    Receivers count what the source has posted with :meth:`expect` (the two sides post and expect
-    at the same points of the training loop), so :attr:`backlog` tells whether a report is owed.
+    Receivers count what the source has posted, or will post, with :meth:`expect` (the two sides
+    post and expect at the same points of the training loop), so :attr:`backlog` tells whether a
+    report is owed. ``expect`` also posts the receive of the report's first message, which
+    holds a report of up to ``FIRST_BYTES - 8`` bytes whole: gloo writes a message at once only
+    into a receive that is already posted (otherwise the sender's background thread must deliver
+    it later), so a receiver that expects a report before the source posts it gets it without a
+    round trip.
     """
 
     def __init__(
-        self, source: int, group: dist.ProcessGroup, members: list[int] | None = None
+        self, source: int, group: dist.ProcessGroup | None, members: list[int] | None = None
     ) -> None:
         self.source = source
         self.group = group
         self.rank = dist.get_rank()
         # the global ranks of the pipeline (default: the whole world)
         self.members = list(range(dist.get_world_size())) if members is None else list(members)
-        self.backlog = 0  # on a receiver: reports posted by the source and not yet received
-        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self.backlog = 0  # on a receiver: reports expected and not yet received
+        self._sends: deque[list[tuple[dist.Work, torch.Tensor]]] = deque()  # per report
+        self._posted: deque[tuple[dist.Work, torch.Tensor]] = deque()  # first messages expected
         self.max_unread = 8  # the source waits only when this many reports are still unread
 
     @property
@@ -46,44 +59,58 @@ class ObjectChannel:
     def post(self, obj: Any) -> None:
         """Send ``obj`` to every other rank without waiting (on the source)."""
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        length = torch.tensor([buffer.numel()], dtype=torch.int64)
+        first = torch.zeros(FIRST_BYTES, dtype=torch.uint8)
+        first[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        head = data[: FIRST_BYTES - 8]
+        first[8 : 8 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        messages = [(first, _FIRST_TAG)]
+        if len(data) > len(head):
+            rest = torch.frombuffer(bytearray(data[len(head) :]), dtype=torch.uint8)
+            messages.append((rest, _REST_TAG))
         # keep the sends of the last `max_unread` reports; wait for older ones, which the
         # receivers (one step behind in the strategy) took long ago, so the wait returns at once
         # and the held buffers stay bounded (gloo marks a send complete only once waited for)
-        per_report = 2 * (len(self.members) - 1)
-        keep = per_report * (self.max_unread - 1)
-        while len(self._sends) > keep:
-            sent, _ = self._sends.pop(0)
-            sent.wait()
+        while len(self._sends) >= self.max_unread:
+            for work, _ in self._sends.popleft():
+                work.wait()
+        sends = []
         for rank in self.members:
             if rank == self.source:
                 continue
-            for tensor, tag in ((length, _LENGTH_TAG), (buffer, _DATA_TAG)):
-                work = dist.isend(tensor, dst=rank, group=self.group, tag=tag)
-                assert work is not None
-                self._sends.append((work, tensor))
+            for tensor, tag in messages:
+                sent = dist.isend(tensor, dst=rank, group=self.group, tag=tag)
+                assert sent is not None
+                sends.append((sent, tensor))
+        self._sends.append(sends)
 
     def expect(self) -> None:
-        """Note that the source has posted one more report (on a receiver)."""
+        """Note that the source posts one more report, and post its receive (on a receiver)."""
+        first = torch.empty(FIRST_BYTES, dtype=torch.uint8)
+        work = dist.irecv(first, src=self.source, group=self.group, tag=_FIRST_TAG)
+        assert work is not None
+        self._posted.append((work, first))
         self.backlog += 1
 
     def receive(self) -> Any:
         """The oldest report not yet received (on a receiver; blocks until it arrives)."""
         if self.backlog <= 0:
             raise RuntimeError("no report is owed: receive() without a matching expect()")
-        length = torch.empty(1, dtype=torch.int64)
-        dist.recv(length, src=self.source, group=self.group, tag=_LENGTH_TAG)
-        buffer = torch.empty(int(length.item()), dtype=torch.uint8)
-        dist.recv(buffer, src=self.source, group=self.group, tag=_DATA_TAG)
+        work, first = self._posted.popleft()
+        work.wait()
+        size = int(first[:8].view(torch.int64).item())
+        data = first[8 : 8 + min(size, FIRST_BYTES - 8)].numpy().tobytes()
+        if size > len(data):
+            rest = torch.empty(size - len(data), dtype=torch.uint8)
+            dist.recv(rest, src=self.source, group=self.group, tag=_REST_TAG)
+            data += rest.numpy().tobytes()
         self.backlog -= 1
-        return pickle.loads(buffer.numpy().tobytes())
+        return pickle.loads(data)
 
     def drain(self) -> None:
         """Settle the channel: a receiver takes (and drops) every owed report, the source waits
         until all its sends are done. Both sides call it at the same point."""
         while self.backlog > 0:
             self.receive()
-        for work, _ in self._sends:
-            work.wait()
-        self._sends.clear()
+        while self._sends:
+            for work, _ in self._sends.popleft():
+                work.wait()

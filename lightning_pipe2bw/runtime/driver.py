@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
+from lightning_pipe2bw.runtime.channel import ObjectChannel
 from lightning_pipe2bw.runtime.engine import PipelineEngine, StepFn
 from lightning_pipe2bw.schedule import (
     Action,
@@ -141,13 +142,15 @@ class FlushDriver:
         self,
         engine: PipelineEngine,
         schedule: str,
-        broadcast: Callable[[Report], Report],
+        channel: ObjectChannel | None = None,
         evicting: frozenset[int] = frozenset(),
     ) -> None:
+        """``channel``: carries the last stage's values of each step to the other ranks of the
+        pipeline (None with one stage)."""
         self.engine = engine
         self.schedule_name = schedule
         self.evicting = evicting  # the stages that evict activations (BPipe)
-        self._broadcast = broadcast  # the last stage's values to every rank of the pipeline
+        self.channel = channel
         self._schedules: dict[int, Schedule] = {}
         self._due = DueGradient()
 
@@ -172,6 +175,8 @@ class FlushDriver:
         params = list(self.engine.body.parameters())
         for p in params:
             p.grad = None
+        if self.channel is not None and not self.channel.is_source:
+            self.channel.expect()  # the batch's values, received ahead of the last stage's post
         results = self.engine.run(
             self.schedule(len(microbatches)),
             microbatches,
@@ -200,10 +205,19 @@ class FlushDriver:
         return None  # every batch is flushed when it ends
 
     def report(self, values: Report, settle: bool = False) -> list[Report]:
-        return [self._broadcast(values)]
+        """The batch's values, from the last stage to the others, which posted its receive
+        before their engine ran: they arrived while those ranks finished their backwards."""
+        channel = self.channel
+        if channel is None:
+            return [values]
+        if channel.is_source:
+            channel.post(values)
+            return [values]
+        return [channel.receive()]
 
     def close(self) -> None:
-        pass
+        if self.channel is not None:
+            self.channel.drain()  # the source waits until its sends are done
 
     @property
     def weight_buffers(self) -> int:
