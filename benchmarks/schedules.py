@@ -37,7 +37,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -305,6 +305,41 @@ def _timeline_split(timeline: Sequence[Any], t0: float, t1: float) -> dict[str, 
     return out
 
 
+def _messages(timeline: Sequence[Any], t0: float, t1: float) -> list[tuple[str, int, float, float]]:
+    """The sends and receives inside [t0, t1]: (kind, micro-batch, start, end)."""
+    return [
+        (e.action.kind.value, e.action.microbatch, e.start, e.end)
+        for e in timeline
+        if not e.action.is_compute and t0 <= e.start and e.end <= t1
+    ]
+
+
+def message_delays(ranks: Sequence[dict[str, Any]]) -> list[float]:
+    """Seconds from the end of each send to the end of its receive, or from the start of the
+    receive when it began later: the time a message kept its receiver waiting beyond the send.
+    Sends and receives are matched by micro-batch, in order, on each channel (stage s to s + 1
+    forward, s + 1 to s backward). ``time.perf_counter`` is the same clock in every process of
+    a machine."""
+    by_stage = {r["stage"]: r["messages"] for r in ranks}
+    delays: list[float] = []
+    for s in range(len(by_stage) - 1):
+        for src, dst, send, recv in ((s, s + 1, "SEND_F", "RECV_F"), (s + 1, s, "SEND_B", "RECV_B")):
+            sends: dict[int, list[tuple[float, float]]] = {}
+            recvs: dict[int, list[tuple[float, float]]] = {}
+            for kind, mb, start, end in by_stage[src]:
+                if kind == send:
+                    sends.setdefault(mb, []).append((start, end))
+            for kind, mb, start, end in by_stage[dst]:
+                if kind == recv:
+                    recvs.setdefault(mb, []).append((start, end))
+            for mb, sent in sends.items():
+                # a message sent near the end of the timed window may be received after it
+                pairs = zip(sent, recvs.get(mb, []), strict=False)
+                for (_, sent_end), (recv_start, recv_end) in pairs:
+                    delays.append(max(recv_end - max(recv_start, sent_end), 0.0))
+    return delays
+
+
 def run_ours(
     schedule: str,
     m: int,
@@ -347,6 +382,7 @@ def run_ours(
         "steps": len(timer.step_s),
         "busy_s": timer.busy1 - timer.busy0,
         **_timeline_split(stats.timeline, timer.t0, timer.t1),
+        "messages": _messages(stats.timeline, timer.t0, timer.t1),
         "step_s": timer.step_s,
         "param_bytes": param_bytes(model),
         "num_buffers": driver.weight_buffers if driver is not None else 1,
@@ -485,23 +521,34 @@ def measure_baselines(
 
 @dataclass
 class Row:
-    """One line of the table (and one record of the JSON)."""
+    """One run (of one round), or one line of the table: the median over the rounds (and one
+    record of the JSON)."""
 
     kind: str  # "single", "ours", "torch"
     name: str
     p: int
     m: int
     samples_per_s: float
+    round: int | None = None  # the round of a run; None on a line of the table
+    rounds: list[float] | None = None  # on a line: samples/s of each round
     bubble_mean: float | None = None
     bubble_max: float | None = None
     recv_mean: float | None = None  # share of wall time blocked in receives (waiting for a peer)
+    # how long a message kept its receiver waiting after its send (median, ms), and the share of
+    # messages that did for more than 2 ms
+    delay_ms: float | None = None
+    delayed_share: float | None = None
     outside_mean: float | None = None  # share spent outside the engine (optimizer, Lightning)
     weight_bytes: list[int] | None = None
     activation_bytes: list[int] | None = None
+    # ratios within a round (on a line: their medians over the rounds)
     speedup: float | None = None  # samples/s over the 1-thread process at the same m
     efficiency: float | None = None  # speedup / p
     vs_our_1f1b: float | None = None
-    vs_our_same: float | None = None
+    vs_torch_1f1b: float | None = None  # ours over torch's Schedule1F1B
+    vs_torch_same: float | None = None  # ours over torch's same schedule (gpipe, 1f1b)
+    vs_torch_best: float | None = None  # ours over the fastest torch schedule of the round
+    vs_2_threads: float | None = None  # over one process with every core's thread
     ranks: list[dict[str, Any]] | None = None
 
 
@@ -516,6 +563,9 @@ def _mean(values: Sequence[float]) -> float:
 
 def summarize_ours(name: str, m: int, ranks: list[dict[str, Any]], batch_size: int) -> Row:
     bubbles = [(r["wall_s"] - r["busy_s"]) / r["wall_s"] for r in ranks]
+    delays = sorted(message_delays(ranks))
+    for r in ranks:
+        r.pop("messages")  # summarized here; the JSON keeps the per-step figures
     return Row(
         kind="ours",
         name=name,
@@ -531,6 +581,8 @@ def summarize_ours(name: str, m: int, ranks: list[dict[str, Any]], batch_size: i
                 for r in ranks
             ]
         ),
+        delay_ms=1e3 * _median(delays) if delays else None,
+        delayed_share=sum(d > 0.002 for d in delays) / len(delays) if delays else None,
         weight_bytes=[r["num_buffers"] * r["param_bytes"] for r in ranks],
         activation_bytes=[r["peak_activation_bytes"] for r in ranks],
         ranks=ranks,
@@ -549,25 +601,67 @@ def summarize_peer(name: str, m: int, ranks: list[dict[str, Any]], batch_size: i
     )
 
 
-def add_ratios(rows: list[Row], reference: dict[int, float]) -> None:
-    """Speed-up over the 1-thread process, efficiency, and ratios to our schedules."""
-    ours = {(r.name, r.p, r.m): r.samples_per_s for r in rows if r.kind == "ours"}
-    same = {"GPipe": "gpipe", "1F1B": "1f1b"}
+_TORCH_SAME = {"gpipe": "GPipe", "1f1b": "1F1B"}
+
+
+def add_ratios(rows: list[Row]) -> None:
+    """The ratios of one round's runs at one (p, m), to the runs of the same round: speed-up
+    over the 1-thread process, efficiency, ours over torch's schedules and over all threads."""
+    by_name = {(r.kind, r.name): r.samples_per_s for r in rows}
+    reference = by_name.get(("single", "1 thread"))
+    all_threads = max((r.samples_per_s for r in rows if r.kind == "single" and r.name != "1 thread"), default=None)
+    torch_rows = [r.samples_per_s for r in rows if r.kind == "torch"]
     for row in rows:
-        ref = reference.get(row.m)
-        if ref:
-            row.speedup = row.samples_per_s / ref
+        if reference:
+            row.speedup = row.samples_per_s / reference
             if row.kind != "single":
                 row.efficiency = row.speedup / row.p
         if row.kind == "single":
             continue
-        base = ours.get(("1f1b", row.p, row.m))
+        if all_threads:
+            row.vs_2_threads = row.samples_per_s / all_threads
+        base = by_name.get(("ours", "1f1b"))
         if base:
             row.vs_our_1f1b = row.samples_per_s / base
-        if row.kind == "torch" and row.name in same:
-            mine = ours.get((same[row.name], row.p, row.m))
-            if mine:
-                row.vs_our_same = row.samples_per_s / mine
+        if row.kind != "ours":
+            continue
+        peer = by_name.get(("torch", "1F1B"))
+        if peer:
+            row.vs_torch_1f1b = row.samples_per_s / peer
+        same = by_name.get(("torch", _TORCH_SAME.get(row.name, "")))
+        if same:
+            row.vs_torch_same = row.samples_per_s / same
+        if torch_rows:
+            row.vs_torch_best = row.samples_per_s / max(torch_rows)
+
+
+_MEDIAN_FIELDS = (
+    "samples_per_s", "bubble_mean", "bubble_max", "recv_mean", "outside_mean", "delay_ms",
+    "delayed_share", "speedup",
+    "efficiency", "vs_our_1f1b", "vs_torch_1f1b", "vs_torch_same", "vs_torch_best",
+    "vs_2_threads",
+)  # fmt: skip
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+
+def median_line(runs: list[Row]) -> Row:
+    """One line of the table from the runs of one configuration in every round: the median of
+    each figure and of each ratio (ratios are taken within a round, so drift cancels)."""
+    first = runs[0]
+    line = Row(
+        kind=first.kind, name=first.name, p=first.p, m=first.m, samples_per_s=0.0,
+        rounds=[r.samples_per_s for r in runs], weight_bytes=first.weight_bytes,
+        activation_bytes=first.activation_bytes,
+    )  # fmt: skip
+    for name in _MEDIAN_FIELDS:
+        values = [getattr(r, name) for r in runs if getattr(r, name) is not None]
+        setattr(line, name, _median(values) if values else None)
+    return line
 
 
 # --------------------------------------------------------------------------- printing
@@ -588,37 +682,46 @@ COLUMNS = (
     "m",
     "run",
     "samples/s",
+    "rounds min-max",
     "x 1thr",
     "eff",
-    "bubble mean",
-    "bubble max",
+    "bubble",
     "recv",
     "outside",
+    "msg delay ms (>2 ms)",
     "weights MiB/stage",
     "peak act MiB/stage",
     "/ our 1f1b",
-    "/ our same",
+    "/ torch 1F1B",
+    "/ torch same",
+    "/ torch best",
+    "/ all threads",
 )
-_RIGHT = {0, 1, 3, 4, 5, 6, 7, 8, 9, 12, 13}
+_RIGHT = {0, 1, 3, 4, 5, 6, 7, 8, 9, 10, 13, 14, 15, 16, 17}
 
 
 def _cells(row: Row) -> list[str]:
     label = {"single": "1 process", "ours": "ours", "torch": "torch"}[row.kind]
+    spread = f"{min(row.rounds):.0f}-{max(row.rounds):.0f}" if row.rounds else "-"
     return [
         str(row.p),
         str(row.m),
         f"{label} {row.name}",
         f"{row.samples_per_s:.0f}",
+        spread,
         _fmt(row.speedup, ".2f"),
         _fmt(row.efficiency, ".2f"),
         _fmt(row.bubble_mean, ".2f"),
-        _fmt(row.bubble_max, ".2f"),
         _fmt(row.recv_mean, ".2f"),
         _fmt(row.outside_mean, ".2f"),
+        "-" if row.delay_ms is None else f"{row.delay_ms:.2f} ({row.delayed_share:.0%})",
         _mib(row.weight_bytes),
         _mib(row.activation_bytes),
         _fmt(row.vs_our_1f1b, ".2f"),
-        _fmt(row.vs_our_same, ".2f"),
+        _fmt(row.vs_torch_1f1b, ".2f"),
+        _fmt(row.vs_torch_same, ".2f"),
+        _fmt(row.vs_torch_best, ".2f"),
+        _fmt(row.vs_2_threads, ".2f"),
     ]
 
 
@@ -669,6 +772,12 @@ def _csv(text: str) -> list[str]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="every run is repeated once per round, A B A B; the table shows medians",
+    )
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     parser.add_argument(
         "--model",
@@ -740,7 +849,7 @@ def _load_note(before: dict[str, float | None]) -> str:
 
 @dataclass
 class Bench:
-    """What every measurement shares."""
+    """What every measurement shares, and the runs of every round."""
 
     batch_size: int
     warmup: int
@@ -748,31 +857,30 @@ class Bench:
     rows: list[Row]
     failures: list[dict[str, Any]]
     trials: list[dict[str, Any]]
+    round: int = 0
+    best_peer: dict[tuple[int, int], str | None] = field(default_factory=dict)
 
     def fail(self, kind: str, name: str, p: int, m: int, err: TaskError) -> None:
         _log(f"  failed: {err.reason}")
-        self.failures.append(dict(kind=kind, name=name, p=p, m=m, reason=err.reason))
+        self.failures.append(
+            dict(kind=kind, name=name, p=p, m=m, round=self.round, reason=err.reason)
+        )
 
 
-def measure_ours(pool: RankPool, bench: Bench, schedules: Sequence[str], m: int) -> None:
-    """Our strategy with each schedule on the pool's ranks."""
-    for name in schedules:
-        _log(f"ours {name} p={pool.world_size} m={m}")
-        try:
-            ranks = pool.run(
-                run_ours,
-                name,
-                m,
-                bench.batch_size,
-                bench.warmup,
-                bench.steps,
-                timeout=OURS_TIMEOUT_S,
-            )
-        except TaskError as err:
-            bench.fail("ours", name, pool.world_size, m, err)
-            _log(str(err))
-            continue
-        bench.rows.append(summarize_ours(name, m, ranks, bench.batch_size))
+def measure_ours(pool: RankPool, bench: Bench, name: str, m: int) -> None:
+    """Our strategy with one schedule on the pool's ranks."""
+    _log(f"ours {name} p={pool.world_size} m={m}")
+    try:
+        ranks = pool.run(
+            run_ours, name, m, bench.batch_size, bench.warmup, bench.steps, timeout=OURS_TIMEOUT_S
+        )
+    except TaskError as err:
+        bench.fail("ours", name, pool.world_size, m, err)
+        _log(str(err))
+        return
+    row = summarize_ours(name, m, ranks, bench.batch_size)
+    row.round = bench.round
+    bench.rows.append(row)
 
 
 def measure_peer(pool: RankPool, bench: Bench, name: str, m: int, steps: int) -> Row | None:
@@ -784,35 +892,64 @@ def measure_peer(pool: RankPool, bench: Bench, name: str, m: int, steps: int) ->
     except TaskError as err:
         bench.fail("torch", name, pool.world_size, m, err)
         return None
-    return summarize_peer(name, m, ranks, bench.batch_size)
+    row = summarize_peer(name, m, ranks, bench.batch_size)
+    row.round = bench.round
+    return row
 
 
-def measure_peers(
-    pool: RankPool,
-    bench: Bench,
-    schedules: Sequence[str],
-    candidates: Sequence[str],
-    m: int,
-    trial_steps: int,
-) -> None:
-    """The listed peer schedules in full, then the fastest of ``candidates`` in a short trial."""
-    for name in schedules:
-        row = measure_peer(pool, bench, name, m, bench.steps)
-        if row is not None:
-            bench.rows.append(row)
-    trials = [measure_peer(pool, bench, name, m, trial_steps) for name in candidates]
-    done = [row for row in trials if row is not None]
-    for row in done:
-        bench.trials.append(
-            dict(
-                name=row.name, p=row.p, m=row.m, steps=trial_steps, samples_per_s=row.samples_per_s
+def choose_peer(
+    pool: RankPool, bench: Bench, candidates: Sequence[str], m: int, trial_steps: int
+) -> str | None:
+    """The fastest of ``candidates`` in a short trial (once per (p, m), in the first round)."""
+    key = (pool.world_size, m)
+    if key not in bench.best_peer:
+        trials = [measure_peer(pool, bench, name, m, trial_steps) for name in candidates]
+        done = [row for row in trials if row is not None]
+        for row in done:
+            bench.trials.append(
+                dict(name=row.name, p=row.p, m=m, steps=trial_steps, samples_per_s=row.samples_per_s)
             )
-        )
-    if done:
-        best = max(done, key=lambda row: row.samples_per_s)
-        row = measure_peer(pool, bench, best.name, m, bench.steps)
-        if row is not None:
-            bench.rows.append(row)
+        best = max(done, key=lambda row: row.samples_per_s) if done else None
+        bench.best_peer[key] = best.name if best else None
+    return bench.best_peer[key]
+
+
+def measure_config(
+    pool: RankPool, bench: Bench, args: argparse.Namespace, m: int, reverse: bool
+) -> None:
+    """Every run of one (p, m) in this round: ours with each schedule, then torch's (the listed
+    ones and the fastest candidate), or the other way round when ``reverse``."""
+    best = choose_peer(pool, bench, args.peer_candidates, m, args.trial_steps)
+    peers = list(args.peer_schedules) + ([best] if best and best not in args.peer_schedules else [])
+    runs: list[tuple[str, str]] = [("ours", n) for n in args.schedules]
+    runs += [("torch", n) for n in peers]
+    for kind, name in reversed(runs) if reverse else runs:
+        if kind == "ours":
+            measure_ours(pool, bench, name, m)
+        else:
+            row = measure_peer(pool, bench, name, m, bench.steps)
+            if row is not None:
+                bench.rows.append(row)
+
+
+def measure_single(bench: Bench, ms: Sequence[int]) -> None:
+    """The single-process baselines (1 thread and every core's thread) at every m."""
+    _log(f"baselines: 1 process, m in {list(ms)}")
+    for threads in (1, len(os.sched_getaffinity(0))):
+        runs = measure_baselines(threads, ms, bench.batch_size, bench.warmup, bench.steps)
+        for m, run in runs.items():
+            bench.rows.append(
+                Row(
+                    kind="single",
+                    name=f"{threads} thread{'s' if threads > 1 else ''}",
+                    p=1,
+                    m=m,
+                    samples_per_s=_samples_per_s([run], bench.batch_size),
+                    round=bench.round,
+                    weight_bytes=[run["param_bytes"]],
+                    ranks=[run],
+                )
+            )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -824,60 +961,56 @@ def main(argv: Sequence[str] | None = None) -> None:
     configs = [(p, f * p) for p in args.ranks for f in args.mb_factors]
     ms = sorted({m for _, m in configs})
     bench = Bench(args.batch_size, args.warmup, args.steps, rows=[], failures=[], trials=[])
-
-    _log(f"baselines: 1 process, m in {ms}")
-    single = {
-        t: measure_baselines(t, ms, args.batch_size, args.warmup, args.steps)
-        for t in (1, len(os.sched_getaffinity(0)))
+    pools = {
+        p: RankPool(p, run_id="bench", pg_timeout_s=PG_TIMEOUT_S, initializer=_quiet)
+        for p in args.ranks
     }
-    reference = {m: _samples_per_s([r], args.batch_size) for m, r in single[1].items()}
-
-    for p in args.ranks:
-        pool = RankPool(p, run_id="bench", pg_timeout_s=PG_TIMEOUT_S, initializer=_quiet)
-        try:
-            for m in (m for q, m in configs if q == p):
-                measure_ours(pool, bench, args.schedules, m)
-                measure_peers(
-                    pool, bench, args.peer_schedules, args.peer_candidates, m, args.trial_steps
-                )
-        finally:
+    try:
+        # A B A B: every configuration once per round, in reverse order every other round, so
+        # that the machine's drift falls on both sides of every ratio
+        for bench.round in range(args.rounds):
+            _log(f"round {bench.round + 1} of {args.rounds}")
+            reverse = bench.round % 2 == 1
+            order: list[tuple[int, int] | None] = [None, *configs]  # None: the baselines
+            for config in reversed(order) if reverse else order:
+                if config is None:
+                    measure_single(bench, ms)
+                else:
+                    measure_config(pools[config[0]], bench, args, config[1], reverse)
+    finally:
+        for pool in pools.values():
             pool.close()
     runtime = time.perf_counter() - started
     load_after = _machine_load()
 
-    groups = build_groups(configs, single, reference, bench)
+    groups = build_groups(configs, bench, args.rounds)
     title = header(args)
     notes = footnotes(args, bench)
     notes.append(_load_note(load_before))
     notes.append(f"total runtime {runtime:.0f} s; JSON: {args.out}")
     print_table(title, groups, notes)
-    write_json(args.out, title, groups, reference, bench, runtime, load_before, load_after)
+    write_json(args.out, title, groups, bench, runtime, load_before, load_after)
 
 
 def build_groups(
-    configs: Sequence[tuple[int, int]],
-    single: dict[int, dict[int, dict[str, Any]]],
-    reference: dict[int, float],
-    bench: Bench,
+    configs: Sequence[tuple[int, int]], bench: Bench, rounds: int
 ) -> list[list[Row]]:
-    """One group of rows per (p, m): the single-process baselines, ours, then the peers."""
+    """One group of lines per (p, m): the single-process baselines, ours, then torch's; each
+    line the medians over the rounds of its runs and of their ratios within each round."""
     groups: list[list[Row]] = []
+    kinds = {"single": 0, "ours": 1, "torch": 2}
     for p, m in configs:
-        group = [
-            Row(
-                kind="single",
-                name=f"{t} thread{'s' if t > 1 else ''}",
-                p=1,
-                m=m,
-                samples_per_s=_samples_per_s([single[t][m]], bench.batch_size),
-                weight_bytes=[single[t][m]["param_bytes"]],
-                ranks=[single[t][m]],
-            )
-            for t in sorted(single)
-        ]
-        group += [r for r in bench.rows if (r.p, r.m) == (p, m)]
-        add_ratios(group, reference)
-        groups.append(group)
+        mine = [
+            r for r in bench.rows
+            if (r.kind == "single" and r.m == m) or (r.kind != "single" and (r.p, r.m) == (p, m))
+        ]  # fmt: skip
+        for i in range(rounds):
+            add_ratios([r for r in mine if r.round == i])
+        by_run: dict[tuple[str, str], list[Row]] = {}
+        for r in mine:
+            by_run.setdefault((r.kind, r.name), []).append(r)
+        lines = [median_line(runs) for runs in by_run.values()]
+        groups.append(sorted(lines, key=lambda line: kinds[line.kind]))
     return groups
 
 
@@ -902,11 +1035,18 @@ def header(args: argparse.Namespace) -> str:
 def footnotes(args: argparse.Namespace, bench: Bench) -> list[str]:
     cores = len(os.sched_getaffinity(0))
     notes = [
+        f"Medians over {args.rounds} rounds; every run once per round, in reverse order every "
+        "other round (A B A B), and every ratio taken within a round before its median, so the "
+        "machine's drift cancels. rounds min-max = the samples/s of the fastest and slowest round.",
         "x 1thr = samples/s / (1-thread process, same m); eff = x 1thr / p: the pipeline's limit "
         "here is p times one single-threaded process. bubble = (wall - compute) / wall per rank "
         "over the timed steps; recv = blocked in receives, outside = outside the engine "
-        "(optimizer, Lightning), both shares of wall time, means over ranks. "
-        "weights = weight buffers x stage parameter bytes.",
+        "(optimizer, Lightning), both shares of wall time, means over ranks. msg delay = how "
+        "long a message kept its receiver waiting after its send ended (median over the "
+        "messages, from the action timelines), with the share of messages over 2 ms. "
+        "weights = weight buffers x stage parameter bytes. / torch 1F1B, same (GPipe for gpipe, "
+        "1F1B for 1f1b), best (the fastest torch schedule of the round): ours over torch's; "
+        "/ all threads: over one process with a thread per core.",
     ]
     if max(args.ranks) > cores:
         notes.append(
@@ -938,7 +1078,6 @@ def write_json(
     out: Path,
     title: str,
     groups: list[list[Row]],
-    reference: dict[int, float],
     bench: Bench,
     runtime: float,
     load_before: dict[str, float | None],
@@ -965,12 +1104,13 @@ def write_json(
             "batch_size": bench.batch_size,
             "warmup": bench.warmup,
             "steps": bench.steps,
+            "rounds": bench.round + 1,
             "runtime_s": runtime,
             "load_before": load_before,
             "load_after": load_after,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         },
-        "reference_samples_per_s": reference,
+        "runs": [asdict(r) for r in bench.rows],
         "groups": [[asdict(r) for r in group] for group in groups],
         "failures": bench.failures,
         "peer_trials": bench.trials,
