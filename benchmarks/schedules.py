@@ -15,10 +15,13 @@ fp32 with AdamW:
 * peers: the same stages under ``torch.distributed.pipelining`` (ScheduleGPipe, Schedule1F1B
   and the multi-stage schedules that work on this machine).
 
-It prints one table and writes the same data as JSON. Run from the repository root::
+Every run is repeated once per round (``--rounds``), A B A B, in reverse order every other
+round; ratios are taken within a round and the table shows their medians, so that the
+machine's drift cancels. It prints one table and writes the same data as JSON, every run of
+every round included. Run from the repository root::
 
-    python benchmarks/schedules.py                 # defaults: about 3 minutes on 2 quiet cores
-    python benchmarks/schedules.py --ranks 2 --steps 10 --skip-peer
+    python benchmarks/schedules.py                 # defaults: 3 rounds, about 10 minutes
+    python benchmarks/schedules.py --ranks 2 --steps 10 --rounds 1 --skip-peer
 
 See ``benchmarks/README.md`` for how to read the table. Nothing here is asserted by tests.
 """
