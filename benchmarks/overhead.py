@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from machine import cpu_pressure_60s
-from schedules import _lightning_module, _quiet, make_data
+from schedules import _lightning_module, _quiet, fit_quietly
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS = ("plain Trainer", "pipe2bw 1f1b (1 stage)", "pipe2bw 2bw (1 stage)")
@@ -32,8 +32,7 @@ RUNS = ("plain Trainer", "pipe2bw 1f1b (1 stage)", "pipe2bw 2bw (1 stage)")
 
 def _timed_fit(run: str, batch_size: int, warmup: int, steps: int) -> float:
     """samples/s of one fit: the median step time over the timed steps."""
-    from lightning.pytorch import Callback, Trainer
-    from torch.utils.data import DataLoader, TensorDataset
+    from lightning.pytorch import Callback
 
     from lightning_pipe2bw import Pipe2BWStrategy
 
@@ -47,14 +46,7 @@ def _timed_fit(run: str, batch_size: int, warmup: int, steps: int) -> float:
     if run != RUNS[0]:
         schedule = "1f1b" if "1f1b" in run else "2bw"
         strategy = Pipe2BWStrategy(schedule=schedule, microbatches=1)
-    x, y = make_data(batch_size, warmup + steps + 1)
-    trainer = Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=warmup + steps + 1,
-        callbacks=[Clock()], enable_progress_bar=False, logger=False,
-        enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )  # fmt: skip
-    trainer.fit(_lightning_module(), DataLoader(TensorDataset(x, y), batch_size=batch_size))
+    fit_quietly(_lightning_module(), strategy, batch_size, warmup + steps + 1, [Clock()])
     step_s = [b - a for a, b in zip(marks[warmup:], marks[warmup + 1 :], strict=False)]
     return batch_size / statistics.median(step_s)
 

@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import sys
 import time
 import warnings
@@ -207,8 +208,9 @@ def fit_quietly(
     callbacks: list[Any],
     logger: Any = False,
 ) -> Any:
-    """Fit ``model`` for ``steps`` steps of :func:`make_data` on this pool's ranks (CPU), with
-    no progress bar, checkpoints, summary or validation; returns the Trainer."""
+    """Fit ``model`` for ``steps`` steps of :func:`make_data` on this pool's ranks (CPU; one
+    device without a process group), with no progress bar, checkpoints, summary or validation;
+    returns the Trainer."""
     import torch.distributed as dist
     from lightning.pytorch import Trainer
     from torch.utils.data import DataLoader, TensorDataset
@@ -217,7 +219,7 @@ def fit_quietly(
     loader = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
     trainer = Trainer(
         accelerator="cpu",
-        devices=dist.get_world_size(),
+        devices=dist.get_world_size() if dist.is_initialized() else 1,
         strategy=strategy,
         max_steps=steps,
         callbacks=callbacks,
@@ -584,7 +586,7 @@ def summarize_ours(name: str, m: int, ranks: list[dict[str, Any]], batch_size: i
                 for r in ranks
             ]
         ),
-        delay_ms=1e3 * _median(delays) if delays else None,
+        delay_ms=1e3 * statistics.median(delays) if delays else None,
         delayed_share=sum(d > 0.002 for d in delays) / len(delays) if delays else None,
         weight_bytes=[r["num_buffers"] * r["param_bytes"] for r in ranks],
         activation_bytes=[r["peak_activation_bytes"] for r in ranks],
@@ -646,12 +648,6 @@ _MEDIAN_FIELDS = (
 )  # fmt: skip
 
 
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    n = len(ordered)
-    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
-
-
 def median_line(runs: list[Row]) -> Row:
     """One line of the table from the runs of one configuration in every round: the median of
     each figure and of each ratio (ratios are taken within a round, so drift cancels)."""
@@ -663,7 +659,7 @@ def median_line(runs: list[Row]) -> Row:
     )  # fmt: skip
     for name in _MEDIAN_FIELDS:
         values = [getattr(r, name) for r in runs if getattr(r, name) is not None]
-        setattr(line, name, _median(values) if values else None)
+        setattr(line, name, statistics.median(values) if values else None)
     return line
 
 
