@@ -37,6 +37,7 @@ from lightning_pipe2bw.runtime.channel import ObjectChannel
 from lightning_pipe2bw.runtime.driver import Driver, FlushDriver
 from lightning_pipe2bw.runtime.failure import wait_limits
 from lightning_pipe2bw.runtime.peer import PeerLink
+from lightning_pipe2bw.runtime.shm import create_transport
 from lightning_pipe2bw.runtime.stash import check_memory_plan
 from lightning_pipe2bw.runtime.twobw import PipeDreamDriver, TwoBWDriver
 from lightning_pipe2bw.runtime.versions import unwrap_optimizer
@@ -247,7 +248,7 @@ def build_runtime(
         body,
         stage=stage,
         num_stages=p,
-        transport=P2PTransport(None, device),  # the whole world is one pipeline group
+        transport=_transport(topology, device, timeout_s),
         prev_rank=topology.prev_rank,
         next_rank=topology.next_rank,
         wait_limits=wait_limits(stage, p, timeout_s) if timeout_s is not None else (None, None),
@@ -310,6 +311,16 @@ def _evicting_stages(options: PipeOptions, partition: Partition, training: bool)
     return {partition.stage_of(i) for i, policy in plan.items() if policy == "evict"}
 
 
+def _transport(topology: Topology, device: torch.device, timeout_s: float | None) -> Any:
+    """The transport to the neighbour stages: shared memory between CPU processes of one host,
+    else the process group (see :func:`~lightning_pipe2bw.runtime.shm.create_transport`; the
+    whole world is one pipeline group). Collective when there is more than one stage."""
+    peers = [r for r in (topology.prev_rank, topology.next_rank) if r is not None]
+    if topology.num_stages == 1 or not (dist.is_available() and dist.is_initialized()):
+        return P2PTransport(None, device)
+    return create_transport(device, peers, timeout_s)
+
+
 def _link(
     topology: Topology,
     groups: ProcessGroups,
@@ -346,5 +357,3 @@ def _evict_share(
     mine = stashed_microbatches(name, stage, p, m)
     theirs = stashed_microbatches(name, topology.partner(), p, m)
     return lambda saved_bytes: evict_share(budget, mine, theirs, saved_bytes)
-
-

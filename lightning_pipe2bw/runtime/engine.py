@@ -21,7 +21,7 @@ from lightning_pipe2bw.runtime.inplace import writable
 from lightning_pipe2bw.runtime.peer import PeerLink
 from lightning_pipe2bw.runtime.stage import StageBody
 from lightning_pipe2bw.runtime.stash import ActivationStash
-from lightning_pipe2bw.runtime.transport import P2PTransport
+from lightning_pipe2bw.runtime.transport import Transport
 from lightning_pipe2bw.schedule import Action, ActionKind, Schedule
 
 __all__ = ["ActionTiming", "PipelineEngine", "StepFn", "step_loss"]
@@ -143,7 +143,7 @@ class PipelineEngine:
         body: StageBody,
         stage: int,
         num_stages: int,
-        transport: P2PTransport,
+        transport: Transport,
         prev_rank: int | None,
         next_rank: int | None,
         *,

@@ -9,7 +9,7 @@ import time
 import warnings
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure, new_run
 
-__all__ = ["P2PTransport", "TensorMeta", "flatten_payload"]
+__all__ = ["P2PTransport", "TensorMeta", "Transport", "flatten_payload"]
 
 _NOTICE = -1  # a message length that announces a failure notice instead of a payload
 _TAGS = 1 << 20  # a transport's tag is this plus its run number (earlier runs' messages wait apart)
@@ -192,6 +192,32 @@ class _Channel:
         return pytree.tree_unflatten(leaves, spec)
 
 
+class Transport(Protocol):
+    """What the engine, the drivers and the runtime use of a transport: :class:`P2PTransport`
+    (the process group) or :class:`~lightning_pipe2bw.runtime.shm.SharedMemoryTransport`."""
+
+    device: torch.device
+    bytes_sent: int
+    bytes_received: int
+
+    def send(self, obj: Any, dst: int) -> None: ...
+
+    def recv(self, src: int, timeout_s: float | None = None) -> Any: ...
+
+    def post(self, src: int) -> None: ...
+
+    def notify(self, record: FailureRecord, dsts: list[int], timeout_s: float = 5.0) -> None: ...
+
+    def reap(self) -> None: ...
+
+    def settle(self) -> None: ...
+
+    def wait_sends(self) -> None: ...
+
+    @property
+    def pending_bytes(self) -> int: ...
+
+
 @dataclass
 class _Posted:
     """The receives of one message, posted together: its control (a packed message's head) and
@@ -267,7 +293,9 @@ class P2PTransport:
         self.bytes_received += buf.numel() * buf.element_size()
         return work
 
-    def _packed(self, channel: _Channel, control: list[int], tensors: list[torch.Tensor]) -> torch.Tensor:
+    def _packed(
+        self, channel: _Channel, control: list[int], tensors: list[torch.Tensor]
+    ) -> torch.Tensor:
         """One buffer: ``control``, then ``tensors`` (none: a filler for the receive)."""
         buffer = torch.zeros(channel.size, dtype=torch.uint8, device=self.device)
         buffer[:24].view(torch.int64).copy_(torch.tensor(control, dtype=torch.int64))
@@ -283,7 +311,9 @@ class P2PTransport:
             return [self._packed(channel, [length, 0, 0], [])]
         fillers = []
         if length != 0 and channel.predicted:
-            fillers = [torch.zeros(m.shape, dtype=m.dtype, device=self.device) for m in channel.metas]
+            fillers = [
+                torch.zeros(m.shape, dtype=m.dtype, device=self.device) for m in channel.metas
+            ]
         largest = max((f.numel() * f.element_size() for f in fillers), default=0)
         control = torch.tensor([length, len(fillers), largest], dtype=torch.int64)
         return [control.to(self.device), *fillers]
@@ -327,7 +357,9 @@ class P2PTransport:
         control_work = self._irecv(control, peer)
         tensors = []
         if channel.predicted:
-            tensors = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in channel.metas]
+            tensors = [
+                torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in channel.metas
+            ]
         return _Posted(control, control_work, tensors, [self._irecv(t, peer) for t in tensors])
 
     def recv(self, src: int, timeout_s: float | None = None) -> Any:
@@ -359,7 +391,9 @@ class P2PTransport:
         if length == 0 and posted.tensors:
             tensors = posted.tensors
         else:  # not expected: the header changed, or it had just changed before
-            tensors = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in channel.metas]
+            tensors = [
+                torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in channel.metas
+            ]
             for work in [self._irecv(t, peer) for t in tensors]:
                 work.wait()
         channel.predicted = length == 0
