@@ -172,6 +172,24 @@ def _on_rank_choice(value: str | None) -> Any:
     return type(tr).__name__, None
 
 
+def _on_rank_no_room(value: str, huge_on: int) -> Any:
+    """Rank ``huge_on`` asks for rings larger than /dev/shm can hold."""
+    from lightning_pipe2bw.runtime import shm
+
+    before = set(os.listdir("/dev/shm"))
+    old = shm.CAPACITY
+    shm.CAPACITY = 1 << 45 if _rank() == huge_on else old  # 32 TiB
+    try:
+        with _env(value):
+            outcome = type(create_transport(torch.device("cpu"), [1 - _rank()])).__name__
+    except ValueError as err:
+        outcome = f"error: {err}"
+    finally:
+        shm.CAPACITY = old
+    dist.barrier()
+    return outcome, sorted(set(os.listdir("/dev/shm")) - before)
+
+
 def _on_rank_fit(transport: str, schedule: str) -> Any:
     with _env(transport):
         result = workers.fit(schedule, 4, 4)
@@ -309,3 +327,15 @@ def test_a_ring_keeps_room_for_announcements(tmp_path: Any) -> None:
         reader.release(reader.record(pos)[0])
     assert seen == [2048, 3072, 0]  # the wrap record was skipped
     assert reader.tail == writer.head == 4096 + 1024
+
+
+@pytest.mark.parametrize("huge_on", [0, 1])
+def test_without_room_in_dev_shm_every_rank_falls_back_to_gloo(pools: Any, huge_on: int) -> None:
+    """The rings take their pages when made: a /dev/shm too small (a default Docker container
+    has 64 MiB) shows at once, on every rank alike, and nothing is left behind."""
+    for outcome, left in pools(2).run(_on_rank_no_room, "auto", huge_on, timeout=TIMEOUT):
+        assert outcome == "P2PTransport"
+        assert left == []
+    for outcome, _ in pools(2).run(_on_rank_no_room, "shm", huge_on, timeout=TIMEOUT):
+        assert outcome.startswith(f"error: PIPE2BW_TRANSPORT=shm: rank {huge_on} could not make")
+        assert "Unset it (auto) or set it to gloo" in outcome

@@ -17,7 +17,9 @@ process group instead, announced by a record in the ring (so the order holds).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import mmap
 import os
 import platform
@@ -45,9 +47,12 @@ __all__ = [
     "CAPACITY",
     "TRANSPORTS",
     "SharedMemoryTransport",
+    "SharedMemoryUnavailable",
     "create_transport",
     "shared_memory_problem",
 ]
+
+log = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "shm", "gloo")  # PIPE2BW_TRANSPORT's values
 CAPACITY = 16 << 20  # bytes of one channel's ring (its pages are touched as the ring turns)
@@ -117,7 +122,19 @@ def create_transport(device: torch.device, peers: list[int], timeout_s: float | 
                 + ". Unset it (auto) or set it to gloo"
             )
         return P2PTransport(None, device)
-    return SharedMemoryTransport(device, gathered[0][3], peers, timeout_s)
+    try:
+        return SharedMemoryTransport(device, gathered[0][3], peers, timeout_s, CAPACITY)
+    except SharedMemoryUnavailable as err:
+        if choice == "shm":
+            raise ValueError(
+                f"PIPE2BW_TRANSPORT=shm: {err}. Unset it (auto) or set it to gloo"
+            ) from err
+        log.warning("pipe2bw: the stages talk over the process group: %s", err)
+        return P2PTransport(None, device)
+
+
+class SharedMemoryUnavailable(RuntimeError):
+    """A rank could not make its rings (``/dev/shm`` full or missing): every rank raises it."""
 
 
 class _Ring:
@@ -129,10 +146,19 @@ class _Ring:
         fd = os.open(path, (os.O_CREAT | os.O_EXCL | os.O_RDWR) if create else os.O_RDWR, 0o600)
         try:
             if create:
-                os.ftruncate(fd, _CONTROL + capacity)
+                # take the pages now: a full /dev/shm (64 MiB in a default Docker container)
+                # fails here, not with SIGBUS when the ring first reaches them
+                try:
+                    os.posix_fallocate(fd, 0, _CONTROL + capacity)
+                except OSError:
+                    os.close(fd)
+                    fd = -1
+                    os.unlink(path)
+                    raise
             self.map = mmap.mmap(fd, _CONTROL + capacity)
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         self.capacity = capacity
         self.words = memoryview(self.map).cast("q")  # the control and every record's head
         self.data = torch.frombuffer(self.map, dtype=torch.uint8)[_CONTROL:]
@@ -233,13 +259,32 @@ class SharedMemoryTransport:
         self._socket.bind(self._address(self.rank))
         self._socket.setblocking(False)
         peers = sorted(set(peers))
-        self._out = {p: _Ring(self._path(self.rank, p), True, capacity) for p in peers}
-        dist.barrier()
+        self._out: dict[int, _Ring] = {}
         self._in: dict[int, _Ring] = {}
+        problem = None
+        try:
+            for p in peers:
+                self._out[p] = _Ring(self._path(self.rank, p), True, capacity)
+        except OSError as err:
+            problem = (
+                f"rank {self.rank} could not make a ring of {capacity} bytes in {_SHM_DIR}: {err}"
+            )
+        # every rank's rings exist before any is mapped, or every rank learns why not
+        problems: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        if any(problems):
+            self.close()
+            for path in self._out_paths(peers):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            raise SharedMemoryUnavailable("; ".join(x for x in problems if x))
         for p in peers:
             path = self._path(p, self.rank)
             self._in[p] = _Ring(path, False, capacity)
             os.unlink(path)  # both ends have it mapped; nothing to clean up later
+
+    def _out_paths(self, peers: list[int]) -> list[str]:
+        return [self._path(self.rank, p) for p in peers]
 
     def _address(self, rank: int) -> bytes:
         return f"\0pipe2bw-{self._token}-{rank}".encode()
