@@ -59,6 +59,7 @@ HIDDEN = 1024
 LR = 1e-3
 SEED = 1234
 OUR_SCHEDULES = ("gpipe", "1f1b", "2bw", "pipedream")
+TRANSPORTS = ("auto", "shm", "gloo")  # PIPE2BW_TRANSPORT (lightning_pipe2bw.runtime.shm)
 # torch.distributed.pipelining classes, without the "Schedule" prefix; the first two run one
 # stage per rank, the others two (looped/interleaved: stages r and r + p; "V": r and 2p - 1 - r)
 PEER_SCHEDULES = ("GPipe", "1F1B")
@@ -358,25 +359,28 @@ def run_ours(
     """Runs on every rank: fit a Trainer with ``Pipe2BWStrategy`` and read its counters. With
     ``memory_dir``, a ``StageMemoryMonitor`` also logs every step to a CSV logger there.
     ``blocks`` shortens the model (the planner benchmark times the loop with one block);
-    ``strategy_kwargs`` go to the strategy (e.g. ``balance_activations=True``)."""
+    ``strategy_kwargs`` go to the strategy (e.g. ``balance_activations=True``). A schedule
+    name may end in ``@gloo`` or ``@shm``: the transport (``PIPE2BW_TRANSPORT``) of that run."""
     import torch.distributed as dist
     from lightning.pytorch.loggers import CSVLogger
 
     from lightning_pipe2bw import Pipe2BWStrategy, StageMemoryMonitor
 
     _quiet()  # Lightning sets its loggers' levels when imported
+    schedule, _, transport = schedule.partition("@")
     strategy = Pipe2BWStrategy(schedule=schedule, microbatches=m, **strategy_kwargs)
     timer = _make_timer(warmup, steps)
     monitor = StageMemoryMonitor(log_every_n_steps=1, plot=False) if memory_dir else None
     model = _lightning_module(blocks)
-    fit_quietly(
-        model,
-        strategy,
-        batch_size,
-        warmup + steps,
-        [timer, monitor] if monitor else [timer],
-        logger=CSVLogger(memory_dir) if memory_dir else False,
-    )
+    with _env(PIPE2BW_TRANSPORT=transport or os.environ.get("PIPE2BW_TRANSPORT", "auto")):
+        fit_quietly(
+            model,
+            strategy,
+            batch_size,
+            warmup + steps,
+            [timer, monitor] if monitor else [timer],
+            logger=CSVLogger(memory_dir) if memory_dir else False,
+        )
     stats = strategy.engine.stats
     driver = strategy.driver
     return {
@@ -633,7 +637,7 @@ def add_ratios(rows: list[Row]) -> None:
         peer = by_name.get(("torch", "1F1B"))
         if peer:
             row.vs_torch_1f1b = row.samples_per_s / peer
-        same = by_name.get(("torch", _TORCH_SAME.get(row.name, "")))
+        same = by_name.get(("torch", _TORCH_SAME.get(row.name.partition("@")[0], "")))
         if same:
             row.vs_torch_same = row.samples_per_s / same
         if torch_rows:
@@ -791,7 +795,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--mb-factors", default="1,4", help="micro-batches per batch as multiples of p"
     )
-    parser.add_argument("--schedules", default=",".join(OUR_SCHEDULES))
+    parser.add_argument(
+        "--schedules",
+        default=",".join(OUR_SCHEDULES),
+        help="ours, comma separated; a name may end in @gloo or @shm to pick the transport of "
+        "that run (PIPE2BW_TRANSPORT; default: auto, shared memory on one host)",
+    )
     parser.add_argument(
         "--peer-schedules",
         default=",".join(PEER_SCHEDULES),
@@ -817,9 +826,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         for f in args.mb_factors:
             if args.batch_size % (p * f):
                 parser.error(f"--batch-size {args.batch_size} is not divisible by m = {p * f}")
-    unknown = set(args.schedules) - set(OUR_SCHEDULES)
+    unknown = {n for n in args.schedules if n.partition("@")[0] not in OUR_SCHEDULES}
     if unknown:
         parser.error(f"unknown schedules {sorted(unknown)}; choose from {OUR_SCHEDULES}")
+    transports = {n.partition("@")[2] for n in args.schedules} - {"", *TRANSPORTS}
+    if transports:
+        parser.error(f"unknown transports {sorted(transports)}; choose from {TRANSPORTS}")
     return args
 
 
