@@ -55,7 +55,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "shm", "gloo")  # PIPE2BW_TRANSPORT's values
-CAPACITY = 16 << 20  # bytes of one channel's ring (its pages are touched as the ring turns)
+CAPACITY = 8 << 20  # bytes of one channel's ring (taken when it is made)
 _ALIGN = 64
 _CONTROL = 128  # the ring's head (bytes written, at 0) and tail (bytes read, at 64)
 _RECORD = 64  # a record's own head: eight int64 (size, kind, header length, large size)
