@@ -21,8 +21,8 @@ from lightning_pipe2bw.partition.plans import PlanResult
 from lightning_pipe2bw.partition.profile import ProfileSet
 from lightning_pipe2bw.partition.split import BodyRef
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, split_batch
+from lightning_pipe2bw.runtime.shm import SharedMemoryTransport, create_transport
 from lightning_pipe2bw.runtime.stage import BodyInput
-from lightning_pipe2bw.runtime.transport import P2PTransport
 
 __all__ = [
     "AutoPlanInputs",
@@ -119,9 +119,11 @@ def measure_latency(device: torch.device, peer: int, rounds: int = 50) -> float:
     """Seconds one small message takes from global rank 0 to ``peer`` and is unpacked, through
     the pipeline's own transport (its framing and Python overhead included): half the median
     round trip. Collective over the default group: every rank gets the figure."""
-    # made on every rank: transports are numbered in creation order, and failure notices match
-    # by that number, so every rank must create the same transports (failure.new_run)
-    transport = P2PTransport(None, device)
+    # the transport a run would use (shared memory between CPU ranks of one host), made on
+    # every rank: transports are numbered in creation order, and failure notices match by that
+    # number, so every rank must create the same transports (failure.new_run)
+    rank = dist.get_rank()
+    transport = create_transport(device, [peer] if rank == 0 else [0] if rank == peer else [])
     message = torch.zeros(16, device=device)
 
     def exchange(first: bool) -> None:
@@ -135,8 +137,10 @@ def measure_latency(device: torch.device, peer: int, rounds: int = 50) -> float:
     seconds = _median_round_trip(
         device, peer, exchange, rounds=rounds, skip=rounds // 5, after=transport.settle
     )
-    if dist.get_rank() in (0, peer):
+    if rank in (0, peer):
         transport.wait_sends()
+    if isinstance(transport, SharedMemoryTransport):
+        transport.close()
     return seconds / 2
 
 
