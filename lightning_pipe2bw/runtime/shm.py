@@ -4,8 +4,9 @@ on one host.
 Gloo moves every message through a socket, with a rendezvous (the receiver announces its
 buffer, the sender's or the receiver's background thread moves the bytes) that wakes up to
 three threads per message. On a CPU where every core already runs a rank, each wake-up takes
-the core from a computing rank: about a millisecond of a rank's time per message exchanged on
-the 2-core machine of ``benchmarks/``, however small the message. Between processes on one
+the core from a computing rank: one to two milliseconds of a rank's time per message exchanged
+on the 2-core machine of ``benchmarks/`` (``benchmarks/transport.py``), however small the
+message. Between processes on one
 host the bytes need no socket at all: :class:`SharedMemoryTransport` copies each message into
 a ring of shared memory that the receiver maps too, and wakes the receiver with one datagram.
 
@@ -228,8 +229,9 @@ class SharedMemoryTransport:
     with an error that says it timed out, and as soon as the peer's process is gone (its socket
     closes with it), like a receive on a broken gloo connection.
 
-    Construction is collective over the ranks in ``peers`` and this one: every sender creates
-    its rings before any receiver maps them.
+    Construction is collective over the default process group: every sender creates its rings
+    (taking their pages) before any receiver maps them, and if any rank cannot, every rank
+    raises :class:`SharedMemoryUnavailable`.
     """
 
     def __init__(
