@@ -122,6 +122,21 @@ def _on_rank_notice(after: int) -> Any:
     return "no failure"
 
 
+def _on_rank_big_header() -> Any:
+    """A message whose non-tensor part pickles to more than the ring's reserve (8 KiB of 64)."""
+    tr = _transport()
+    outcome = None
+    if _rank() == 0:
+        try:
+            tr.send((torch.ones(2), "x" * 20_000), 1)
+        except ValueError as err:
+            outcome = str(err)
+        tr.send((torch.ones(2), "small"), 1)  # the channel is still usable
+    else:
+        outcome = tr.recv(0)[1]
+    return outcome
+
+
 def _on_rank_silence() -> Any:
     """Rank 1 waits for a message that never comes, with a short limit."""
     tr = _transport()
@@ -339,3 +354,11 @@ def test_without_room_in_dev_shm_every_rank_falls_back_to_gloo(pools: Any, huge_
     for outcome, _ in pools(2).run(_on_rank_no_room, "shm", huge_on, timeout=TIMEOUT):
         assert outcome.startswith(f"error: PIPE2BW_TRANSPORT=shm: rank {huge_on} could not make")
         assert "Unset it (auto) or set it to gloo" in outcome
+
+
+def test_a_header_too_large_for_the_ring_is_refused_with_the_fix(pools: Any) -> None:
+    error, received = pools(2).run(_on_rank_big_header, timeout=TIMEOUT)
+    assert "non-tensor part pickles to 20" in error
+    assert "more than the shared-memory transport carries (8128 bytes)" in error
+    assert "pass large values as tensors, or set PIPE2BW_TRANSPORT=gloo" in error
+    assert received == "small"

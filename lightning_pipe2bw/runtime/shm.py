@@ -307,6 +307,12 @@ class SharedMemoryTransport:
             same = header == channel.header
         length = 0 if same or header is None else len(header)
         start = _aligned(_RECORD + length)
+        if start > self.capacity // 8:  # even its announcement would not fit the ring's reserve
+            raise ValueError(
+                f"a pipeline stage output's non-tensor part pickles to {length} bytes, more than "
+                f"the shared-memory transport carries ({self.capacity // 8 - _RECORD} bytes): "
+                "pass large values as tensors, or set PIPE2BW_TRANSPORT=gloo"
+            )
         offsets, end = _offsets(metas, start)
         ring = self._out[dst]
         data = end - start
