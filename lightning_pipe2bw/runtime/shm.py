@@ -36,12 +36,15 @@ import torch.distributed as dist
 
 from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure, new_run
 from lightning_pipe2bw.runtime.transport import (
+    _ALIGN,
     _TAGS,
-    TensorMeta,
+    _aligned,
     _Channel,
-    _nbytes,
+    _HeldSends,
+    _layout,
     _pickle_header,
     _split,
+    _view,
 )
 
 __all__ = [
@@ -57,16 +60,11 @@ log = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "shm", "gloo")  # PIPE2BW_TRANSPORT's values
 CAPACITY = 8 << 20  # bytes of one channel's ring (taken when it is made)
-_ALIGN = 64
 _CONTROL = 128  # the ring's head (bytes written, at 0) and tail (bytes read, at 64)
 _RECORD = 64  # a record's own head: eight int64 (size, kind, header length, large size)
 _MESSAGE, _LARGE, _NOTICE, _WRAP = 1, 2, 3, 4  # record kinds
 _POLL_S = 0.5  # a waiting receive checks this often that its peer still lives
 _SHM_DIR = "/dev/shm"
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
 
 
 def shared_memory_problem(device: torch.device) -> str | None:
@@ -209,7 +207,7 @@ class _Ring:
         self.words[_ALIGN // 8] = self.tail + size
 
 
-class SharedMemoryTransport:
+class SharedMemoryTransport(_HeldSends):
     """Sends and receives pytrees between pipeline ranks of one host through shared memory.
 
     Each ordered pair of neighbour ranks has a ring of ``CAPACITY`` bytes, created by the sender
@@ -242,6 +240,7 @@ class SharedMemoryTransport:
         timeout_s: float | None = None,
         capacity: int = CAPACITY,
     ) -> None:
+        super().__init__()  # the large messages' sends on the process group
         self.device = device
         self.group = None
         self.capacity = capacity
@@ -252,8 +251,6 @@ class SharedMemoryTransport:
         self.rank = dist.get_rank()
         self.bytes_sent = 0
         self.bytes_received = 0
-        self._pending: list[tuple[dist.Work, list[torch.Tensor]]] = []
-        self._settled = 0
         self._token = token
         self._out_channel: dict[int, _Channel] = {}
         self._in_channel: dict[int, _Channel] = {}
@@ -313,7 +310,7 @@ class SharedMemoryTransport:
                 f"the shared-memory transport carries ({self.capacity // 8 - _RECORD} bytes): "
                 "pass large values as tensors, or set PIPE2BW_TRANSPORT=gloo"
             )
-        offsets, end = _offsets(metas, start)
+        offsets, end = _layout(metas, start)
         ring = self._out[dst]
         data = end - start
         # a message leaves an eighth of the ring free for the small records that announce the
@@ -416,7 +413,7 @@ class SharedMemoryTransport:
         else:
             channel.advance(None, same=True)
         start = _aligned(_RECORD + length)
-        offsets, end = _offsets(channel.metas, start)
+        offsets, end = _layout(channel.metas, start)
         if kind == _MESSAGE:
             base = ring.data[pos:]
             tensors = [
@@ -486,32 +483,6 @@ class SharedMemoryTransport:
             ring.commit(skip, size)
             self._wake(dst)
 
-    # ------------------------------------------------------------------ large sends
-    def reap(self) -> None:
-        """Release the buffers of large sends that have completed."""
-        self._pending = [(w, b) for w, b in self._pending if not w.is_completed()]
-
-    def settle(self) -> None:
-        """Wait for the large sends started before the previous ``settle`` (see
-        :meth:`P2PTransport.settle <lightning_pipe2bw.runtime.transport.P2PTransport.settle>`)."""
-        old, self._pending = self._pending[: self._settled], self._pending[self._settled :]
-        for work, _ in old:
-            work.wait()
-        self._settled = len(self._pending)
-
-    def wait_sends(self) -> None:
-        """Block until every started send has completed (the ring's are at once)."""
-        for work, _ in self._pending:
-            work.wait()
-        self._pending.clear()
-        self._settled = 0
-
-    @property
-    def pending_bytes(self) -> int:
-        """Bytes held in large sends' buffers that have not completed yet."""
-        self.reap()
-        return sum(b.numel() * b.element_size() for _, bufs in self._pending for b in bufs)
-
     def close(self) -> None:
         """Close the wake-up socket (peers then see this transport gone) and unmap the rings."""
         self._socket.close()
@@ -524,21 +495,6 @@ class SharedMemoryTransport:
                 pass
         self._out.clear()
         self._in.clear()
-
-
-def _offsets(metas: list[TensorMeta], start: int) -> tuple[list[int], int]:
-    """Where each tensor of a record starts (from ``start``, at 64-byte boundaries) and where
-    the last one ends."""
-    offsets, end = [], start
-    for meta in metas:
-        end = _aligned(end)
-        offsets.append(end)
-        end += _nbytes(meta)
-    return offsets, end
-
-
-def _view(base: torch.Tensor, offset: int, meta: TensorMeta) -> torch.Tensor:
-    return base[offset : offset + _nbytes(meta)].view(meta.dtype).view(meta.shape)
 
 
 def _group_timeout_s() -> float:

@@ -119,21 +119,31 @@ def _nbytes(meta: TensorMeta) -> int:
     return math.prod(meta.shape) * meta.dtype.itemsize
 
 
-def _layout(metas: list[TensorMeta]) -> tuple[list[int], int]:
-    """Where each tensor starts in a packed message, and the message's size: the control, then
-    the tensors, each at a multiple of ``_ALIGN`` bytes (so that every dtype may view it)."""
-    offsets, end = [], _ALIGN
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _layout(metas: list[TensorMeta], start: int = _ALIGN) -> tuple[list[int], int]:
+    """Where each tensor starts in a message whose tensors follow ``start`` bytes (by default a
+    packed message's control), and where the last one ends: each tensor at a multiple of
+    ``_ALIGN`` bytes (so that every dtype may view it)."""
+    offsets, end = [], start
     for meta in metas:
-        start = -(-end // _ALIGN) * _ALIGN
-        offsets.append(start)
-        end = start + _nbytes(meta)
+        end = _aligned(end)
+        offsets.append(end)
+        end += _nbytes(meta)
     return offsets, end
+
+
+def _view(buffer: torch.Tensor, offset: int, meta: TensorMeta) -> torch.Tensor:
+    """The tensor of ``meta`` at byte ``offset`` of ``buffer``, as a view of it."""
+    return buffer[offset : offset + _nbytes(meta)].view(meta.dtype).view(meta.shape)
 
 
 def _views(buffer: torch.Tensor, channel: _Channel) -> list[torch.Tensor]:
     """The tensors of a packed message, as views of its buffer."""
     return [
-        buffer[start : start + _nbytes(meta)].view(meta.dtype).view(meta.shape)
+        _view(buffer, start, meta)
         for start, meta in zip(channel.offsets, channel.metas, strict=True)
     ]
 
@@ -229,7 +239,47 @@ class _Posted:
     works: list[dist.Work]  # the tensors' own receives (none when packed)
 
 
-class P2PTransport:
+class _HeldSends:
+    """The sends a transport has started and not seen complete, with the buffers they keep
+    alive (a send must outlive its completion; gloo's channel breaks if a pending one is
+    destroyed)."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[dist.Work, list[torch.Tensor]]] = []
+        self._settled = 0  # sends before this index are older than the previous settle()
+
+    def reap(self) -> None:
+        """Release the buffers of sends that have completed. (Gloo marks a send completed only
+        once it is waited for, so on gloo this frees nothing: see :meth:`settle`.)"""
+        self._pending = [(w, b) for w, b in self._pending if not w.is_completed()]
+
+    def settle(self) -> None:
+        """Wait for the sends started before the previous ``settle`` and release their buffers.
+
+        Called once per engine call: a send from two calls ago has been received by then (a
+        peer takes a call's messages in that call or the next), so the wait returns at once,
+        and the held buffers stay bounded by two calls' messages however long a run goes
+        without a flush. (Gloo reports a send completed only once it is waited for.)"""
+        old, self._pending = self._pending[: self._settled], self._pending[self._settled :]
+        for work, _ in old:
+            work.wait()
+        self._settled = len(self._pending)
+
+    def wait_sends(self) -> None:
+        """Block until every started send has completed, then release its buffers."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+        self._settled = 0
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes held in send buffers that have not completed yet."""
+        self.reap()
+        return sum(b.numel() * b.element_size() for _, bufs in self._pending for b in bufs)
+
+
+class P2PTransport(_HeldSends):
     """Sends and receives pytrees between pipeline ranks.
 
     A message on a channel (ordered pair of ranks) starts with a control: three int64, the
@@ -259,8 +309,8 @@ class P2PTransport:
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
         self.group = group
+        super().__init__()
         self.device = device
-        self._pending: list[tuple[dist.Work, list[torch.Tensor]]] = []
         self._out: dict[int, _Channel] = {}
         self._in: dict[int, _Channel] = {}
         self._posted: dict[int, _Posted] = {}  # receives posted before recv() was called
@@ -270,7 +320,6 @@ class P2PTransport:
         # a tag of its own: messages an earlier transport left unread on a channel (its ranks
         # failed) are never taken for this one's (NCCL has no tags, nor survives a failure)
         self.tag = _TAGS + self.run
-        self._settled = 0  # sends before this index are older than the previous settle()
         # on gloo a receive may be posted before an unrelated send; NCCL runs a pair's transfers
         # in order on one stream, where that could hold back a send the peer waits for
         self.can_post_early = device.type == "cpu"
@@ -433,33 +482,3 @@ class P2PTransport:
         dist.recv(raw, src=peer, group=self.group, tag=self.tag)
         record = FailureRecord.from_dict(json.loads(raw.cpu().numpy().tobytes()))
         return StageFailure(record.describe(), record, source=peer)
-
-    def reap(self) -> None:
-        """Release the buffers of sends that have completed. (Gloo marks a send completed only
-        once it is waited for, so on gloo this frees nothing: see :meth:`settle`.)"""
-        self._pending = [(w, b) for w, b in self._pending if not w.is_completed()]
-
-    def settle(self) -> None:
-        """Wait for the sends started before the previous ``settle`` and release their buffers.
-
-        Called once per engine call: a send from two calls ago has been received by then (a
-        peer takes a call's messages in that call or the next), so the wait returns at once,
-        and the held buffers stay bounded by two calls' messages however long a run goes
-        without a flush. (Gloo reports a send completed only once it is waited for.)"""
-        old, self._pending = self._pending[: self._settled], self._pending[self._settled :]
-        for work, _ in old:
-            work.wait()
-        self._settled = len(self._pending)
-
-    def wait_sends(self) -> None:
-        """Block until every started send has completed, then release its buffers."""
-        for work, _ in self._pending:
-            work.wait()
-        self._pending.clear()
-        self._settled = 0
-
-    @property
-    def pending_bytes(self) -> int:
-        """Bytes held in send buffers that have not completed yet."""
-        self.reap()
-        return sum(b.numel() * b.element_size() for _, bufs in self._pending for b in bufs)
