@@ -208,10 +208,11 @@ def fit_quietly(
     steps: int,
     callbacks: list[Any],
     logger: Any = False,
+    accelerator: str = "cpu",
 ) -> Any:
-    """Fit ``model`` for ``steps`` steps of :func:`make_data` on this pool's ranks (CPU; one
-    device without a process group), with no progress bar, checkpoints, summary or validation;
-    returns the Trainer."""
+    """Fit ``model`` for ``steps`` steps of :func:`make_data` on this pool's ranks (one device
+    without a process group), with no progress bar, checkpoints, summary or validation; returns
+    the Trainer."""
     import torch.distributed as dist
     from lightning.pytorch import Trainer
     from torch.utils.data import DataLoader, TensorDataset
@@ -219,7 +220,7 @@ def fit_quietly(
     x, y = make_data(batch_size, steps)
     loader = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
     trainer = Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=dist.get_world_size() if dist.is_initialized() else 1,
         strategy=strategy,
         max_steps=steps,

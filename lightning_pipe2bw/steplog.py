@@ -47,23 +47,33 @@ __all__ = [
     "StepRecording",
     "quiet_epoch_sync_advice",
     "replay",
+    "scalar_on",
     "share_metrics",
 ]
 
-# (name, value, arguments of self.log, whether it is a Metric's step value): plain data
-Logged = tuple[str, float, dict[str, Any], bool]
+# (name, value, arguments of self.log, whether it is a Metric's step value). The value is a
+# number, or a 0-d float64 tensor where the user logged tensors: on the device they were logged
+# on until the values leave the rank (ObjectChannel.post moves them to the CPU)
+Logged = tuple[str, "float | Tensor", dict[str, Any], bool]
 
 
 @dataclass
 class LogRecord:
-    """One logged name over a batch: the size-weighted mean of its micro-batch values."""
+    """One logged name over a batch: the size-weighted mean of its micro-batch values.
+
+    The sum is kept where the values are: a logged tensor stays on its device (in float64, the
+    same arithmetic as on Python numbers), so recording never waits for the device; the values
+    reach the host once per step, and only when another rank needs them."""
 
     name: str
-    value: float
     arguments: dict[str, Any]  # the other arguments of LightningModule.log, as the user gave them
     samples: int = 0
-    _weighted: float = field(default=0.0, repr=False)
+    _weighted: float | Tensor = field(default=0.0, repr=False)
     metric: Metric | None = field(default=None, repr=False)  # a logged torchmetrics Metric
+
+    @property
+    def value(self) -> float | Tensor:
+        return self._weighted / self.samples
 
 
 class LogRecorder:
@@ -112,13 +122,16 @@ class LogRecorder:
             # its value on this micro-batch (the forward's); None after update() alone
             value = metric_batch_value(metric)
             if value is None:
-                value = torch.tensor(float("nan"))
+                value = math.nan
+        number: float | Tensor
         if isinstance(value, Tensor):
             if value.numel() != 1:
                 raise ValueError(
                     f"self.log({name!r}, ...) needs a scalar; got a tensor of shape {tuple(value.shape)}"
                 )
-            number = float(value.detach().float().cpu())
+            # float32 first, as Lightning logs it, then float64 for the weighted sum; on the
+            # tensor's device, so that the step does not wait here for the device to catch up
+            number = value.detach().reshape(()).float().double()
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             number = float(value)
         else:
@@ -129,12 +142,11 @@ class LogRecorder:
         samples = int(arguments.get("batch_size") or self._samples or 1)
         record = self.records.get(name)
         if record is None:
-            record = self.records[name] = LogRecord(name, 0.0, arguments)
+            record = self.records[name] = LogRecord(name, arguments)
         record.arguments = arguments
         record.metric = metric
         record.samples += samples
-        record._weighted += number * samples
-        record.value = record._weighted / record.samples
+        record._weighted = record._weighted + number * samples
 
     def summary(self) -> list[Logged]:
         """Plain data to deliver: (name, value, arguments, is a Metric's) with batch_size set to
@@ -162,12 +174,24 @@ def replay(
     for name, value, arguments, _ in summary:
         metric = (metrics or {}).get(name)
         if metric is not None:
-            if not math.isnan(value):  # NaN: only update() ran, there is no step value
-                set_metric_batch_value(metric, torch.tensor(value, device=device))
+            # a NaN number: only update() ran, there is no step value
+            if not (isinstance(value, float) and math.isnan(value)):
+                set_metric_batch_value(metric, scalar_on(device, value))
             log(name, metric, **arguments)
         else:
             arguments = {k: v for k, v in arguments.items() if k != "metric_attribute"}
-            log(name, torch.tensor(value, device=device), **arguments)
+            log(name, scalar_on(device, value), **arguments)
+
+
+def scalar_on(device: torch.device, value: float | Tensor) -> Tensor:
+    """``value`` as a 0-d tensor of the default dtype on ``device`` (what ``torch.tensor(value,
+    device=device)`` makes) without waiting for the device: a tensor already there is converted
+    there, a number is filled in by a kernel instead of copied from the host (a copy from
+    pageable host memory waits for the device's queue to drain)."""
+    dtype = torch.get_default_dtype()
+    if isinstance(value, Tensor) and value.device == device:
+        return value.to(dtype)
+    return torch.full((), float(value), dtype=dtype, device=device)
 
 
 class MetricStates:

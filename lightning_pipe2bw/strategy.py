@@ -79,7 +79,12 @@ from lightning_pipe2bw.runtime.driver import Driver, DueGradient
 from lightning_pipe2bw.runtime.failure import SignalStop
 from lightning_pipe2bw.runtime.microbatch import batch_size_of
 from lightning_pipe2bw.schedule import SCHEDULES, ActivationBudget
-from lightning_pipe2bw.steplog import StepRecording, quiet_epoch_sync_advice, share_metrics
+from lightning_pipe2bw.steplog import (
+    StepRecording,
+    quiet_epoch_sync_advice,
+    scalar_on,
+    share_metrics,
+)
 
 __all__ = ["Pipe2BWStrategy"]
 
@@ -476,9 +481,9 @@ class Pipe2BWStrategy(ParallelStrategy):
         for report in reports:
             recording.apply(report, self.root_device)
         if not reports:  # 2BW's first step, on a rank other than 0
-            return torch.tensor(math.nan, device=self.root_device)
+            return scalar_on(self.root_device, math.nan)
         if train:
-            return torch.tensor(reports[-1]["loss"], device=self.root_device)
+            return scalar_on(self.root_device, reports[-1]["loss"])
         return apply_to_collection(reports[-1]["output"], Tensor, lambda t: t.to(self.root_device))
 
     def _backward_microbatch(self, loss: Tensor) -> None:

@@ -9,7 +9,6 @@ nothing of Lightning: logging, precision and the optimizer step stay with the st
 from __future__ import annotations
 
 import logging
-import math
 import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -96,8 +95,9 @@ class StageRuntime:
         self, batch: Any, step: StepFn, backward: Callable[[Tensor], None], *, train: bool
     ) -> Report:
         """Run one batch through the stage: split into micro-batches, the driver (training) or
-        a forward-only schedule. On the last stage: the batch's values, ``{"loss": float}``
-        (the micro-batch losses weighted by size) or ``{"output": merged outputs on the CPU}``;
+        a forward-only schedule. On the last stage: the batch's values, ``{"loss": 0-d float64
+        tensor on the loss's device}`` (the micro-batch losses weighted by size) or
+        ``{"output": merged outputs on the CPU}``;
         ``{}`` on the other stages."""
         size = batch_size_of(batch)
         m = self.num_microbatches if train else min(self.num_microbatches, size)
@@ -118,11 +118,10 @@ class StageRuntime:
         if not self.is_last:
             return {}
         if train:
-            loss = math.fsum(
-                w * float(step_loss(r, i).detach())
-                for i, (w, r) in enumerate(zip(weights, results, strict=True))
-            )
-            return {"loss": loss}
+            # on the loss's device, in float64, so that the step does not wait for the device
+            # here (the value reaches the host when another rank needs it)
+            losses = [step_loss(r, i).detach().double() for i, r in enumerate(results)]
+            return {"loss": sum(w * loss for w, loss in zip(weights, losses, strict=True))}
         merged = merge_outputs(results, sizes)
         return {"output": apply_to_collection(merged, Tensor, lambda t: t.detach().cpu())}
 

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
+from torch.utils import _pytree as pytree
 
 __all__ = ["ObjectChannel"]
 
@@ -57,7 +59,9 @@ class ObjectChannel:
         return self.rank == self.source
 
     def post(self, obj: Any) -> None:
-        """Send ``obj`` to every other rank without waiting (on the source)."""
+        """Send ``obj`` to every other rank without waiting (on the source). Its tensors arrive
+        on the CPU (a device's tensors are copied to the host here)."""
+        obj = pytree.tree_map_only(Tensor, _on_host, obj)
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         first = torch.zeros(FIRST_BYTES, dtype=torch.uint8)
         first[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
@@ -114,3 +118,7 @@ class ObjectChannel:
         while self._sends:
             for work, _ in self._sends.popleft():
                 work.wait()
+
+
+def _on_host(tensor: Tensor) -> Tensor:
+    return tensor.detach().cpu()
