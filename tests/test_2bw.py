@@ -30,9 +30,11 @@ def test_2bw_equals_delayed_gradient_reference(pools: Any, p: int, m: int, optim
     assert (
         max_abs_diff(results[0]["state"], reference_train(STEPS, m, optimizer=optimizer)[0]) > 1e-3
     )
-    # two weight versions at most on every stage, and both are used
+    # two weight versions at most, and both are used, on every stage but the last, which runs
+    # a batch's last backward in the call that admits it and so updates in place: one version
     for rank, r in enumerate(results):
-        assert max(r["versions"]) == 2, rank
+        expected = 1 if r["stage"] == p - 1 else 2
+        assert max(r["versions"]) == expected, (rank, r["stage"])
         assert 1 <= r["engine_versions"] <= 2, rank
 
 

@@ -95,7 +95,11 @@ class TwoBWDriver:
         return {WeightVersions.version_for(self.admitted)}
 
     def observe(self, action: Action) -> None:
-        """Called by the engine after every action."""
+        """Called by the engine after every action: a batch's last backward on this stage
+        frees its weight version for an update in place (1F1B runs a batch's backwards in
+        micro-batch order)."""
+        if action.kind is ActionKind.BACKWARD and (action.microbatch + 1) % self.m == 0:
+            self.versions.finish(self.batch_of(action.microbatch))
         if self.version_log is not None:
             self.version_log.append(len(self.versions.live_versions()))
 

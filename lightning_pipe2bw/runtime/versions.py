@@ -24,7 +24,11 @@ class WeightVersions:
       buffer that no in-flight micro-batch uses (copy newest -> free buffer, then step it), and
       the graphs of in-flight micro-batches keep reading the buffer they started with;
     * every batch accumulates its gradient into its own leaves (one set per version it ran
-      with), even when two batches share a version.
+      with), even when two batches share a version;
+    * once a batch has run its last backward on the stage (:meth:`finish`) its leaves hold its
+      gradient and are read no more, so its version no longer needs a buffer of its own: on one
+      stage, and on the last stage of a pipeline, where a batch ends in the call that admits it,
+      each update between flushes is applied in place, without a copy.
 
     ``max_versions`` bounds the buffers: 2 for PipeDream-2BW, p - s for weight stashing on
     stage s; :meth:`advance` raises rather than exceed it.
@@ -43,6 +47,7 @@ class WeightVersions:
         self._buffer_of: dict[int, int] = {0: 0}  # version -> buffer index
         self.newest = 0
         self._leaves: dict[tuple[int, int], dict[str, Tensor]] = {}  # (batch, version) -> leaves
+        self._finished: set[int] = set()  # batches with leaves whose backwards have all run
         # versions that batches not admitted yet will need (2BW: the next batch's)
         self.reserved = reserved
 
@@ -82,15 +87,26 @@ class WeightVersions:
                 out.append(grads[0] if len(grads) == 1 else torch.stack(grads).sum(0))
         return out
 
+    def finish(self, batch: int) -> None:
+        """Batch ``batch`` has run its last backward on this stage: its leaves keep its gradient
+        until :meth:`release`, but no computation reads their values any more."""
+        if any(b == batch for b, _ in self._leaves):
+            self._finished.add(batch)
+
     def release(self, batch: int) -> None:
-        """Batch ``batch`` has finished every backward on this stage."""
+        """Batch ``batch``'s gradient has been taken: drop its leaves."""
         for key in [k for k in self._leaves if k[0] == batch]:
             del self._leaves[key]
+        self._finished.discard(batch)
+
+    def _reading(self) -> set[int]:
+        """Versions that micro-batches still compute with (forwards or backwards to come)."""
+        return {v for b, v in self._leaves if b not in self._finished}
 
     def live_versions(self) -> set[int]:
         """Versions some in-flight micro-batch, or a batch not admitted yet (``reserved``),
         still needs, plus the newest."""
-        return {v for _, v in self._leaves} | self._reserved() | {self.newest}
+        return self._reading() | self._reserved() | {self.newest}
 
     def _reserved(self) -> set[int]:
         # a reserved version may not exist yet (it is the one the coming update creates)
@@ -100,7 +116,7 @@ class WeightVersions:
         """Make room for version ``newest + 1``: copy the newest weights into a buffer no live
         version uses and point the parameters at it, so the optimizer's in-place step leaves
         every version an in-flight micro-batch uses untouched."""
-        in_use = {v for _, v in self._leaves} | self._reserved()
+        in_use = self._reading() | self._reserved()
         if self.newest not in in_use:
             # no in-flight micro-batch reads the newest weights: update them in place
             buffer = self._buffer_of[self.newest]
@@ -143,6 +159,7 @@ class WeightVersions:
         """Start from a checkpoint: the parameters hold version ``newest`` and ``previous``, if
         given, is version ``newest - 1`` (copied into a buffer of its own)."""
         self._leaves.clear()
+        self._finished.clear()
         self._buffers = [[p.data for p in self.params]]
         self._buffer_of = {newest: 0}
         self.newest = newest
