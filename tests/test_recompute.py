@@ -10,8 +10,12 @@ and <= 1e-5 against the single-device references.
 from __future__ import annotations
 
 import pytest
+import torch
 import workers
 from models import max_abs_diff, reference_2bw, reference_train
+from torch import Tensor, nn
+
+from lightning_pipe2bw.runtime.stage import StageBody
 
 STEPS = 4
 
@@ -140,3 +144,48 @@ def test_recomputation_restores_only_the_buffers_a_forward_updates() -> None:
         (id(bn), "num_batches_tracked"),
     }
     assert all(m is not masked for m, _ in learnt)
+
+
+class _TiedPair(nn.Module):
+    """A block that holds one parameter under two names (a tied projection)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_weight_version_computes_as_functional_call_does(recompute: bool) -> None:
+    """A stage's blocks run with other weights (2BW's versions) exactly as under
+    torch.func.functional_call: the same output and the same gradients in the given tensors,
+    a tied parameter replaced under both its names, and the parameters back afterwards."""
+    torch.manual_seed(0)
+    blocks = [(0, _TiedPair()), (1, nn.Sequential(nn.Linear(6, 6), nn.GELU())), (2, _TiedPair())]
+    body = StageBody(blocks, 0, 1, recompute=recompute)
+    originals = {n: p for n, p in body.named_parameters()}
+    version = {n: (p.detach() * 0.5 + 0.1).requires_grad_() for n, p in originals.items()}
+    twins = {n: t.detach().clone().requires_grad_() for n, t in version.items()}
+    x = torch.randn(4, 6)
+
+    out = body.run_blocks(x, version)
+    out.square().sum().backward()
+    ref = x
+    for index, block in blocks:
+        own = {k.split(".", 1)[1]: v for k, v in twins.items() if k.startswith(f"{index}.")}
+        ref = torch.func.functional_call(block, own, (ref,), strict=False)
+    ref.square().sum().backward()
+
+    assert torch.equal(out, ref)
+    for name in version:
+        assert torch.equal(version[name].grad, twins[name].grad), name
+    assert all(p.grad is None for p in originals.values())  # the live weights took no gradient
+    assert dict(body.named_parameters()) == originals  # the same objects, back in place
+    assert blocks[0][1].b.weight is blocks[0][1].a.weight  # the tie holds
+    with pytest.raises(KeyError, match="has no parameter 'missing'"):
+        body.run_blocks(x, {**version, "1.missing": version["1.0.weight"]})
+    assert dict(body.named_parameters()) == originals

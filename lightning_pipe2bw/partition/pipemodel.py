@@ -142,7 +142,8 @@ class _Part(nn.Module):
         """During a call: the model object's slots of the parameters this part holds directly
         (``cls_token``) hold what the part holds now. A module is the same object in both, but
         a parameter of the model itself is a slot of its own there, which a weight version
-        swapped into the part (2BW, ``torch.func.functional_call``) would not reach."""
+        swapped into the part (2BW swaps them in as ``torch.func.functional_call`` does) would
+        not reach."""
         model = self.whole_model
         direct = [(p, _get(self, p)) for p in self.pipe_paths]
         direct = [(p, t) for p, t in direct if not isinstance(t, nn.Module)]

@@ -208,8 +208,8 @@ class StageBody(nn.Module):
         ``call``: the step's :class:`BodyInput`, for a block that takes it (a model's head).
 
         ``weights`` (names as in ``self.named_parameters()``) replace the parameters for this
-        call (``torch.func.functional_call``, block by block): a weight version other than the
-        live one.
+        call, block by block, as ``torch.func.functional_call(block, weights, strict=False)``
+        would (see :func:`_parameters_replaced`): a weight version other than the live one.
 
         With :attr:`recompute`, autograd keeps only the stage's input: the blocks run again,
         with the same weights and random state, when the backward needs their activations
@@ -295,14 +295,9 @@ class StageBody(nn.Module):
 
     def _apply_blocks(self, x: Any, weights: Mapping[str, Tensor] | None, call: Any = None) -> Any:
         stash = self.stash
-        aliases = self._tie_aliases() if weights is not None and self.ties else {}
+        by_block = self._weights_by_block(weights) if weights is not None else {}
         for index, block in zip(self.indices, self.children(), strict=True):
-            own = None
-            if weights is not None:
-                prefix = f"{index}."
-                own = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
-                for local, source in aliases.get(index, ()):
-                    own[local] = weights[source]
+            own = by_block.get(index, {}) if weights is not None else None
             policy = self.memory_plan.get(index, "keep")
             if stash is not None:
                 stash.current_policy = policy
@@ -328,6 +323,19 @@ class StageBody(nn.Module):
             if timed:
                 self._record(index, start)
         return x
+
+    def _weights_by_block(self, weights: Mapping[str, Tensor]) -> dict[int, dict[str, Tensor]]:
+        """``weights`` (names as in ``named_parameters()``: ``"<block>.<name in block>"``) split
+        by block, with each tied weight also under its names in the later blocks that use it."""
+        out: dict[int, dict[str, Tensor]] = {}
+        for key, value in weights.items():
+            head, _, local = key.partition(".")
+            out.setdefault(int(head), {})[local] = value
+        if self.ties:
+            for index, aliases in self._tie_aliases().items():
+                for local, source in aliases:
+                    out.setdefault(index, {})[local] = weights[source]
+        return out
 
     def _tie_aliases(self) -> dict[int, list[tuple[str, str]]]:
         """Block -> ``(name in the block, weight name)`` for the uses of a parameter that an
@@ -483,4 +491,35 @@ def _call_block(
     with call_input(block, call):
         if weights is None:
             return block(x)
-        return torch.func.functional_call(block, dict(weights), (x,), strict=False)
+        with _parameters_replaced(block, weights):
+            return block(x)
+
+
+@contextmanager
+def _parameters_replaced(block: nn.Module, weights: Mapping[str, Tensor]) -> Iterator[None]:
+    """Inside the block, ``block``'s parameters named in ``weights`` (names as in
+    ``block.named_parameters()``) are those tensors: what ``torch.func.functional_call(block,
+    weights, strict=False)`` does around a call, tied parameters included (a parameter a block
+    holds under several names takes its tensor under all of them). functional_call's general
+    machinery costs tens of microseconds per call, and 2BW calls every block of every
+    micro-batch with a weight version; this walks the block's modules once and swaps entries
+    of their ``_parameters`` (as torch's own swap does), then puts the parameters back."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}  # id(parameter) -> where it is held
+    held: dict[str, int] = {}  # every name of a parameter -> id(parameter)
+    for prefix, module in block.named_modules(remove_duplicate=False):
+        for attr, param in module._parameters.items():
+            if param is not None:
+                places.setdefault(id(param), []).append((module, attr))
+                held[f"{prefix}.{attr}" if prefix else attr] = id(param)
+    saved: list[tuple[nn.Module, str, Any]] = []
+    try:
+        for name, tensor in weights.items():
+            if name not in held:
+                raise KeyError(f"{type(block).__name__} has no parameter {name!r}")
+            for module, attr in places[held[name]]:
+                saved.append((module, attr, module._parameters[attr]))
+                module._parameters[attr] = tensor  # type: ignore[assignment]
+        yield
+    finally:
+        for module, attr, original in reversed(saved):
+            module._parameters[attr] = original
