@@ -24,6 +24,7 @@ from __future__ import annotations
 import inspect
 import math
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -92,7 +93,7 @@ class LogRecorder:
         self.active = active
         self.records: dict[str, LogRecord] = {}
         self._samples = 0
-        self._signature = inspect.signature(type(module).log)
+        self._signature, self._keywords = _log_signature(type(module))
 
     def begin_microbatch(self, samples: int) -> None:
         self._samples = samples
@@ -112,11 +113,14 @@ class LogRecorder:
     def _record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if not self.active:
             return
-        bound = self._signature.bind(self.module, name, value, *args, **kwargs)
-        arguments = dict(bound.arguments)
-        for key in ("self", "name", "value"):
-            arguments.pop(key, None)
-        arguments.update(arguments.pop("kwargs", {}))
+        if not args and self._keywords.issuperset(kwargs):
+            arguments = dict(kwargs)  # what binding gives, without its cost on every call
+        else:
+            bound = self._signature.bind(self.module, name, value, *args, **kwargs)
+            arguments = dict(bound.arguments)
+            for key in ("self", "name", "value"):
+                arguments.pop(key, None)
+            arguments.update(arguments.pop("kwargs", {}))
         metric = value if isinstance(value, Metric) else None
         if metric is not None:
             # its value on this micro-batch (the forward's); None after update() alone
@@ -161,6 +165,25 @@ class LogRecorder:
     def metrics(self) -> dict[str, Metric]:
         """The Metric objects logged this batch, by name (the last stage logs them as objects)."""
         return {r.name: r.metric for r in self.records.values() if r.metric is not None}
+
+
+_SIGNATURES: dict[type, tuple[inspect.Signature, frozenset[str]]] = {}
+
+
+def _log_signature(cls: type) -> tuple[inspect.Signature, frozenset[str]]:
+    """The signature of ``cls.log`` and the names it takes by keyword (besides name, value),
+    worked out once per class."""
+    found = _SIGNATURES.get(cls)
+    if found is None:
+        signature = inspect.signature(cls.log)  # type: ignore[attr-defined]
+        keywords = frozenset(
+            n
+            for n, p in signature.parameters.items()
+            if n not in ("self", "name", "value")
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        )
+        found = _SIGNATURES[cls] = (signature, keywords)
+    return found
 
 
 def replay(
@@ -209,12 +232,13 @@ class MetricStates:
         if active:
             self._lengths = {
                 id(m): {k: len(v) for k, v in m.metric_state.items() if isinstance(v, list)}
-                for m in module.modules()
-                if isinstance(m, Metric)
+                for m in _metrics_of(module)
             }
 
     def take(self, metrics: dict[str, Metric]) -> dict[str, Any]:
         """``{logged name: (module path, states, update count)}`` for the batch's Metrics."""
+        if not metrics:
+            return {}
         paths = {id(m): path for path, m in self.module.named_modules() if isinstance(m, Metric)}
         out: dict[str, Any] = {}
         for name, metric in metrics.items():
@@ -246,6 +270,18 @@ class MetricStates:
             set_metric_state(metric, values, count)
             copies[name] = metric
         return copies
+
+
+_METRICS: weakref.WeakKeyDictionary[torch.nn.Module, list[Metric]] = weakref.WeakKeyDictionary()
+
+
+def _metrics_of(module: torch.nn.Module) -> list[Metric]:
+    """The module's torchmetrics Metrics, found once per module (as Lightning finds the Metric
+    attributes that ``self.log`` accepts once, at the first log)."""
+    found = _METRICS.get(module)
+    if found is None:
+        found = _METRICS[module] = [m for m in module.modules() if isinstance(m, Metric)]
+    return found
 
 
 def share_metrics(module: torch.nn.Module, last_stage: bool, group: Any | None) -> None:
