@@ -40,10 +40,9 @@ from lightning_pipe2bw.runtime.transport import (
     _TAGS,
     _aligned,
     _Channel,
+    _encode,
     _HeldSends,
     _layout,
-    _pickle_header,
-    _split,
     _view,
 )
 
@@ -295,13 +294,8 @@ class SharedMemoryTransport(_HeldSends):
     def send(self, obj: Any, dst: int) -> None:
         """Copy ``obj`` into the channel to rank ``dst`` (complete when it returns, except a
         large message, which the process group carries: see :meth:`wait_sends`)."""
-        tensors, spec, header_leaves, metas = _split(obj)
         channel = self._out_channel.setdefault(dst, _Channel())
-        header: bytes | None = None
-        same = channel.keeps(spec, header_leaves, metas)
-        if not same:
-            header = _pickle_header(obj, spec, header_leaves, metas)
-            same = header == channel.header
+        tensors, metas, header, same = _encode(channel, obj)
         length = 0 if same or header is None else len(header)
         start = _aligned(_RECORD + length)
         if start > self.capacity // 8:  # even its announcement would not fit the ring's reserve

@@ -92,6 +92,19 @@ def flatten_payload(obj: Any) -> tuple[list[torch.Tensor], bytes]:
     return tensors, _pickle_header(obj, spec, header_leaves, metas)
 
 
+def _encode(
+    channel: _Channel, obj: Any
+) -> tuple[list[torch.Tensor], list[TensorMeta], bytes | None, bool]:
+    """``obj`` to send on ``channel``: its tensors and their metadata, its pickled header (None
+    when the channel's cached header is known to serve without pickling) and whether the
+    receiver's cached header serves (``same``)."""
+    tensors, spec, header_leaves, metas = _split(obj)
+    if channel.keeps(spec, header_leaves, metas):
+        return tensors, metas, None, True
+    header = _pickle_header(obj, spec, header_leaves, metas)
+    return tensors, metas, header, header == channel.header
+
+
 def _load_header(header: bytes) -> tuple[Any, list[Any], list[TensorMeta]]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
@@ -369,13 +382,8 @@ class P2PTransport(_HeldSends):
 
     def send(self, obj: Any, dst: int) -> None:
         """Start sending ``obj`` to group rank ``dst`` without waiting for it to arrive."""
-        tensors, spec, header_leaves, metas = _split(obj)
         channel = self._out.setdefault(dst, _Channel())
-        header: bytes | None = None
-        same = channel.keeps(spec, header_leaves, metas)
-        if not same:
-            header = _pickle_header(obj, spec, header_leaves, metas)
-            same = header == channel.header
+        tensors, _, header, same = _encode(channel, obj)
         if same and channel.packed:
             buffers = [self._packed(channel, [0, 0, 0], tensors)]
         else:
