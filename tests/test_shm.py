@@ -17,9 +17,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import workers
-from test_transport import PAYLOADS, TIMEOUT, assert_received, sequence_message, summarize
+from test_transport import (
+    PAYLOADS,
+    TIMEOUT,
+    assert_received,
+    failure_after,
+    sequence_message,
+    summarize,
+)
 
-from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure
+from lightning_pipe2bw.runtime.failure import FailureRecord
 from lightning_pipe2bw.runtime.shm import (
     SharedMemoryTransport,
     create_transport,
@@ -113,13 +120,7 @@ def _on_rank_notice(after: int) -> Any:
             tr.send(sequence_message(3, step), 1)
         tr.notify(FailureRecord(0, 0, "0F3", "RuntimeError: boom"), [1])
         return None
-    for _ in range(after):
-        tr.recv(0)
-    try:
-        tr.recv(0)
-    except StageFailure as failure:
-        return (failure.record.rank, failure.record.action, failure.record.error, failure.source)
-    return "no failure"
+    return failure_after(tr, after)
 
 
 def _on_rank_big_header() -> Any:

@@ -568,7 +568,13 @@ def _on_rank_notice(length: int) -> Any:
         tr.notify(FailureRecord(0, 0, "0F3", "RuntimeError: boom"), [1])
         tr.wait_sends()
         return None
-    for _ in range(3):
+    return failure_after(tr, 3)
+
+
+def failure_after(tr: Any, messages: int) -> Any:
+    """On the receiving rank: take ``messages`` messages from rank 0, then the failure notice
+    that must follow them, as (rank, action, error, source); "no failure" if a message came."""
+    for _ in range(messages):
         tr.recv(0)
     try:
         tr.recv(0)
