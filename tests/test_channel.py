@@ -78,6 +78,55 @@ def test_reports_expected_before_they_are_posted(pools: Any, world: int) -> None
         assert received == [report(i) for i in range(n)]
 
 
+def _tensors() -> dict[str, Any]:
+    """Tensors of every kind a report carries: dtypes numpy lacks, views, empty, 0-d, NaN."""
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    return {
+        "loss": torch.tensor(0.1234567890123, dtype=torch.float64),
+        "nan": torch.tensor(float("nan")),
+        "flag": torch.tensor(True),
+        "half": torch.randn(3, 5, generator=g).bfloat16(),
+        "view": torch.randn(4, 6, generator=g).t()[1:, ::2],  # not contiguous, with an offset
+        "empty": torch.empty(0, 3, dtype=torch.int32),
+        "states": [torch.arange(5, dtype=torch.int64), torch.randn(2, generator=g).to(torch.complex64)],
+        "param": torch.nn.Parameter(torch.ones(2)),  # arrives detached
+    }
+
+
+def _tensors_round_trip() -> list[Any]:
+    import torch.distributed as dist
+
+    from lightning_pipe2bw.runtime.channel import ObjectChannel
+
+    channel = ObjectChannel(source=0, group=dist.new_group(backend="gloo"))
+    if channel.is_source:
+        channel.post(_tensors())
+        channel.drain()
+        return []
+    channel.expect()
+    got = channel.receive()
+    channel.drain()
+    return [got]
+
+
+def test_tensors_arrive_bitwise_with_their_dtype_and_shape(pools: Any) -> None:
+    import torch
+    from torch.utils import _pytree as pytree
+
+    sent = pytree.tree_leaves(_tensors())
+    (got,) = pools(2).run(_tensors_round_trip)[1]
+    received = pytree.tree_leaves(got)
+    assert len(received) == len(sent)
+    for a, b in zip(sent, received, strict=True):
+        assert type(b) is torch.Tensor and not b.requires_grad
+        assert (b.dtype, b.shape) == (a.dtype, a.shape)
+        # the same bytes (NaN included, where equal() would fail)
+        raw = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in (a, b)]
+        assert torch.equal(raw[0], raw[1])
+
+
 def _receive_unannounced() -> str:
     import torch.distributed as dist
 
