@@ -59,6 +59,8 @@ class StrategyConfig:
     # vPipe: check the stages' measured times every this many steps and move blocks (null: off)
     repartition_every: int | None = None
     repartition_threshold: float = 0.15  # move when the slowest stage is this much over the best
+    # flush schedules: send the last micro-batch's input gradient before the weights' gradients
+    early_input_grad: bool = True
 
 
 @dataclass
@@ -121,6 +123,7 @@ def _options(cfg: StrategyConfig, multirun: bool) -> dict[str, Any]:
         "balance_activations": cfg.balance_activations,
         "repartition_every": cfg.repartition_every,
         "repartition_threshold": cfg.repartition_threshold,
+        "early_input_grad": cfg.early_input_grad,
     }
 
 

@@ -91,6 +91,10 @@ __all__ = ["Pipe2BWStrategy"]
 log = logging.getLogger(__name__)
 
 
+def _same(loss: Tensor) -> Tensor:
+    return loss
+
+
 class Pipe2BWStrategy(ParallelStrategy):
     """Pipeline-parallel training: one stage of the model's body per process.
 
@@ -139,6 +143,13 @@ class Pipe2BWStrategy(ParallelStrategy):
             state; the math is unchanged. See ``docs/repartition.md``.
         repartition_threshold: how much slower (0.15: 15%) the slowest stage must be than the
             best split's before blocks move.
+        early_input_grad: flush schedules (``gpipe``, ``1f1b``): each stage after the first
+            computes its last micro-batch's input gradient on its own and sends it before the
+            weights' gradients, so that the previous stage, which waits for it, starts its last
+            backward about half a backward sooner. Exact (the weights' gradients come from the
+            same backward as without it); it costs that stage one more pass over the
+            input-gradient path. Stages whose backward cannot run twice without effect do not
+            split (see ``docs/schedules.md``); ``False`` turns it off everywhere.
 
     The options are checked at once (:class:`~lightning_pipe2bw.pipeline.options.PipeOptions`,
     every problem in one error); :meth:`from_options` takes them already built.
@@ -167,6 +178,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         balance_activations: bool | float | None = None,
         repartition_every: int | None = None,
         repartition_threshold: float = 0.15,
+        early_input_grad: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -177,6 +189,7 @@ class Pipe2BWStrategy(ParallelStrategy):
             state_dict_type=state_dict_type, data_parallel=data_parallel, recompute=recompute,
             memory_plan=memory_plan, balance_activations=balance_activations,
             repartition_every=repartition_every, repartition_threshold=repartition_threshold,
+            early_input_grad=early_input_grad,
         )  # fmt: skip
         self._num_nodes = 1
         self._process_group_backend = self.options.process_group_backend
@@ -474,7 +487,10 @@ class Pipe2BWStrategy(ParallelStrategy):
         module, runtime = self.lightning_module, self._runtime
         assert module is not None
         with StepRecording(module, hook, args, kwargs, runtime.is_last) as recording:
-            values = runtime.run_batch(args[0], recording.step, self._backward_microbatch, train=train)
+            values = runtime.run_batch(
+                args[0], recording.step, self._backward_microbatch, train=train,
+                loss_root=self._loss_root(module),
+            )  # fmt: skip
         values.update(recording.values())
         settle = train and compat.ends_epoch(module.trainer)  # 2BW: the epoch's last values
         reports = runtime.deliver(values, train=train, settle=settle)
@@ -485,6 +501,15 @@ class Pipe2BWStrategy(ParallelStrategy):
         if train:
             return scalar_on(self.root_device, reports[-1]["loss"])
         return apply_to_collection(reports[-1]["output"], Tensor, lambda t: t.to(self.root_device))
+
+    def _loss_root(self, module: LightningModule) -> Callable[[Tensor], Tensor] | None:
+        """What :meth:`_backward_microbatch` differentiates, as a function of the weighted loss
+        (the loss scaled for mixed precision), or None where the module's own ``backward``
+        decides (then the last stage always runs the whole backward at once)."""
+        if type(module).backward is not LightningModule.backward:
+            return None
+        scaler = self._scaler()
+        return scaler.scale if scaler is not None else _same
 
     def _backward_microbatch(self, loss: Tensor) -> None:
         scaler = self._scaler()

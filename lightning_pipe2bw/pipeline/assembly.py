@@ -275,7 +275,9 @@ def build_runtime(
         )
         runtime_optimizers = [driver.optimizer]
     else:
-        driver = FlushDriver(engine, options.schedule, channel, evicting)
+        driver = FlushDriver(
+            engine, options.schedule, channel, evicting, early_input_grad=options.early_input_grad
+        )
     return StageRuntime(
         topology=topology,
         groups=groups,

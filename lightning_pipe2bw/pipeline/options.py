@@ -99,6 +99,7 @@ class PipeOptions:
     activation_budget: ActivationBudget | None = None  # BPipe (None: off)
     repartition_every: int | None = None
     repartition_threshold: float = 0.15
+    early_input_grad: bool = True
 
     @classmethod
     def create(cls, **options: Any) -> PipeOptions:
@@ -359,6 +360,17 @@ def _repartition_threshold(value: Any) -> dict[str, Any]:
     return {"repartition_threshold": float(value)}
 
 
+def _early_input_grad(value: Any) -> dict[str, Any]:
+    if not isinstance(value, bool):
+        raise _Bad(
+            "early_input_grad",
+            value,
+            f"early_input_grad must be True or False, got {value!r}",
+            kind=TypeError,
+        )
+    return {"early_input_grad": value}
+
+
 # every option as the user gives it, with its parser, in the order problems are listed
 _PARSERS: tuple[tuple[str, Any], ...] = (
     ("schedule", _schedule),
@@ -376,6 +388,7 @@ _PARSERS: tuple[tuple[str, Any], ...] = (
     ("balance_activations", _balance_activations),
     ("repartition_every", _repartition_every),
     ("repartition_threshold", _repartition_threshold),
+    ("early_input_grad", _early_input_grad),
 )
 _OPTION_NAMES = frozenset(name for name, _ in _PARSERS)
 _DEFAULTS: dict[str, Any] = {
@@ -394,6 +407,7 @@ _DEFAULTS: dict[str, Any] = {
     "balance_activations": None,
     "repartition_every": None,
     "repartition_threshold": 0.15,
+    "early_input_grad": True,
 }
 
 

@@ -92,19 +92,25 @@ class StageRuntime:
 
     # ------------------------------------------------------------------ steps
     def run_batch(
-        self, batch: Any, step: StepFn, backward: Callable[[Tensor], None], *, train: bool
+        self,
+        batch: Any,
+        step: StepFn,
+        backward: Callable[[Tensor], None],
+        *,
+        train: bool,
+        loss_root: Callable[[Tensor], Tensor] | None = None,
     ) -> Report:
         """Run one batch through the stage: split into micro-batches, the driver (training) or
         a forward-only schedule. On the last stage: the batch's values, ``{"loss": 0-d float64
         tensor on the loss's device}`` (the micro-batch losses weighted by size) or
         ``{"output": merged outputs on the CPU}``;
-        ``{}`` on the other stages."""
+        ``{}`` on the other stages. ``loss_root``: see ``PipelineEngine.execute``."""
         size = batch_size_of(batch)
         m = self.num_microbatches if train else min(self.num_microbatches, size)
         microbatches, sizes = split_batch(batch, m)
         weights = [k / size for k in sizes]
         if train:
-            results = self.driver.train_batch(microbatches, weights, step, backward)
+            results = self.driver.train_batch(microbatches, weights, step, backward, loss_root)
         else:
             results = self.engine.run(
                 self._forward_schedule(m),

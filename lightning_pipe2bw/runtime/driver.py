@@ -73,9 +73,12 @@ class Driver(Protocol):
         loss_weights: list[float],
         step: StepFn,
         backward: Callable[[Tensor], None],
+        loss_root: Callable[[Tensor], Tensor] | None = None,
     ) -> list[Any]:
         """Run the stage's part of the next batch; the last stage's step outputs (one per
-        micro-batch of this batch), an empty list on the other stages."""
+        micro-batch of this batch), an empty list on the other stages. ``loss_root(weighted
+        loss)``: the tensor ``backward`` differentiates, where the strategy knows it (see
+        ``PipelineEngine.execute``)."""
         ...
 
     def take_due(self) -> DueGradient:
@@ -144,10 +147,13 @@ class FlushDriver:
         schedule: str,
         channel: ObjectChannel | None = None,
         evicting: frozenset[int] = frozenset(),
+        early_input_grad: bool = True,
     ) -> None:
         """``channel``: carries the last stage's values of each step to the other ranks of the
-        pipeline (None with one stage)."""
+        pipeline (None with one stage). ``early_input_grad``: the last backward of a batch sends
+        its input gradient before it computes the weights' (see ``PipelineEngine.execute``)."""
         self.engine = engine
+        self.early_input_grad = early_input_grad
         self.schedule_name = schedule
         self.evicting = evicting  # the stages that evict activations (BPipe)
         self.channel = channel
@@ -171,6 +177,7 @@ class FlushDriver:
         loss_weights: list[float],
         step: StepFn,
         backward: Callable[[Tensor], None],
+        loss_root: Callable[[Tensor], Tensor] | None = None,
     ) -> list[Any]:
         params = list(self.engine.body.parameters())
         for p in params:
@@ -184,6 +191,8 @@ class FlushDriver:
             train=True,
             loss_weights=loss_weights,
             backward=backward,
+            loss_root=loss_root,
+            early_input_grad=self.early_input_grad,
         )
         self._due = DueGradient.take(params)
         return results

@@ -14,10 +14,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.autograd.function import BackwardCFunction
 from torch.utils import _pytree as pytree
 
 from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure, mark_action
-from lightning_pipe2bw.runtime.inplace import writable
+from lightning_pipe2bw.runtime.inplace import Alias, writable
 from lightning_pipe2bw.runtime.peer import PeerLink
 from lightning_pipe2bw.runtime.stage import StageBody
 from lightning_pipe2bw.runtime.stash import ActivationStash
@@ -195,10 +196,13 @@ class PipelineEngine:
         loss_weights: Sequence[float] = (),
         backward: Callable[[Tensor], None] | None = None,
         observer: Callable[[Action], None] | None = None,
+        loss_root: Callable[[Tensor], Tensor] | None = None,
+        early_input_grad: bool = False,
     ) -> list[Any]:
         """Execute ``schedule.stages[self.stage]`` (a flush schedule: every micro-batch starts
         and finishes here) and return the last stage's step outputs, one per micro-batch (an
-        empty list on other stages). ``schedule`` must already carry communication actions."""
+        empty list on other stages). ``schedule`` must already carry communication actions.
+        ``early_input_grad`` and ``loss_root``: see :meth:`execute`."""
         results = self.execute(
             schedule.stages[self.stage],
             dict(enumerate(microbatches)),
@@ -207,6 +211,8 @@ class PipelineEngine:
             loss_weights=dict(enumerate(loss_weights)),
             backward=backward,
             observer=observer,
+            loss_root=loss_root,
+            early_input_grad=early_input_grad,
         )
         if self.slots:
             raise RuntimeError(
@@ -227,6 +233,8 @@ class PipelineEngine:
         backward: Callable[[Tensor], None] | None = None,
         weights_for: Callable[[int], Mapping[str, Tensor]] | None = None,
         observer: Callable[[Action], None] | None = None,
+        loss_root: Callable[[Tensor], Tensor] | None = None,
+        early_input_grad: bool = False,
     ) -> dict[int, Any]:
         """Execute ``actions`` (compute and communication) in order. Micro-batches may start in
         one call and finish in a later one (PipeDream-2BW): their state stays in ``self.slots``.
@@ -235,11 +243,19 @@ class PipelineEngine:
         weight version), or None for the module's own parameters; ``observer(action)`` is called
         after every action (a driver counting weight versions). Returns the last stage's step
         outputs of the micro-batches whose forward ran in this call.
+
+        ``early_input_grad`` (flush schedules): the last backward of the call, when a send of its
+        gradient follows it, sends the gradient of the stage's inputs before it computes the
+        weights' gradients (see :meth:`_send_input_grad_first`); ``loss_root(weighted loss)``
+        is the tensor that ``backward`` differentiates on the last stage (None: the last stage
+        does not do this).
         """
         slots = self.slots
         results: dict[int, Any] = {}
         timeline = self.stats.timeline
         action: Action | None = None
+        early_at = self._early_input_grad_at(actions) if train and early_input_grad else -1
+        sent_early: ActionTiming | None = None  # the send that ran inside the backward before it
         try:
             self.transport.settle()
             for n, action in enumerate(actions):
@@ -300,7 +316,9 @@ class PipelineEngine:
                     if slot.loading:
                         self.stash.restore(i, self._link().loaded(i))
                         slot.loading = False
-                    self._backward(slot, i, slot.weight, backward)
+                    if n == early_at:
+                        sent_early = self._send_input_grad_first(slot, i, loss_root, actions, n)
+                    self._backward(slot, i, slot.weight, backward, n == early_at and bool(sent_early))
                     self.stash.release(i)
                     self.inflight -= 1
                     if self.is_first:
@@ -316,12 +334,17 @@ class PipelineEngine:
                 elif kind is ActionKind.RETURN:
                     self._link().give_back(i)
                 elif kind is ActionKind.SEND_B:
-                    self._post_next_receive(actions, n)
-                    self.transport.send(slot.grads_out, self._peer(self.prev_rank))
+                    if sent_early is not None and sent_early.action is action:
+                        start = sent_early.start  # it ran inside the backward, before this
+                    else:
+                        self._post_next_receive(actions, n)
+                        self.transport.send(slot.grads_out, self._peer(self.prev_rank))
                     del slots[i]
                 else:  # pragma: no cover - the schedule validator rejects other kinds
                     raise ValueError(f"the engine cannot run action {action}")
                 end = time.perf_counter()
+                if sent_early is not None and sent_early.action is action:
+                    end = sent_early.end
                 if self.debug:
                     _debug_log.info(
                         "rank %d stage %d end %s (micro-batch %d) t=%.6f (%.3f ms)",
@@ -482,7 +505,12 @@ class PipelineEngine:
             )
 
     def _backward(
-        self, slot: _Slot, index: int, weight: float, backward: Callable[[Tensor], None]
+        self,
+        slot: _Slot,
+        index: int,
+        weight: float,
+        backward: Callable[[Tensor], None],
+        input_grads_sent: bool = False,
     ) -> None:
         if self.is_last:
             loss = _loss_of(slot.result, index)
@@ -494,12 +522,117 @@ class PipelineEngine:
             pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if g is not None]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        if not self.is_first:
+        if not self.is_first and not input_grads_sent:
             slot.grads_out = [
                 x.grad if x.grad is not None else torch.zeros_like(x)
                 for x in _grad_leaves(slot.inputs)
             ]
         slot.inputs = slot.outputs = slot.grads_in = slot.params = None
+
+    # ------------------------------------------------------------------ early input gradient
+    def _early_input_grad_at(self, actions: Sequence[Action]) -> int:
+        """The index of the call's last backward if the send of its input gradient follows it
+        directly (-1 otherwise, and on the first stage, which sends none)."""
+        if self.is_first:
+            return -1
+        for n in range(len(actions) - 1, -1, -1):
+            action = actions[n]
+            if action.kind is ActionKind.BACKWARD:
+                after = actions[n + 1] if n + 1 < len(actions) else None
+                if (
+                    after is not None
+                    and after.kind is ActionKind.SEND_B
+                    and after.microbatch == action.microbatch
+                ):
+                    return n
+                return -1
+        return -1
+
+    def _send_input_grad_first(
+        self,
+        slot: _Slot,
+        index: int,
+        loss_root: Callable[[Tensor], Tensor] | None,
+        actions: Sequence[Action],
+        n: int,
+    ) -> ActionTiming | None:
+        """Compute the gradient of the stage's inputs alone and send it (the ``SEND_B`` at
+        ``actions[n + 1]``); the weights' gradients follow in the full backward. Returns the
+        send's timing, or None where the stage cannot split its backward (nothing sent).
+
+        In a flush schedule the previous stage waits for the last micro-batch's gradient with
+        nothing else to do, while this stage would compute its weights' gradients first: about
+        half of a backward on the critical path of every step. Here that half runs while the
+        previous stage computes. It costs this stage one more pass over the input-gradient path
+        (its idle tail absorbs it), and it is exact: the weights' gradients come from the same
+        single backward as without it, and the inputs' gradient is computed by the same
+        functions on the same tensors, in the same order.
+
+        A stage does not split where a backward pass has effects beyond its gradients, or cannot
+        run twice: activations that are recomputed, swapped or evicted, module backward hooks,
+        custom ``autograd.Function`` nodes (a reentrant checkpoint is one), or, on the last
+        stage, a backward the engine cannot reproduce (``loss_root`` None: a LightningModule
+        that overrides ``backward``)."""
+        leaves = _grad_leaves(slot.inputs)
+        if self.is_last:
+            if loss_root is None:
+                return None
+            roots: list[Tensor] = [loss_root(_loss_of(slot.result, index) * slot.weight)]
+            seeds: list[Tensor | None] = [None]
+        else:
+            pairs = [
+                (o, g) for o, g in zip(_grad_leaves(slot.outputs), slot.grads_in, strict=True)
+                if g is not None
+            ]  # fmt: skip
+            roots, seeds = [o for o, _ in pairs], [g for _, g in pairs]
+        if not leaves or not roots or not self._can_split_backward(index, roots):
+            return None
+        grads = torch.autograd.grad(roots, leaves, seeds, retain_graph=True, allow_unused=True)
+        slot.grads_out = [
+            g if g is not None else torch.zeros_like(x) for g, x in zip(grads, leaves, strict=True)
+        ]
+        del roots, grads
+        send = actions[n + 1]
+        self._post_next_receive(actions, n + 1)
+        start = time.perf_counter()
+        self.transport.send(slot.grads_out, self._peer(self.prev_rank))
+        return ActionTiming(send, start, time.perf_counter())
+
+    def _can_split_backward(self, index: int, roots: Sequence[Tensor]) -> bool:
+        body = self.body
+        if body.recompute or any(p != "keep" for p in body.policy.values()):
+            return False
+        micro = self.stash.micro.get(index)
+        if micro is not None and micro.storages:  # swapped or evictable activations
+            return False
+        if _global_backward_hooks() or any(
+            m._backward_hooks or m._backward_pre_hooks for m in body.modules()
+        ):
+            return False
+        return not _has_custom_function(roots)
+
+
+def _global_backward_hooks() -> bool:
+    from torch.nn.modules import module as nn_module
+
+    return bool(nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks)
+
+
+def _has_custom_function(roots: Sequence[Tensor]) -> bool:
+    """Whether the backward graph under ``roots`` holds a Python ``autograd.Function`` (other
+    than the engine's own alias of a received activation, whose backward only passes the
+    gradient on)."""
+    seen: set[Any] = set()
+    todo = [t.grad_fn for t in roots if t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, BackwardCFunction) and node._forward_cls is not Alias:  # type: ignore[attr-defined]
+            return True
+        todo.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    return False
 
 
 def _detach_all(payload: Any) -> Any:

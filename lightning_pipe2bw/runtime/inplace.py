@@ -9,10 +9,10 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-__all__ = ["copy_tensors", "tensor_versions", "writable"]
+__all__ = ["Alias", "copy_tensors", "tensor_versions", "writable"]
 
 
-class _Alias(torch.autograd.Function):
+class Alias(torch.autograd.Function):
     """The same tensor (same storage, same version counter), as a non-leaf whose gradient is
     passed to its input unchanged. Autograd refuses in-place operations on a leaf that requires
     grad, and on a view of one (``x.view_as(x)``); the output of a function that is not a view
@@ -36,7 +36,7 @@ def writable(payload: Any) -> Any:
 
     def alias(x: Any) -> Any:
         if isinstance(x, Tensor) and x.requires_grad and x.is_leaf:
-            return _Alias.apply(x)
+            return Alias.apply(x)
         return x
 
     return pytree.tree_map(alias, payload)

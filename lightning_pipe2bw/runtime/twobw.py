@@ -147,6 +147,7 @@ class TwoBWDriver:
         loss_weights: list[float],
         step: StepFn,
         backward: Callable[[Tensor], None],
+        loss_root: Callable[[Tensor], Tensor] | None = None,
     ) -> list[Any]:
         """Admit the next batch and run this stage's window; return the last stage's step
         outputs for that batch (every forward of a batch runs in its own call)."""

@@ -1,0 +1,120 @@
+"""``early_input_grad``: in a flush schedule each stage after the first computes its last
+micro-batch's input gradient on its own and sends it before the weights' gradients. Runs with
+and without it must train to bitwise equal weights and log bitwise equal losses; the send must
+really go first; stages whose backward must run once (module backward hooks, recomputation) do
+not split, and their hooks run once per micro-batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+STEPS = 3
+
+
+def _fit(
+    schedule: str, microbatches: int, early: bool, model_name: str = "regression", **options: Any
+) -> dict[str, Any]:
+    import torch.distributed as dist
+    from models import make_loader, make_model, quiet_trainer
+    from workers import RecordLoss
+
+    from lightning_pipe2bw import Pipe2BWStrategy
+    from lightning_pipe2bw.schedule import ActionKind
+
+    hooked = options.pop("hook_block", None)
+    model = make_model(model_name)
+    calls: list[int] = []
+    if hooked is not None:  # a module backward hook, which must not run twice
+        model.body[hooked].register_full_backward_hook(lambda *_: calls.append(1))
+    strategy = Pipe2BWStrategy(
+        schedule=schedule, microbatches=microbatches, early_input_grad=early, **options
+    )
+    record = RecordLoss()
+    trainer = quiet_trainer(
+        devices=dist.get_world_size(), strategy=strategy, max_steps=STEPS, callbacks=[record]
+    )
+    trainer.fit(model, make_loader(model_name, batch_size=8))
+    engine = strategy.engine
+    assert engine is not None
+    # the last backward of each step, and whether its gradient's send started before it ended
+    timeline = list(engine.stats.timeline)
+    last = microbatches - 1 if schedule == "1f1b" else None
+    early_sends = late_sends = 0
+    ends = {}
+    for entry in timeline:
+        kind, i = entry.action.kind, entry.action.microbatch
+        if kind is ActionKind.BACKWARD:
+            ends[i] = entry.end
+        elif kind is ActionKind.SEND_B and (last is None or i == last):
+            if entry.start < ends[i]:
+                early_sends += 1
+            else:
+                late_sends += 1
+    state = strategy.full_state_dict()  # collective
+    return {
+        "stage": strategy.stage,
+        "state": state if dist.get_rank() == 0 else None,
+        "losses": record.losses,
+        "early_sends": early_sends,
+        "late_sends": late_sends,
+        "hook_calls": len(calls),
+    }
+
+
+def _assert_same_training(with_it: list[dict[str, Any]], without: list[dict[str, Any]]) -> None:
+    a, b = with_it[0]["state"], without[0]["state"]
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name  # bitwise
+    for x, y in zip(with_it, without, strict=True):
+        assert x["losses"] == y["losses"]  # every rank's logged loss, bitwise
+
+
+CASES = [
+    ("1f1b", 2, 2, "regression"),
+    ("1f1b", 3, 5, "regression"),  # a middle stage splits too
+    ("gpipe", 2, 4, "regression"),
+    ("1f1b", 2, 4, "conv"),  # batch norm, in-place ops on a received activation
+    ("1f1b", 2, 2, "tied"),  # a weight shared by both stages
+]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "p", "m", "model"), CASES, ids=[f"{s}-p{p}-m{m}-{n}" for s, p, m, n in CASES]
+)
+def test_early_input_grad_is_exact_and_goes_first(
+    pools: Any, schedule: str, p: int, m: int, model: str
+) -> None:
+    pool = pools(p)
+    with_it = pool.run(_fit, schedule, m, True, model)
+    without = pool.run(_fit, schedule, m, False, model)
+    _assert_same_training(with_it, without)
+    for result in with_it:
+        if result["stage"] == 0:  # sends no gradient
+            assert result["early_sends"] == result["late_sends"] == 0
+        else:  # the last micro-batch's gradient of every step left before its backward ended
+            assert result["early_sends"] >= STEPS, result
+    for result in without:
+        assert result["early_sends"] == 0, result
+
+
+def test_stages_whose_backward_must_run_once_do_not_split(pools: Any) -> None:
+    # block 6 is on the last stage (balance 4 + 4); stage 0 has no input gradient to send
+    hooked = pools(2).run(_fit, "1f1b", 2, True, "regression", hook_block=6)
+    last = next(r for r in hooked if r["stage"] == 1)
+    assert last["early_sends"] == 0 and last["late_sends"] >= STEPS
+    assert last["hook_calls"] == STEPS * 2  # once per micro-batch
+    recomputed = pools(2).run(_fit, "1f1b", 2, True, "regression", recompute=True)
+    assert all(r["early_sends"] == 0 for r in recomputed)
+    plain = pools(2).run(_fit, "1f1b", 2, False, "regression", recompute=True)
+    _assert_same_training(recomputed, plain)
+
+
+def test_the_option_takes_a_bool() -> None:
+    from lightning_pipe2bw import Pipe2BWStrategy
+
+    with pytest.raises(TypeError, match="early_input_grad must be True or False, got 'yes'"):
+        Pipe2BWStrategy(schedule="1f1b", early_input_grad="yes")  # type: ignore[arg-type]
