@@ -595,7 +595,17 @@ class PipelineEngine:
         send = actions[n + 1]
         self._post_next_receive(actions, n + 1)
         start = time.perf_counter()
-        self.transport.send(slot.grads_out, self._peer(self.prev_rank))
+        if self.debug:
+            _debug_log.info(
+                "rank %d stage %d start %s (micro-batch %d) t=%.6f, early: inside %s",
+                self._rank, self.stage, send, index, start, actions[n],
+            )  # fmt: skip
+        try:
+            self.transport.send(slot.grads_out, self._peer(self.prev_rank))
+        except (StageFailure, TypeError, ValueError):
+            raise
+        except Exception as err:  # as the SEND_B action itself would report it
+            raise self._lost_peer(send, err) from err
         return ActionTiming(send, start, time.perf_counter())
 
     def _can_split_backward(self, index: int, roots: Sequence[Tensor]) -> bool:
