@@ -315,6 +315,11 @@ def _make_timer(warmup: int, steps: int) -> Any:
     return WindowTimer()
 
 
+def _schedule_of(name: str) -> str:
+    """Our schedule in a run's name: ``1f1b~late@gloo`` -> ``1f1b``."""
+    return name.partition("@")[0].partition("~")[0]
+
+
 def _timeline_split(timeline: Sequence[Any], t0: float, t1: float) -> dict[str, float]:
     """Seconds of compute, receive (waiting for a peer) and send actions inside [t0, t1]."""
     out = {"compute_s": 0.0, "recv_s": 0.0, "send_s": 0.0}
@@ -380,7 +385,9 @@ def run_ours(
     ``memory_dir``, a ``StageMemoryMonitor`` also logs every step to a CSV logger there.
     ``blocks`` shortens the model (the planner benchmark times the loop with one block);
     ``strategy_kwargs`` go to the strategy (e.g. ``balance_activations=True``). A schedule
-    name may end in ``@gloo`` or ``@shm``: the transport (``PIPE2BW_TRANSPORT``) of that run."""
+    name may end in ``@gloo`` or ``@shm``: the transport (``PIPE2BW_TRANSPORT``) of that run;
+    ``~late`` before it runs the flush schedules with ``early_input_grad=False`` (every gradient
+    sent after its whole backward, as before that option)."""
     import torch.distributed as dist
     from lightning.pytorch.loggers import CSVLogger
 
@@ -388,6 +395,11 @@ def run_ours(
 
     _quiet()  # Lightning sets its loggers' levels when imported
     schedule, _, transport = schedule.partition("@")
+    schedule, _, variant = schedule.partition("~")
+    if variant == "late":
+        strategy_kwargs["early_input_grad"] = False
+    elif variant:
+        raise ValueError(f"unknown variant ~{variant} of {schedule!r}: the one variant is ~late")
     strategy = Pipe2BWStrategy(schedule=schedule, microbatches=m, **strategy_kwargs)
     timer = _make_timer(warmup, steps)
     monitor = StageMemoryMonitor(log_every_n_steps=1, plot=False) if memory_dir else None
@@ -657,7 +669,7 @@ def add_ratios(rows: list[Row]) -> None:
         peer = by_name.get(("torch", "1F1B"))
         if peer:
             row.vs_torch_1f1b = row.samples_per_s / peer
-        same = by_name.get(("torch", _TORCH_SAME.get(row.name.partition("@")[0], "")))
+        same = by_name.get(("torch", _TORCH_SAME.get(_schedule_of(row.name), "")))
         if same:
             row.vs_torch_same = row.samples_per_s / same
         if torch_rows:
@@ -819,7 +831,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--schedules",
         default=",".join(OUR_SCHEDULES),
         help="ours, comma separated; a name may end in @gloo or @shm to pick the transport of "
-        "that run (PIPE2BW_TRANSPORT; default: auto, shared memory on one host)",
+        "that run (PIPE2BW_TRANSPORT; default: auto, shared memory on one host), and gpipe~late "
+        "or 1f1b~late runs without early_input_grad",
     )
     parser.add_argument(
         "--peer-schedules",
@@ -846,9 +859,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         for f in args.mb_factors:
             if args.batch_size % (p * f):
                 parser.error(f"--batch-size {args.batch_size} is not divisible by m = {p * f}")
-    unknown = {n for n in args.schedules if n.partition("@")[0] not in OUR_SCHEDULES}
+    unknown = {n for n in args.schedules if _schedule_of(n) not in OUR_SCHEDULES}
     if unknown:
         parser.error(f"unknown schedules {sorted(unknown)}; choose from {OUR_SCHEDULES}")
+    variants = {n.partition("@")[0].partition("~")[2] for n in args.schedules} - {""}
+    if variants - {"late"} or any(
+        _schedule_of(n) not in ("gpipe", "1f1b") for n in args.schedules if "~" in n
+    ):
+        parser.error("the one variant is ~late, of gpipe and 1f1b (early_input_grad=False)")
     transports = {n.partition("@")[2] for n in args.schedules} - {"", *TRANSPORTS}
     if transports:
         parser.error(f"unknown transports {sorted(transports)}; choose from {TRANSPORTS}")

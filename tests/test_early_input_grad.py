@@ -39,20 +39,16 @@ def _fit(
     trainer.fit(model, make_loader(model_name, batch_size=8))
     engine = strategy.engine
     assert engine is not None
-    # the last backward of each step, and whether its gradient's send started before it ended
-    timeline = list(engine.stats.timeline)
-    last = microbatches - 1 if schedule == "1f1b" else None
-    early_sends = late_sends = 0
+    # every gradient sent: whether it left before the backward that computes it ended
+    early_sends: list[int] = []  # the micro-batches, step after step
+    late_sends: list[int] = []
     ends = {}
-    for entry in timeline:
+    for entry in engine.stats.timeline:
         kind, i = entry.action.kind, entry.action.microbatch
         if kind is ActionKind.BACKWARD:
             ends[i] = entry.end
-        elif kind is ActionKind.SEND_B and (last is None or i == last):
-            if entry.start < ends[i]:
-                early_sends += 1
-            else:
-                late_sends += 1
+        elif kind is ActionKind.SEND_B:
+            (early_sends if entry.start < ends[i] else late_sends).append(i)
     state = strategy.full_state_dict()  # collective
     return {
         "stage": strategy.stage,
@@ -74,41 +70,48 @@ def _assert_same_training(with_it: list[dict[str, Any]], without: list[dict[str,
 
 
 CASES = [
-    ("1f1b", 2, 2, "regression"),
-    ("1f1b", 3, 5, "regression"),  # a middle stage splits too
-    ("gpipe", 2, 4, "regression"),
-    ("1f1b", 2, 4, "conv"),  # batch norm, in-place ops on a received activation
-    ("1f1b", 2, 2, "tied"),  # a weight shared by both stages
+    ("1f1b", 2, 2, "regression", None),
+    ("1f1b", 3, 5, "regression", None),  # a middle stage splits too
+    ("gpipe", 2, 4, "regression", None),
+    ("1f1b", 2, 4, "conv", None),  # batch norm
+    # stage 1 starts with ReLU(inplace=True), then with a block adding to its input in place:
+    # both modify the received activation (through the engine's alias) before the split
+    ("1f1b", 2, 2, "conv", [2, 6]),
+    ("gpipe", 2, 2, "conv", [5, 3]),
+    ("1f1b", 2, 2, "tied", None),  # a weight shared by both stages
 ]
 
 
 @pytest.mark.parametrize(
-    ("schedule", "p", "m", "model"), CASES, ids=[f"{s}-p{p}-m{m}-{n}" for s, p, m, n in CASES]
+    ("schedule", "p", "m", "model", "balance"),
+    CASES,
+    ids=[f"{s}-p{p}-m{m}-{n}" + (f"-{b[0]}" if b else "") for s, p, m, n, b in CASES],
 )
 def test_early_input_grad_is_exact_and_goes_first(
-    pools: Any, schedule: str, p: int, m: int, model: str
+    pools: Any, schedule: str, p: int, m: int, model: str, balance: list[int] | None
 ) -> None:
     pool = pools(p)
-    with_it = pool.run(_fit, schedule, m, True, model)
-    without = pool.run(_fit, schedule, m, False, model)
+    with_it = pool.run(_fit, schedule, m, True, model, balance=balance)
+    without = pool.run(_fit, schedule, m, False, model, balance=balance)
     _assert_same_training(with_it, without)
     for result in with_it:
         if result["stage"] == 0:  # sends no gradient
-            assert result["early_sends"] == result["late_sends"] == 0
-        else:  # the last micro-batch's gradient of every step left before its backward ended
-            assert result["early_sends"] >= STEPS, result
+            assert result["early_sends"] == result["late_sends"] == []
+        else:  # only the last micro-batch's gradient of each step leaves before its backward ends
+            assert result["early_sends"] == [m - 1] * STEPS, result
+            assert len(result["late_sends"]) == (m - 1) * STEPS, result
     for result in without:
-        assert result["early_sends"] == 0, result
+        assert result["early_sends"] == [], result
 
 
 def test_stages_whose_backward_must_run_once_do_not_split(pools: Any) -> None:
     # block 6 is on the last stage (balance 4 + 4); stage 0 has no input gradient to send
     hooked = pools(2).run(_fit, "1f1b", 2, True, "regression", hook_block=6)
     last = next(r for r in hooked if r["stage"] == 1)
-    assert last["early_sends"] == 0 and last["late_sends"] >= STEPS
+    assert last["early_sends"] == [] and len(last["late_sends"]) == STEPS * 2
     assert last["hook_calls"] == STEPS * 2  # once per micro-batch
     recomputed = pools(2).run(_fit, "1f1b", 2, True, "regression", recompute=True)
-    assert all(r["early_sends"] == 0 for r in recomputed)
+    assert all(r["early_sends"] == [] for r in recomputed)
     plain = pools(2).run(_fit, "1f1b", 2, False, "regression", recompute=True)
     _assert_same_training(recomputed, plain)
 

@@ -260,8 +260,8 @@ class PipelineEngine:
             self.transport.settle()
             for n, action in enumerate(actions):
                 start = time.perf_counter()
-                if self.debug:
-                    _debug_log.info(
+                if self.debug and not (sent_early is not None and sent_early.action is action):
+                    _debug_log.info(  # (a send that went early logged its start then)
                         "rank %d stage %d start %s (micro-batch %d) t=%.6f",
                         self._rank, self.stage, action, action.microbatch, start,
                     )  # fmt: skip
