@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
@@ -504,9 +504,13 @@ class Pipe2BWStrategy(ParallelStrategy):
 
     def _loss_root(self, module: LightningModule) -> Callable[[Tensor], Tensor] | None:
         """What :meth:`_backward_microbatch` differentiates, as a function of the weighted loss
-        (the loss scaled for mixed precision), or None where the module's own ``backward``
-        decides (then the last stage always runs the whole backward at once)."""
-        if type(module).backward is not LightningModule.backward:
+        (the loss scaled for mixed precision), or None where the module's or the precision
+        plugin's own ``backward`` decides (then the last stage always runs the whole backward
+        at once)."""
+        if (
+            type(module).backward is not LightningModule.backward
+            or type(self.precision_plugin).backward is not Precision.backward
+        ):
             return None
         scaler = self._scaler()
         return scaler.scale if scaler is not None else _same

@@ -25,7 +25,7 @@ def _fit(
     from lightning_pipe2bw.schedule import ActionKind
 
     hooked = options.pop("hook_block", None)
-    model = make_model(model_name)
+    model = _own_backward_model() if options.pop("own_backward", False) else make_model(model_name)
     calls: list[int] = []
     if hooked is not None:  # a module backward hook, which must not run twice
         model.body[hooked].register_full_backward_hook(lambda *_: calls.append(1))
@@ -58,6 +58,16 @@ def _fit(
         "late_sends": late_sends,
         "hook_calls": len(calls),
     }
+
+
+def _own_backward_model() -> Any:
+    from models import RegressionModel
+
+    class OwnBackward(RegressionModel):
+        def backward(self, loss: Any, *args: Any, **kwargs: Any) -> None:
+            loss.backward(*args, **kwargs)  # what Lightning's does, but the engine cannot know
+
+    return OwnBackward()
 
 
 def _assert_same_training(with_it: list[dict[str, Any]], without: list[dict[str, Any]]) -> None:
@@ -110,6 +120,10 @@ def test_stages_whose_backward_must_run_once_do_not_split(pools: Any) -> None:
     last = next(r for r in hooked if r["stage"] == 1)
     assert last["early_sends"] == [] and len(last["late_sends"]) == STEPS * 2
     assert last["hook_calls"] == STEPS * 2  # once per micro-batch
+    # a LightningModule with its own backward: the last stage cannot reproduce it
+    own = pools(2).run(_fit, "1f1b", 2, True, "regression", own_backward=True)
+    last = next(r for r in own if r["stage"] == 1)
+    assert last["early_sends"] == [] and len(last["late_sends"]) == STEPS * 2
     recomputed = pools(2).run(_fit, "1f1b", 2, True, "regression", recompute=True)
     assert all(r["early_sends"] == [] for r in recomputed)
     plain = pools(2).run(_fit, "1f1b", 2, False, "regression", recompute=True)

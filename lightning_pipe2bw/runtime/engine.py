@@ -571,8 +571,8 @@ class PipelineEngine:
         A stage does not split where a backward pass has effects beyond its gradients, or cannot
         run twice: activations that are recomputed, swapped or evicted, module backward hooks,
         custom ``autograd.Function`` nodes (a reentrant checkpoint is one), or, on the last
-        stage, a backward the engine cannot reproduce (``loss_root`` None: a LightningModule
-        that overrides ``backward``)."""
+        stage, a backward the engine cannot reproduce (``loss_root`` None: a LightningModule or
+        a precision plugin that overrides ``backward``)."""
         leaves = _grad_leaves(slot.inputs)
         if self.is_last:
             if loss_root is None:
