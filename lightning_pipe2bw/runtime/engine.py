@@ -260,8 +260,10 @@ class PipelineEngine:
             self.transport.settle()
             for n, action in enumerate(actions):
                 start = time.perf_counter()
-                if self.debug and not (sent_early is not None and sent_early.action is action):
-                    _debug_log.info(  # (a send that went early logged its start then)
+                # a SEND_B that already ran inside its backward (it logged its start then)
+                ran_early = sent_early if sent_early is not None and sent_early.action is action else None
+                if self.debug and ran_early is None:
+                    _debug_log.info(
                         "rank %d stage %d start %s (micro-batch %d) t=%.6f",
                         self._rank, self.stage, action, action.microbatch, start,
                     )  # fmt: skip
@@ -318,7 +320,8 @@ class PipelineEngine:
                         slot.loading = False
                     if n == early_at:
                         sent_early = self._send_input_grad_first(slot, i, loss_root, actions, n)
-                    self._backward(slot, i, slot.weight, backward, n == early_at and bool(sent_early))
+                    sent = n == early_at and sent_early is not None
+                    self._backward(slot, i, slot.weight, backward, input_grads_sent=sent)
                     self.stash.release(i)
                     self.inflight -= 1
                     if self.is_first:
@@ -334,8 +337,8 @@ class PipelineEngine:
                 elif kind is ActionKind.RETURN:
                     self._link().give_back(i)
                 elif kind is ActionKind.SEND_B:
-                    if sent_early is not None and sent_early.action is action:
-                        start = sent_early.start  # it ran inside the backward, before this
+                    if ran_early is not None:
+                        start = ran_early.start
                     else:
                         self._post_next_receive(actions, n)
                         self.transport.send(slot.grads_out, self._peer(self.prev_rank))
@@ -343,8 +346,8 @@ class PipelineEngine:
                 else:  # pragma: no cover - the schedule validator rejects other kinds
                     raise ValueError(f"the engine cannot run action {action}")
                 end = time.perf_counter()
-                if sent_early is not None and sent_early.action is action:
-                    end = sent_early.end
+                if ran_early is not None:
+                    end = ran_early.end
                 if self.debug:
                     _debug_log.info(
                         "rank %d stage %d end %s (micro-batch %d) t=%.6f (%.3f ms)",
@@ -517,16 +520,12 @@ class PipelineEngine:
             backward(loss * weight)
             slot.result = _detach_all(slot.result)
         else:
-            outs = _grad_leaves(slot.outputs)
-            grads = slot.grads_in
-            pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if g is not None]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            outs, grads = _received_grads(slot)
+            if outs:
+                torch.autograd.backward(outs, grads)
         if not self.is_first and not input_grads_sent:
-            slot.grads_out = [
-                x.grad if x.grad is not None else torch.zeros_like(x)
-                for x in _grad_leaves(slot.inputs)
-            ]
+            leaves = _grad_leaves(slot.inputs)
+            slot.grads_out = _filled([x.grad for x in leaves], leaves)
         slot.inputs = slot.outputs = slot.grads_in = slot.params = None
 
     # ------------------------------------------------------------------ early input gradient
@@ -580,17 +579,12 @@ class PipelineEngine:
             roots: list[Tensor] = [loss_root(_loss_of(slot.result, index) * slot.weight)]
             seeds: list[Tensor | None] = [None]
         else:
-            pairs = [
-                (o, g) for o, g in zip(_grad_leaves(slot.outputs), slot.grads_in, strict=True)
-                if g is not None
-            ]  # fmt: skip
-            roots, seeds = [o for o, _ in pairs], [g for _, g in pairs]
+            roots, received = _received_grads(slot)
+            seeds = list(received)
         if not leaves or not roots or not self._can_split_backward(index, roots):
             return None
         grads = torch.autograd.grad(roots, leaves, seeds, retain_graph=True, allow_unused=True)
-        slot.grads_out = [
-            g if g is not None else torch.zeros_like(x) for g, x in zip(grads, leaves, strict=True)
-        ]
+        slot.grads_out = _filled(list(grads), leaves)
         del roots, grads
         send = actions[n + 1]
         self._post_next_receive(actions, n + 1)
@@ -620,6 +614,21 @@ class PipelineEngine:
         ):
             return False
         return not _has_custom_function(roots)
+
+
+def _received_grads(slot: _Slot) -> tuple[list[Tensor], list[Tensor]]:
+    """A stage before the last: its outputs that require grad and the gradients the next stage
+    sent for them (an output without one, which did not reach the loss, is left out)."""
+    pairs = [
+        (o, g) for o, g in zip(_grad_leaves(slot.outputs), slot.grads_in, strict=True)
+        if g is not None
+    ]  # fmt: skip
+    return [o for o, _ in pairs], [g for _, g in pairs]
+
+
+def _filled(grads: Sequence[Tensor | None], leaves: Sequence[Tensor]) -> list[Tensor]:
+    """The gradients of the stage's inputs to send, zeros where an input got none."""
+    return [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, leaves, strict=True)]
 
 
 def _global_backward_hooks() -> bool:
