@@ -1,8 +1,10 @@
 """``early_input_grad``: in a flush schedule each stage after the first computes its last
 micro-batch's input gradient on its own and sends it before the weights' gradients. Runs with
 and without it must train to bitwise equal weights and log bitwise equal losses; the send must
-really go first; stages whose backward must run once (module backward hooks, recomputation) do
-not split, and their hooks run once per micro-batch."""
+really go first; the backward is cut in two passes (``SplitBackward``) where the graph allows,
+and takes one more input pass where it does not (a weight applied to its own result); stages
+whose backward must run once (module backward hooks, recomputation) do not split, and their
+hooks run once per micro-batch."""
 
 from __future__ import annotations
 
@@ -25,7 +27,12 @@ def _fit(
     from lightning_pipe2bw.schedule import ActionKind
 
     hooked = options.pop("hook_block", None)
-    model = _own_backward_model() if options.pop("own_backward", False) else make_model(model_name)
+    if options.pop("own_backward", False):
+        model = _own_backward_model()
+    elif model_name == "nested":
+        model = _nested_model()
+    else:
+        model = make_model(model_name)
     calls: list[int] = []
     if hooked is not None:  # a module backward hook, which must not run twice
         model.body[hooked].register_full_backward_hook(lambda *_: calls.append(1))
@@ -36,7 +43,7 @@ def _fit(
     trainer = quiet_trainer(
         devices=dist.get_world_size(), strategy=strategy, max_steps=STEPS, callbacks=[record]
     )
-    trainer.fit(model, make_loader(model_name, batch_size=8))
+    trainer.fit(model, make_loader("regression" if model_name == "nested" else model_name, 8))
     engine = strategy.engine
     assert engine is not None
     # every gradient sent: whether it left before the backward that computes it ended
@@ -57,6 +64,8 @@ def _fit(
         "early_sends": early_sends,
         "late_sends": late_sends,
         "hook_calls": len(calls),
+        "split": engine.stats.split_backwards,
+        "repeated": engine.stats.repeated_input_passes,
     }
 
 
@@ -68,6 +77,26 @@ def _own_backward_model() -> Any:
             loss.backward(*args, **kwargs)  # what Lightning's does, but the engine cannot know
 
     return OwnBackward()
+
+
+def _nested_model() -> Any:
+    from models import RegressionModel
+
+    class Twice(torch.nn.Module):
+        """One linear layer applied to its own result: its bias's accumulator is fed by two
+        nodes, one below the other, so the backward cannot be cut without repeating work."""
+
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(width, width)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.tanh(self.fc(torch.tanh(self.fc(x))))
+
+    model = RegressionModel()
+    torch.manual_seed(5)
+    model.body[6] = Twice(model.body[6].fc.in_features)  # on the last stage
+    return model
 
 
 def _assert_same_training(with_it: list[dict[str, Any]], without: list[dict[str, Any]]) -> None:
@@ -89,6 +118,7 @@ CASES = [
     ("1f1b", 2, 2, "conv", [2, 6]),
     ("gpipe", 2, 2, "conv", [5, 3]),
     ("1f1b", 2, 2, "tied", None),  # a weight shared by both stages
+    ("gpipe", 2, 2, "nested", None),  # the last stage cannot cut its backward: one more pass
 ]
 
 
@@ -107,11 +137,24 @@ def test_early_input_grad_is_exact_and_goes_first(
     for result in with_it:
         if result["stage"] == 0:  # sends no gradient
             assert result["early_sends"] == result["late_sends"] == []
-        else:  # only the last micro-batch's gradient of each step leaves before its backward ends
+        elif schedule == "1f1b":  # the last micro-batch's gradient of each step leaves first
             assert result["early_sends"] == [m - 1] * STEPS, result
             assert len(result["late_sends"]) == (m - 1) * STEPS, result
+        elif model == "nested" and result["stage"] == p - 1:  # as in 1f1b
+            assert result["early_sends"] == [m - 1] * STEPS, result
+            assert len(result["late_sends"]) == (m - 1) * STEPS, result
+        else:  # gpipe: the first and the last gradient of each step leave first
+            assert result["early_sends"] == [0, m - 1] * STEPS, result
+            assert len(result["late_sends"]) == (m - 2) * STEPS, result
+    for result in with_it:
+        # cut in two passes, except where the graph does not allow it: there only the last
+        # backward of a step goes first, after one more pass for its inputs' gradient
+        sent = 0 if result["stage"] == 0 else STEPS * (2 if schedule == "gpipe" else 1)
+        cut = model != "nested" or result["stage"] < p - 1
+        assert (result["split"], result["repeated"]) == ((sent, 0) if cut else (0, STEPS)), result
     for result in without:
         assert result["early_sends"] == [], result
+        assert result["split"] == result["repeated"] == 0
 
 
 def test_stages_whose_backward_must_run_once_do_not_split(pools: Any) -> None:

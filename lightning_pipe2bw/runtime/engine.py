@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure, mark_action
 from lightning_pipe2bw.runtime.inplace import Alias, writable
 from lightning_pipe2bw.runtime.peer import PeerLink
+from lightning_pipe2bw.runtime.splitgrad import SplitBackward
 from lightning_pipe2bw.runtime.stage import StageBody
 from lightning_pipe2bw.runtime.stash import ActivationStash
 from lightning_pipe2bw.runtime.transport import Transport
@@ -97,6 +98,11 @@ class EngineStats:
     # distinct weight buffers the stage's parameters and in-flight micro-batches reference,
     # checked after every action: 1 for flush schedules, <= 2 for 2BW, <= p - s for stashing
     max_weight_versions: int = 0
+    # early input gradients (``early_input_grad``): backwards cut into an inputs' pass and a
+    # weights' pass (SplitBackward), and those whose graph did not allow it, where the inputs'
+    # gradient took one more pass before the whole backward
+    split_backwards: int = 0
+    repeated_input_passes: int = 0
     # the most recent actions only, so that long runs keep bounded memory
     timeline: deque[ActionTiming] = field(default_factory=lambda: deque(maxlen=20_000))
 
@@ -244,17 +250,19 @@ class PipelineEngine:
         after every action (a driver counting weight versions). Returns the last stage's step
         outputs of the micro-batches whose forward ran in this call.
 
-        ``early_input_grad`` (flush schedules): the last backward of the call, when a send of its
-        gradient follows it, sends the gradient of the stage's inputs before it computes the
-        weights' gradients (see :meth:`_send_input_grad_first`); ``loss_root(weighted loss)``
-        is the tensor that ``backward`` differentiates on the last stage (None: the last stage
-        does not do this).
+        ``early_input_grad`` (flush schedules): the call's last backward, and in a call that runs
+        all its forwards first (GPipe) also its first, sends the gradient of the stage's inputs
+        before it computes the weights' gradients when the send follows it (see
+        :meth:`_early_input_grads`, :meth:`_send_input_grad_first`); ``loss_root(weighted
+        loss)`` is the tensor that ``backward`` differentiates on the last stage (None: the last
+        stage does not do this).
         """
         slots = self.slots
         results: dict[int, Any] = {}
         timeline = self.stats.timeline
         action: Action | None = None
-        early_at = self._early_input_grad_at(actions) if train and early_input_grad else -1
+        early = self._early_input_grads(actions) if train and early_input_grad else frozenset()
+        last_early = max(early, default=-1)
         sent_early: ActionTiming | None = None  # the send that ran inside the backward before it
         try:
             self.transport.settle()
@@ -318,10 +326,13 @@ class PipelineEngine:
                     if slot.loading:
                         self.stash.restore(i, self._link().loaded(i))
                         slot.loading = False
-                    if n == early_at:
-                        sent_early = self._send_input_grad_first(slot, i, loss_root, actions, n)
-                    sent = n == early_at and sent_early is not None
-                    self._backward(slot, i, slot.weight, backward, input_grads_sent=sent)
+                    split: SplitBackward | None = None
+                    if n in early:
+                        sent_early, split = self._send_input_grad_first(
+                            slot, i, loss_root, actions, n, repeat=n == last_early
+                        )
+                    sent = n in early and sent_early is not None
+                    self._backward(slot, i, slot.weight, backward, sent, split)
                     self.stash.release(i)
                     self.inflight -= 1
                     if self.is_first:
@@ -514,8 +525,15 @@ class PipelineEngine:
         weight: float,
         backward: Callable[[Tensor], None],
         input_grads_sent: bool = False,
+        split: SplitBackward | None = None,
     ) -> None:
-        if self.is_last:
+        """The backward of micro-batch ``index``; ``split``: the rest of a backward whose inputs'
+        gradients were computed (and sent) already, see :meth:`_send_input_grad_first`."""
+        if split is not None:
+            split.weights_pass()
+            if self.is_last:
+                slot.result = _detach_all(slot.result)
+        elif self.is_last:
             loss = _loss_of(slot.result, index)
             backward(loss * weight)
             slot.result = _detach_all(slot.result)
@@ -529,23 +547,35 @@ class PipelineEngine:
         slot.inputs = slot.outputs = slot.grads_in = slot.params = None
 
     # ------------------------------------------------------------------ early input gradient
-    def _early_input_grad_at(self, actions: Sequence[Action]) -> int:
-        """The index of the call's last backward if the send of its input gradient follows it
-        directly (-1 otherwise, and on the first stage, which sends none)."""
+    def _early_input_grads(self, actions: Sequence[Action]) -> frozenset[int]:
+        """The indices of the backwards that send their inputs' gradient first, among those the
+        send of that gradient directly follows (none on the first stage, which sends none).
+
+        The call's last backward: the previous stage waits for its gradient at the end of the
+        step (the flush). Where every forward of the call comes before its first backward
+        (GPipe), also the first: the previous stage, its forwards done, waits for that gradient
+        to start its backwards. Between them, the previous stage has the earlier gradients to
+        work on, and cutting a backward in two costs a little (an engine call per node with
+        weights), so they run whole. In 1F1B the previous stage's first backward is not what
+        the step waits for: the chain runs through the last stage's forwards and backwards."""
         if self.is_first:
-            return -1
-        for n in range(len(actions) - 1, -1, -1):
-            action = actions[n]
-            if action.kind is ActionKind.BACKWARD:
-                after = actions[n + 1] if n + 1 < len(actions) else None
-                if (
-                    after is not None
-                    and after.kind is ActionKind.SEND_B
-                    and after.microbatch == action.microbatch
-                ):
-                    return n
-                return -1
-        return -1
+            return frozenset()
+
+        def sends_next(n: int) -> bool:
+            after = actions[n + 1] if n + 1 < len(actions) else None
+            return (
+                after is not None
+                and after.kind is ActionKind.SEND_B
+                and after.microbatch == actions[n].microbatch
+            )
+
+        backwards = [n for n, a in enumerate(actions) if a.kind is ActionKind.BACKWARD]
+        if not backwards:
+            return frozenset()
+        forwards = [n for n, a in enumerate(actions) if a.kind is ActionKind.FORWARD]
+        first_too = max(forwards, default=-1) < backwards[0]
+        candidates = {backwards[0], backwards[-1]} if first_too else {backwards[-1]}
+        return frozenset(n for n in candidates if sends_next(n))
 
     def _send_input_grad_first(
         self,
@@ -554,37 +584,53 @@ class PipelineEngine:
         loss_root: Callable[[Tensor], Tensor] | None,
         actions: Sequence[Action],
         n: int,
-    ) -> ActionTiming | None:
+        repeat: bool,
+    ) -> tuple[ActionTiming | None, SplitBackward | None]:
         """Compute the gradient of the stage's inputs alone and send it (the ``SEND_B`` at
-        ``actions[n + 1]``); the weights' gradients follow in the full backward. Returns the
-        send's timing, or None where the stage cannot split its backward (nothing sent).
+        ``actions[n + 1]``); the weights' gradients follow. Returns the send's timing (None
+        where the stage cannot split its backward: nothing sent) and the split whose weights'
+        pass is left to run (None: the whole backward is left to run).
 
-        In a flush schedule the previous stage waits for the last micro-batch's gradient with
-        nothing else to do, while this stage would compute its weights' gradients first: about
-        half of a backward on the critical path of every step. Here that half runs while the
-        previous stage computes. It costs this stage one more pass over the input-gradient path
-        (its idle tail absorbs it), and it is exact: the weights' gradients come from the same
-        single backward as without it, and the inputs' gradient is computed by the same
-        functions on the same tensors, in the same order.
+        In a flush schedule the previous stage waits for this gradient with nothing else to do
+        (see :meth:`_early_input_grads`), while this stage would compute its weights' gradients
+        first: about half of a backward on the critical path of every step. Here that half runs
+        while the previous stage computes. Where the graph allows (:class:`SplitBackward`: no
+        weights' node that two input-path nodes reach, as a layer applied to its own output
+        does), the backward is cut into two passes that together do the work of one; elsewhere,
+        with ``repeat`` (the call's last early backward), the inputs' gradient takes one more
+        pass over the input-gradient path and the whole backward follows (this stage's idle
+        tail absorbs the extra pass; without ``repeat`` nothing goes first). Both are exact:
+        every node runs on the same tensors with the same incoming gradient as in one backward,
+        and the weights' gradients accumulate as one backward accumulates them.
 
-        A stage does not split where a backward pass has effects beyond its gradients, or cannot
-        run twice: activations that are recomputed, swapped or evicted, module backward hooks,
-        custom ``autograd.Function`` nodes (a reentrant checkpoint is one), or, on the last
-        stage, a backward the engine cannot reproduce (``loss_root`` None: a LightningModule or
-        a precision plugin that overrides ``backward``)."""
+        A stage does not split where a backward pass has effects beyond its gradients:
+        activations that are recomputed, swapped or evicted, module backward hooks, custom
+        ``autograd.Function`` nodes (a reentrant checkpoint is one), or, on the last stage, a
+        backward the engine cannot reproduce (``loss_root`` None: a LightningModule or a
+        precision plugin that overrides ``backward``)."""
         leaves = _grad_leaves(slot.inputs)
         if self.is_last:
             if loss_root is None:
-                return None
+                return None, None
             roots: list[Tensor] = [loss_root(_loss_of(slot.result, index) * slot.weight)]
             seeds: list[Tensor | None] = [None]
         else:
             roots, received = _received_grads(slot)
             seeds = list(received)
         if not leaves or not roots or not self._can_split_backward(index, roots):
-            return None
-        grads = torch.autograd.grad(roots, leaves, seeds, retain_graph=True, allow_unused=True)
-        slot.grads_out = _filled(list(grads), leaves)
+            return None, None
+        split = SplitBackward.plan(roots, seeds, leaves)
+        if split is not None:
+            grads = split.inputs_pass()
+            self.stats.split_backwards += 1
+        elif not repeat:
+            return None, None
+        else:
+            grads = list(
+                torch.autograd.grad(roots, leaves, seeds, retain_graph=True, allow_unused=True)
+            )
+            self.stats.repeated_input_passes += 1
+        slot.grads_out = _filled(grads, leaves)
         del roots, grads
         send = actions[n + 1]
         self._post_next_receive(actions, n + 1)
@@ -600,7 +646,7 @@ class PipelineEngine:
             raise
         except Exception as err:  # as the SEND_B action itself would report it
             raise self._lost_peer(send, err) from err
-        return ActionTiming(send, start, time.perf_counter())
+        return ActionTiming(send, start, time.perf_counter()), split
 
     def _can_split_backward(self, index: int, roots: Sequence[Tensor]) -> bool:
         body = self.body
