@@ -144,12 +144,14 @@ class Pipe2BWStrategy(ParallelStrategy):
         repartition_threshold: how much slower (0.15: 15%) the slowest stage must be than the
             best split's before blocks move.
         early_input_grad: flush schedules (``gpipe``, ``1f1b``): each stage after the first
-            computes its last micro-batch's input gradient on its own and sends it before the
-            weights' gradients, so that the previous stage, which waits for it, starts its last
-            backward about half a backward sooner. Exact (the weights' gradients come from the
-            same backward as without it); it costs that stage one more pass over the
-            input-gradient path. Stages whose backward cannot run twice without effect do not
-            split (see ``docs/schedules.md``); ``False`` turns it off everywhere.
+            computes its last micro-batch's input gradient (GPipe: also its first's) on its own
+            and sends it before the weights' gradients, so that the previous stage, which waits
+            for it, starts that backward about half a backward sooner. The backward is cut into
+            an inputs' pass and a weights' pass that do the work of one, bitwise exact; where
+            the graph does not allow the cut, the last backward takes one more pass over the
+            input-gradient path instead. Stages whose backward must run as one pass (hooks,
+            recomputation) do not split (see ``docs/schedules.md``); ``False`` turns it off
+            everywhere.
 
     The options are checked at once (:class:`~lightning_pipe2bw.pipeline.options.PipeOptions`,
     every problem in one error); :meth:`from_options` takes them already built.
