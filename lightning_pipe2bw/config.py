@@ -59,7 +59,8 @@ class StrategyConfig:
     # vPipe: check the stages' measured times every this many steps and move blocks (null: off)
     repartition_every: int | None = None
     repartition_threshold: float = 0.15  # move when the slowest stage is this much over the best
-    # flush schedules: send the last micro-batch's input gradient before the weights' gradients
+    # flush schedules: send the last (GPipe: and the first) micro-batch's input gradient before
+    # the weights' gradients
     early_input_grad: bool = True
 
 
