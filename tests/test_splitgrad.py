@@ -59,15 +59,18 @@ class TwoHeads(nn.Module):
 
 
 class WeightOutput(nn.Module):
-    """Two outputs, the second computed from a weight alone: a root off the input path."""
+    """Outputs computed from a weight alone: roots off the input path (``twice``: the same
+    tensor twice, so that both gradients meet on its node)."""
 
-    def __init__(self, d: int = 12) -> None:
+    def __init__(self, d: int = 12, twice: bool = False) -> None:
         super().__init__()
+        self.twice = twice
         self.fc = nn.Linear(d, d)
         self.table = nn.Parameter(torch.randn(3, d))
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        return torch.tanh(self.fc(x)), self.table.sin() * 2.0
+    def forward(self, x: Tensor) -> tuple[Tensor, ...]:
+        t = self.table.sin() * 2.0
+        return (torch.tanh(self.fc(x)), t, t) if self.twice else (torch.tanh(self.fc(x)), t)
 
 
 def _conv() -> nn.Module:
@@ -129,6 +132,15 @@ def test_the_split_is_bitwise_one_backward(name: str, last: bool) -> None:
         assert a is not None and b is not None, key
         assert torch.equal(a, b), key  # bitwise
         assert a.stride() == b.stride(), key  # the layout a whole backward gives .grad
+
+
+def test_roots_off_the_input_path_add_up_as_in_one_backward() -> None:
+    torch.manual_seed(0)
+    model, x0 = WeightOutput(twice=True), torch.randn(5, 12)
+    whole = _backward(model, x0, last=False, split=False)
+    split = _backward(model, x0, last=False, split=True)
+    for key in whole:
+        assert torch.equal(whole[key], split[key]), key
 
 
 class _CountOps(TorchDispatchMode):

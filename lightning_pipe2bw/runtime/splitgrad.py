@@ -55,12 +55,14 @@ class SplitBackward:
         seeds: list[Tensor | None],
         inputs: list[Tensor],
         regions: dict[Any, list[Tensor]],
-        weight_roots: dict[int, list[Tensor]],
+        weight_roots: list[int],
+        weight_roots_leaves: list[Tensor],
     ) -> None:
         self._roots, self._seeds, self._inputs = roots, seeds, inputs
         # input-path node with cuts: the leaves (weights) its weight-pass region accumulates
         self._regions = regions
-        self._weight_roots = weight_roots  # roots from which no input is reachable: theirs
+        # the roots from which no input is reachable, and the leaves they reach
+        self._weight_roots, self._weight_roots_leaves = weight_roots, weight_roots_leaves
         self._captured: dict[Any, tuple[Tensor | None, ...]] | None = None
 
     @classmethod
@@ -137,10 +139,10 @@ class SplitBackward:
         if any(n >= 3 for (node, _), n in feeds.items() if node not in on_path):
             return None
         regions = {n: leaves[n] for n in leaves if n in on_path and leaves[n]}
-        weight_roots = {
-            k: leaves.get(r.grad_fn, []) for k, r in enumerate(roots) if r.grad_fn not in on_path
-        }
-        return cls(list(roots), list(seeds), list(inputs), regions, weight_roots)
+        weight_roots = [k for k, r in enumerate(roots) if r.grad_fn not in on_path]
+        off_path = {roots[k].grad_fn: leaves.get(roots[k].grad_fn, []) for k in weight_roots}
+        reached = [leaf for found in off_path.values() for leaf in found]
+        return cls(list(roots), list(seeds), list(inputs), regions, weight_roots, reached)
 
     def inputs_pass(self) -> list[Tensor | None]:
         """The gradients of the inputs (None for an input the roots do not reach); the graph is
@@ -171,7 +173,7 @@ class SplitBackward:
 
     def weights_pass(self) -> None:
         """Accumulate the weights' gradients into their ``.grad`` (after :meth:`inputs_pass`);
-        the graph is freed."""
+        the weights' part of the graph is freed (the rest goes with the graph)."""
         if self._captured is None:
             raise RuntimeError("SplitBackward.weights_pass runs after inputs_pass")
         captured, self._captured = self._captured, None
@@ -187,9 +189,12 @@ class SplitBackward:
                 edges, grads = [e for e, _ in outs], [g for _, g in outs]
                 del outs, received
                 torch.autograd.backward(edges, grads, inputs=weights)
-        for k, weights in self._weight_roots.items():
-            if weights:
-                torch.autograd.backward(self._roots[k], self._seeds[k], inputs=weights)
+        if self._weight_roots_leaves:  # in one call, so that roots on one node add up as in one
+            torch.autograd.backward(
+                [self._roots[k] for k in self._weight_roots],
+                [self._seeds[k] for k in self._weight_roots],
+                inputs=self._weight_roots_leaves,
+            )
         self._roots, self._seeds = [], []
 
 
