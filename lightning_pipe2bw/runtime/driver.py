@@ -150,8 +150,9 @@ class FlushDriver:
         early_input_grad: bool = True,
     ) -> None:
         """``channel``: carries the last stage's values of each step to the other ranks of the
-        pipeline (None with one stage). ``early_input_grad``: the last backward of a batch sends
-        its input gradient before it computes the weights' (see ``PipelineEngine.execute``)."""
+        pipeline (None with one stage). ``early_input_grad``: the last backward of a batch (GPipe:
+        also the first) sends its input gradient before it computes the weights' (see
+        ``PipelineEngine.execute``)."""
         self.engine = engine
         self.early_input_grad = early_input_grad
         self.schedule_name = schedule
