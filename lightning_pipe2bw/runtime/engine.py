@@ -531,16 +531,14 @@ class PipelineEngine:
         gradients were computed (and sent) already, see :meth:`_send_input_grad_first`."""
         if split is not None:
             split.weights_pass()
-            if self.is_last:
-                slot.result = _detach_all(slot.result)
         elif self.is_last:
-            loss = _loss_of(slot.result, index)
-            backward(loss * weight)
-            slot.result = _detach_all(slot.result)
+            backward(_loss_of(slot.result, index) * weight)
         else:
             outs, grads = _received_grads(slot)
             if outs:
                 torch.autograd.backward(outs, grads)
+        if self.is_last:
+            slot.result = _detach_all(slot.result)
         if not self.is_first and not input_grads_sent:
             leaves = _grad_leaves(slot.inputs)
             slot.grads_out = _filled([x.grad for x in leaves], leaves)

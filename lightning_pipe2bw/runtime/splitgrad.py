@@ -34,6 +34,7 @@ could not be shown:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -128,14 +129,10 @@ class SplitBackward:
                 todo.extend(nxt for nxt, _ in nodes[node])
             leaves[start] = mine
         # a weight-pass node input gathering three or more gradients: refused (order of sums)
-        feeds: dict[tuple[Any, int], int] = {}
-        for r in roots:
-            key = (r.grad_fn, r.output_nr)
-            feeds[key] = feeds.get(key, 0) + 1
-        for edges in nodes.values():
-            for nxt, nr in edges:
-                if nxt not in on_path:
-                    feeds[(nxt, nr)] = feeds.get((nxt, nr), 0) + 1
+        feeds = Counter((r.grad_fn, r.output_nr) for r in roots)
+        feeds.update(
+            (nxt, nr) for edges in nodes.values() for nxt, nr in edges if nxt not in on_path
+        )
         if any(n >= 3 for (node, _), n in feeds.items() if node not in on_path):
             return None
         regions = {n: leaves[n] for n in leaves if n in on_path and leaves[n]}
