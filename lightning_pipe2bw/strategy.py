@@ -60,7 +60,7 @@ from lightning_pipe2bw.pipeline.autoplan import (
 )
 from lightning_pipe2bw.pipeline.checkpoint import CheckpointFormat, layout_to_adopt
 from lightning_pipe2bw.pipeline.checkpoint_io import gather_state_dict, is_sharded_checkpoint
-from lightning_pipe2bw.pipeline.groups import ProcessGroups
+from lightning_pipe2bw.pipeline.groups import ProcessGroups, choose_backend
 from lightning_pipe2bw.pipeline.migrate import hand_back, relayout
 from lightning_pipe2bw.pipeline.options import (
     DEFAULT_TIMEOUT,
@@ -333,9 +333,21 @@ class Pipe2BWStrategy(ParallelStrategy):
         return self._process_group_backend
 
     # ------------------------------------------------------------------ launch and environment
+    def _resolve_backend(self) -> str:
+        """The process group's backend: the one asked for, else Lightning's for the device, but
+        gloo where stage processes share a GPU (NCCL refuses that; asking for it is an error)."""
+        backend = choose_backend(
+            self.parallel_devices or [self.root_device],
+            self._process_group_backend,
+            compat.default_process_group_backend(self.root_device),
+        )
+        self._process_group_backend = backend
+        return backend
+
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        self._resolve_backend()  # a bad choice fails here, before any process starts
         if self.options.start_method == "popen":
             self._launcher = PipePopenLauncher(
                 self.cluster_environment,
@@ -360,10 +372,9 @@ class Pipe2BWStrategy(ParallelStrategy):
         rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         topology = Topology.create(self.world_size, self.data_parallel, self.global_rank)
         raise_problems(topology.option_problems(self.options))
-        if self._process_group_backend is None:
-            self._process_group_backend = compat.default_process_group_backend(self.root_device)
+        backend = self._resolve_backend()
         created = not _initialized()
-        compat.init_dist_connection(env, self._process_group_backend, timeout=self.options.timeout)
+        compat.init_dist_connection(env, backend, timeout=self.options.timeout)
         if created:
             atexit.register(_destroy_process_group)
         self.groups = ProcessGroups.create(topology)

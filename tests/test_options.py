@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -19,6 +20,7 @@ from lightning_pipe2bw import Pipe2BWStrategy, PipeOptions
 from lightning_pipe2bw.config import StrategyConfig, build_strategy, strategy_problems
 from lightning_pipe2bw.partition import Partition
 from lightning_pipe2bw.pipeline.assembly import memory_plan_problems
+from lightning_pipe2bw.pipeline.groups import choose_backend
 from lightning_pipe2bw.pipeline.options import async_problems, raise_problems, run_problems
 from lightning_pipe2bw.pipeline.topology import Topology
 from lightning_pipe2bw.schedule import ActivationBudget
@@ -137,6 +139,22 @@ def test_strategy_from_options_keeps_them() -> None:
     assert strategy.options is options
     assert strategy.schedule_name == "1f1b" and strategy.microbatches == 8
     assert strategy.process_group_backend == "gloo"
+
+
+def test_stage_processes_sharing_a_gpu_run_on_gloo() -> None:
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert choose_backend([gpu, gpu], None, "nccl") == "gloo"
+    assert choose_backend([gpu, gpu], "gloo", "nccl") == "gloo"
+    assert choose_backend([gpu, torch.device("cuda", 1)], None, "nccl") == "nccl"
+    assert choose_backend([cpu, cpu], None, "gloo") == "gloo"
+    assert choose_backend([cpu, cpu], "mpi", "gloo") == "mpi"
+    with pytest.raises(
+        ValueError,
+        match=r"process_group_backend='nccl', but several stage processes share a GPU "
+        r"\(cuda:0 3\) and NCCL refuses two ranks on one device; leave process_group_backend "
+        r"unset or set it to 'gloo'",
+    ):
+        choose_backend([gpu, gpu, gpu, torch.device("cuda", 1)], "nccl", "nccl")
 
 
 # ----------------------------------------------------------------------------- Topology

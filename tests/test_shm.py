@@ -32,7 +32,7 @@ from lightning_pipe2bw.runtime.shm import (
     create_transport,
     shared_memory_problem,
 )
-from lightning_pipe2bw.runtime.transport import P2PTransport
+from lightning_pipe2bw.runtime.transport import P2PTransport, wire_device
 
 pytestmark = pytest.mark.skipif(
     shared_memory_problem(torch.device("cpu")) is not None,
@@ -295,6 +295,18 @@ def test_gloo_is_kept_for_devices_other_than_the_cpu() -> None:
     tr = create_transport(torch.device("meta"), [])  # no collective: the choice is local
     assert isinstance(tr, P2PTransport)
     assert "not on the CPU" in (shared_memory_problem(torch.device("meta")) or "")
+
+
+def _on_rank_gpu_wire() -> tuple[str, str, str | None]:
+    gpu = torch.device("cuda", 0)  # a device object only: nothing is allocated on it
+    return str(wire_device(gpu)), str(wire_device(torch.device("cpu"))), shared_memory_problem(gpu)
+
+
+def test_a_gpu_stage_on_gloo_travels_through_the_host(pools: Any) -> None:
+    """Stage processes sharing a GPU run on gloo, whose messages live in host memory: their
+    transport stages through the host, and shared memory serves them like CPU ranks."""
+    for wire, cpu_wire, problem in pools(2).run(_on_rank_gpu_wire, timeout=TIMEOUT):
+        assert (wire, cpu_wire, problem) == ("cpu", "cpu", None)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "2bw"])

@@ -23,6 +23,7 @@ from lightning_pipe2bw.partition.split import BodyRef
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, split_batch
 from lightning_pipe2bw.runtime.shm import SharedMemoryTransport, create_transport
 from lightning_pipe2bw.runtime.stage import BodyInput
+from lightning_pipe2bw.runtime.transport import wire_device
 
 __all__ = [
     "AutoPlanInputs",
@@ -100,8 +101,9 @@ def _median_round_trip(
 def measure_bandwidth(device: torch.device, peer: int, nbytes: int = 8 << 20) -> float:
     """Bytes per second from global rank 0 to ``peer`` (median of 3 round trips of ``nbytes``
     out and a byte back); collective over the default group: every rank gets the figure."""
-    payload = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
-    ack = torch.zeros(1, device=device)
+    wire = wire_device(device)  # gloo carries a GPU stage's bytes through host memory
+    payload = torch.zeros(nbytes // 4, dtype=torch.float32, device=wire)
+    ack = torch.zeros(1, device=wire)
 
     def exchange(first: bool) -> None:
         if first:

@@ -16,7 +16,7 @@ processes) and reused by every Trainer call:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -25,7 +25,31 @@ from torch import Tensor
 
 from lightning_pipe2bw.pipeline.topology import Topology
 
-__all__ = ["ProcessGroups", "average_over_replicas", "broadcast_from_last"]
+__all__ = ["ProcessGroups", "average_over_replicas", "broadcast_from_last", "choose_backend"]
+
+
+def choose_backend(devices: Sequence[torch.device], asked: str | None, default: str) -> str:
+    """The process group's backend for stages on ``devices`` (this node's, one per process):
+    ``asked`` if given, else ``default`` (NCCL on CUDA, gloo on CPU), except where several
+    stage processes share one GPU. NCCL refuses two ranks on one device, so they run on gloo
+    and exchange activations and gradients through host memory; asking for NCCL there is an
+    error that says so."""
+    shared = sorted(
+        {str(d) for d in devices if d.type != "cpu" and sum(1 for e in devices if e == d) > 1}
+    )
+    if not shared:
+        return asked or default
+    if asked is None:
+        return "gloo"
+    if "nccl" in asked.lower():
+        counts = ", ".join(f"{d} {sum(1 for e in devices if str(e) == d)}" for d in shared)
+        raise ValueError(
+            f"process_group_backend={asked!r}, but several stage processes share a GPU "
+            f"({counts}) and NCCL refuses two ranks on one device; leave process_group_backend "
+            "unset or set it to 'gloo' (the stages then exchange through host memory), or give "
+            "every stage a GPU of its own"
+        )
+    return asked
 
 
 class ProcessGroups:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure
+from lightning_pipe2bw.runtime.transport import wire_device
 
 __all__ = ["PeerLink"]
 
@@ -46,7 +47,8 @@ class PeerLink:
     """One side of the link between an evicting stage and its partner (``holder``).
 
     ``send_group`` carries this rank's messages to the partner, ``recv_group`` the partner's to
-    this rank (two-rank groups, one per direction).
+    this rank (two-rank groups, one per direction). On gloo a GPU stage's bytes travel, and
+    wait at the partner, in host memory (:func:`~lightning_pipe2bw.runtime.transport.wire_device`).
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class PeerLink:
         self.partner = partner
         self.partner_stage = partner_stage
         self.device = device
+        self.wire = wire_device(device, send_group)  # where the bytes travel and wait
         self.holder = holder
         self.timeout_s = timeout_s
         self._send_group = send_group
@@ -100,14 +103,14 @@ class PeerLink:
     def evict(self, microbatch: int, data: Tensor | None) -> None:
         """Post the send of ``data`` (uint8, or None for nothing) to the partner."""
         nbytes = 0 if data is None else data.numel()
-        self._send([_DATA, microbatch, nbytes], data)
+        self._send([_DATA, microbatch, nbytes], None if data is None else data.to(self.wire))
 
     def load(self, microbatch: int, nbytes: int) -> None:
         """Post the receive of micro-batch ``microbatch``'s ``nbytes`` bytes from the partner."""
         self.settle()  # the eviction just sent leaves before the returned bytes come in
         if nbytes == 0:
             return
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.wire)
         work = dist.irecv(buf, group=self._recv_group, group_src=self._from)
         self._loads[microbatch] = (work, buf)
         with self._lock:
@@ -125,13 +128,13 @@ class PeerLink:
             raise self._lost(err) from err
         with self._lock:
             self.incoming_bytes -= buf.numel()
-        return buf
+        return buf.to(self.device)
 
     def fail(self, record: FailureRecord) -> None:
         """Tell a holding partner that this rank stops (it may be waiting for activations)."""
         if not self.holder:
             data = json.dumps(record.to_dict()).encode()
-            raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+            raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.wire)
             self._send([_FAILURE, -1, raw.numel()], raw)
 
     def close(self, timeout_s: float = 30.0) -> None:
@@ -211,7 +214,7 @@ class PeerLink:
                 self.outgoing_bytes -= nbytes
 
     def _send(self, header: list[int], data: Tensor | None) -> None:
-        head = torch.tensor(header, dtype=torch.int64, device=self.device)
+        head = torch.tensor(header, dtype=torch.int64, device=self.wire)
         items: list[Any] = [dist.isend(head, group=self._send_group, group_dst=self._to), head]
         nbytes = 0
         if data is not None and data.numel() > 0:
@@ -240,12 +243,12 @@ class PeerLink:
             torch.cuda.set_device(self.device)
         try:
             while True:
-                head = torch.empty(3, dtype=torch.int64, device=self.device)
+                head = torch.empty(3, dtype=torch.int64, device=self.wire)
                 dist.recv(head, group=self._recv_group, group_src=self._from)
                 kind, microbatch, nbytes = (int(v) for v in head.tolist())
                 data = None
                 if nbytes > 0:
-                    data = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                    data = torch.empty(nbytes, dtype=torch.uint8, device=self.wire)
                     dist.recv(data, group=self._recv_group, group_src=self._from)
                 if kind == _CLOSE:
                     return

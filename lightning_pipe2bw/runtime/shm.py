@@ -1,5 +1,6 @@
-"""Point-to-point transport through shared memory, for pipeline ranks that are CPU processes
-on one host.
+"""Point-to-point transport through shared memory, for pipeline ranks that are processes of one
+host exchanging through host memory: CPU stages, and GPU stages on gloo (stage processes that
+share one GPU).
 
 Gloo moves every message through a socket, with a rendezvous (the receiver announces its
 buffer, the sender's or the receiver's background thread moves the bytes) that wakes up to
@@ -44,6 +45,7 @@ from lightning_pipe2bw.runtime.transport import (
     _HeldSends,
     _layout,
     _view,
+    wire_device,
 )
 
 __all__ = [
@@ -67,9 +69,14 @@ _SHM_DIR = "/dev/shm"
 
 
 def shared_memory_problem(device: torch.device) -> str | None:
-    """Why this process cannot use the shared-memory transport, or None if it can."""
-    if device.type != "cpu":
-        return f"the stages run on {device.type}, not on the CPU"
+    """Why this process cannot use the shared-memory transport, or None if it can: its stage
+    must run on the CPU, or on a device whose messages travel through host memory anyway (a GPU
+    on a gloo process group, as when stage processes share one GPU)."""
+    if wire_device(device).type != "cpu":
+        return (
+            f"the stages run on {device.type}, not on the CPU, and their process group moves "
+            f"{device.type} memory itself"
+        )
     if platform.system() != "Linux":
         return f"it needs Linux (abstract sockets, {_SHM_DIR}), not {platform.system()}"
     # the rings rely on the stores of one process reaching the other in program order, which
@@ -94,8 +101,10 @@ def _host() -> str:
 def create_transport(device: torch.device, peers: list[int], timeout_s: float | None = None) -> Any:
     """The pipeline's transport to its neighbours ``peers`` (global ranks), chosen by the
     ``PIPE2BW_TRANSPORT`` environment variable: ``auto`` (the default) takes shared memory when
-    every rank is a CPU process on this host and the process group otherwise, ``shm`` insists on
-    shared memory, ``gloo`` the process group. Collective on the default group (CPU only)."""
+    every rank is a process on this host whose messages travel through host memory (a CPU
+    stage, or a GPU stage on gloo: stage processes sharing one GPU) and the process group
+    otherwise (NCCL between GPUs), ``shm`` insists on shared memory, ``gloo`` the process group.
+    Collective on the default group when it may take shared memory."""
     from lightning_pipe2bw.runtime.transport import P2PTransport
 
     choice = os.environ.get("PIPE2BW_TRANSPORT", "auto").strip().lower() or "auto"
@@ -103,7 +112,7 @@ def create_transport(device: torch.device, peers: list[int], timeout_s: float | 
         raise ValueError(
             f"PIPE2BW_TRANSPORT={choice!r} is not a transport; use one of {', '.join(TRANSPORTS)}"
         )
-    if choice == "gloo" or (choice == "auto" and device.type != "cpu"):
+    if choice == "gloo" or (choice == "auto" and wire_device(device).type != "cpu"):
         return P2PTransport(None, device)
     problem = shared_memory_problem(device)
     token = os.urandom(8).hex()
@@ -115,7 +124,8 @@ def create_transport(device: torch.device, peers: list[int], timeout_s: float | 
     if problems:
         if choice == "shm":
             raise ValueError(
-                "PIPE2BW_TRANSPORT=shm needs every rank on one host as a CPU process: "
+                "PIPE2BW_TRANSPORT=shm needs every rank on one host, exchanging through host "
+                "memory (a CPU stage, or a GPU stage on gloo): "
                 + "; ".join(problems)
                 + ". Unset it (auto) or set it to gloo"
             )
@@ -410,8 +420,11 @@ class SharedMemoryTransport(_HeldSends):
         offsets, end = _layout(channel.metas, start)
         if kind == _MESSAGE:
             base = ring.data[pos:]
+            # copied out of the ring (onto the stage's device: a GPU stage's bytes come through
+            # host memory) before the record is freed
             tensors = [
-                _view(base, o, m).clone() for o, m in zip(offsets, channel.metas, strict=True)
+                _view(base, o, m).to(self.device, copy=True)
+                for o, m in zip(offsets, channel.metas, strict=True)
             ]
             ring.release(size)
         elif kind == _LARGE:
@@ -421,7 +434,8 @@ class SharedMemoryTransport(_HeldSends):
             assert work is not None
             work.wait()
             tensors = [
-                _view(buffer, o - start, m) for o, m in zip(offsets, channel.metas, strict=True)
+                _view(buffer, o - start, m).to(self.device)
+                for o, m in zip(offsets, channel.metas, strict=True)
             ]
         else:
             raise RuntimeError(

@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure, new_run
 
-__all__ = ["P2PTransport", "TensorMeta", "Transport", "flatten_payload"]
+__all__ = ["P2PTransport", "TensorMeta", "Transport", "flatten_payload", "wire_device"]
 
 _NOTICE = -1  # a message length that announces a failure notice instead of a payload
 _TAGS = 1 << 20  # a transport's tag is this plus its run number (earlier runs' messages wait apart)
@@ -52,6 +52,20 @@ class _TensorSlot:
 # non-tensor leaves of these types are compared by value and type to tell whether a header is
 # unchanged without pickling it, and may be shared between the messages that carry them
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+
+def wire_device(device: torch.device, group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a tensor of a stage on ``device`` must be to travel point to point on ``group``:
+    on ``device`` itself when the group's backend for that device type moves device memory
+    (NCCL), on the host when it is gloo, whose sends and receives read and write host memory
+    only. Stage processes that share one GPU (NCCL refuses two ranks on one device) run on gloo
+    and so exchange their activations through host memory."""
+    if device.type == "cpu" or not (dist.is_available() and dist.is_initialized()):
+        return device
+    config = dist.get_backend_config(group)  # e.g. "cpu:gloo,cuda:gloo" or "cuda:nccl"
+    backends = dict(item.split(":", 1) for item in config.split(",") if ":" in item)
+    backend = backends.get(device.type, config)
+    return torch.device("cpu") if backend == "gloo" else device
 
 
 def _split(obj: Any) -> tuple[list[torch.Tensor], Any, list[Any], list[TensorMeta]]:
@@ -318,12 +332,17 @@ class P2PTransport(_HeldSends):
 
     ``batch_isend_irecv`` is deliberately not used: with gloo it serialises per peer and has
     hung in mixed send/recv batches; plain ``isend``/``irecv`` pairs are safe on gloo and NCCL.
+
+    A stage on a GPU whose group runs on gloo (stage processes sharing one GPU) sends from and
+    receives into host memory (:func:`wire_device`): its tensors are copied to the host before
+    they leave and to the GPU when they arrive.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
         self.group = group
         super().__init__()
-        self.device = device
+        self.device = device  # where received tensors go: the stage's device
+        self.wire = wire_device(device, group)  # where messages travel from (gloo: the host)
         self._out: dict[int, _Channel] = {}
         self._in: dict[int, _Channel] = {}
         self._posted: dict[int, _Posted] = {}  # receives posted before recv() was called
@@ -335,7 +354,7 @@ class P2PTransport(_HeldSends):
         self.tag = _TAGS + self.run
         # on gloo a receive may be posted before an unrelated send; NCCL runs a pair's transfers
         # in order on one stream, where that could hold back a send the peer waits for
-        self.can_post_early = device.type == "cpu"
+        self.can_post_early = self.wire.type == "cpu"
 
     def _global(self, group_rank: int) -> int:
         if self.group is None:
@@ -359,7 +378,7 @@ class P2PTransport(_HeldSends):
         self, channel: _Channel, control: list[int], tensors: list[torch.Tensor]
     ) -> torch.Tensor:
         """One buffer: ``control``, then ``tensors`` (none: a filler for the receive)."""
-        buffer = torch.zeros(channel.size, dtype=torch.uint8, device=self.device)
+        buffer = torch.zeros(channel.size, dtype=torch.uint8, device=self.wire)
         buffer[:24].view(torch.int64).copy_(torch.tensor(control, dtype=torch.int64))
         for view, t in zip(_views(buffer, channel), tensors, strict=False):
             view.copy_(t.detach())
@@ -373,12 +392,10 @@ class P2PTransport(_HeldSends):
             return [self._packed(channel, [length, 0, 0], [])]
         fillers = []
         if length != 0 and channel.predicted:
-            fillers = [
-                torch.zeros(m.shape, dtype=m.dtype, device=self.device) for m in channel.metas
-            ]
+            fillers = [torch.zeros(m.shape, dtype=m.dtype, device=self.wire) for m in channel.metas]
         largest = max((f.numel() * f.element_size() for f in fillers), default=0)
         control = torch.tensor([length, len(fillers), largest], dtype=torch.int64)
-        return [control.to(self.device), *fillers]
+        return [control.to(self.wire), *fillers]
 
     def send(self, obj: Any, dst: int) -> None:
         """Start sending ``obj`` to group rank ``dst`` without waiting for it to arrive."""
@@ -392,8 +409,8 @@ class P2PTransport(_HeldSends):
             if length:
                 assert header is not None
                 raw = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-                buffers.append(raw.to(self.device))
-            buffers.extend(t.detach().to(self.device).contiguous() for t in tensors)
+                buffers.append(raw.to(self.wire))
+            buffers.extend(t.detach().to(self.wire).contiguous() for t in tensors)
         self._isend(buffers, self._global(dst))
         channel.advance(header, same)
 
@@ -407,16 +424,14 @@ class P2PTransport(_HeldSends):
         peer = self._global(src)
         channel = self._in.setdefault(src, _Channel())
         if channel.packed:
-            buffer = torch.empty(channel.size, dtype=torch.uint8, device=self.device)
+            buffer = torch.empty(channel.size, dtype=torch.uint8, device=self.wire)
             work = self._irecv(buffer, peer)
             return _Posted(buffer[:24].view(torch.int64), work, _views(buffer, channel), [])
-        control = torch.empty(3, dtype=torch.int64, device=self.device)
+        control = torch.empty(3, dtype=torch.int64, device=self.wire)
         control_work = self._irecv(control, peer)
         tensors = []
         if channel.predicted:
-            tensors = [
-                torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in channel.metas
-            ]
+            tensors = [torch.empty(m.shape, dtype=m.dtype, device=self.wire) for m in channel.metas]
         return _Posted(control, control_work, tensors, [self._irecv(t, peer) for t in tensors])
 
     def recv(self, src: int, timeout_s: float | None = None) -> Any:
@@ -442,18 +457,18 @@ class P2PTransport(_HeldSends):
             raise self._recv_notice(peer)
         channel = self._in[src]
         if length > 0:
-            raw = torch.empty(length, dtype=torch.uint8, device=self.device)
+            raw = torch.empty(length, dtype=torch.uint8, device=self.wire)
             self._irecv(raw, peer).wait()
             channel.advance(raw.cpu().numpy().tobytes(), same=False)
         if length == 0 and posted.tensors:
             tensors = posted.tensors
         else:  # not expected: the header changed, or it had just changed before
-            tensors = [
-                torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in channel.metas
-            ]
+            tensors = [torch.empty(m.shape, dtype=m.dtype, device=self.wire) for m in channel.metas]
             for work in [self._irecv(t, peer) for t in tensors]:
                 work.wait()
         channel.predicted = length == 0
+        if self.wire != self.device:  # staged through the host: onto the stage's device
+            tensors = [t.to(self.device) for t in tensors]
         for t, meta in zip(tensors, channel.metas, strict=True):
             if meta.requires_grad:
                 t.requires_grad_(True)
@@ -470,8 +485,8 @@ class P2PTransport(_HeldSends):
             lead = self._lead(self._out.setdefault(dst, _Channel()), _NOTICE)
             for buf in (
                 *lead,
-                torch.tensor([len(data)], dtype=torch.int64, device=self.device),
-                torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device),
+                torch.tensor([len(data)], dtype=torch.int64, device=self.wire),
+                torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.wire),
             ):
                 work = dist.isend(buf, dst=peer, group=self.group, tag=self.tag)
                 assert work is not None
@@ -484,9 +499,9 @@ class P2PTransport(_HeldSends):
         _UNREAD_NOTICES.extend((w, b) for w, b in works if not w.is_completed())
 
     def _recv_notice(self, peer: int) -> StageFailure:
-        size = torch.empty(1, dtype=torch.int64, device=self.device)
+        size = torch.empty(1, dtype=torch.int64, device=self.wire)
         dist.recv(size, src=peer, group=self.group, tag=self.tag)
-        raw = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        raw = torch.empty(int(size.item()), dtype=torch.uint8, device=self.wire)
         dist.recv(raw, src=peer, group=self.group, tag=self.tag)
         record = FailureRecord.from_dict(json.loads(raw.cpu().numpy().tobytes()))
         return StageFailure(record.describe(), record, source=peer)
