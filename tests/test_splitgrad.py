@@ -247,3 +247,47 @@ def test_the_weights_pass_needs_the_inputs_pass() -> None:
     assert plan is not None
     with pytest.raises(RuntimeError, match="weights_pass runs after inputs_pass"):
         plan.weights_pass()
+
+
+class _SavesItsOutput(torch.autograd.Function):
+    """tanh that saves its own output for the backward (as torch.tanh does), in Python so that
+    a test can hold a weak reference to its node."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        y = torch.tanh(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (y,) = ctx.saved_tensors
+        return grad * (1 - y * y)
+
+
+def test_a_split_backward_under_the_stash_hooks_frees_its_graph() -> None:
+    """The stage records every forward through the stash's saved-tensor hooks. A hook that kept
+    a saved output as it is (with its grad_fn) made a cycle through autograd's nodes that only
+    a backward without ``retain_graph`` breaks: the inputs' pass keeps the graph, so every split
+    backward leaked its input path's activations (a micro-batch's worth per step)."""
+    import gc
+    import weakref
+
+    from lightning_pipe2bw.runtime.stash import ActivationStash
+
+    fc = nn.Linear(12, 12)
+    x = torch.randn(4, 12, requires_grad=True)
+    stash = ActivationStash(torch.device("cpu"))
+    with stash.recording(0, fc.parameters()):
+        hidden = _SavesItsOutput.apply(fc(x))
+        out = x + hidden
+    node = weakref.ref(hidden.grad_fn)
+    split = SplitBackward.plan([out], [torch.ones_like(out)], [x])
+    assert split is not None
+    split.inputs_pass()
+    split.weights_pass()
+    stash.release(0)
+    del out, hidden, split
+    gc.collect()
+    assert node() is None  # the graph went with its roots
+    assert fc.weight.grad is not None

@@ -16,6 +16,12 @@ until the process group's timeout. While a stage runs, :class:`SignalGuard` take
   exited ``grace_s`` later, ends it (``os._exit(128 + signal)``) after ``on_forced_exit`` (the
   launching process kills its workers there). A rank that exits closes its connections, so the
   ranks waiting on it fail at once.
+
+The handler the process keeps is one module-level function that finds the guard in charge
+through a weak reference. Lightning saves the handlers it finds when a Trainer call starts and
+puts them back when it ends, which can leave pipe2bw's handler installed after the guard has
+uninstalled: a handler bound to the guard (and so to the strategy, its Trainer and the model)
+kept every finished fit's model and optimizer state alive for the life of the process.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import weakref
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -32,6 +39,29 @@ from lightning_pipe2bw.runtime.failure import SignalStop, say
 __all__ = ["SIGNALS", "SignalGuard"]
 
 SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
+
+_active: weakref.ReferenceType[SignalGuard] | None = None  # the guard in charge, if any
+# what each signal did before pipe2bw's handler took it at the start of a Trainer call
+_before: dict[signal.Signals, Any] = {}
+
+
+def _dispatch(signum: int, frame: FrameType | None) -> None:
+    """pipe2bw's handler: the guard in charge acts; with none, the signal does what it did
+    before (the handler that was there, or Python's default)."""
+    guard = _active() if _active is not None else None
+    if guard is not None and guard.installed:
+        guard._handle(signum, frame)
+    else:
+        _as_before(signum, frame)
+
+
+def _as_before(signum: int, frame: FrameType | None) -> None:
+    previous = _before.get(signal.Signals(signum), signal.SIG_DFL)
+    if callable(previous):
+        previous(signum, frame)
+    elif previous == signal.SIG_DFL:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
 
 class SignalGuard:
@@ -54,7 +84,6 @@ class SignalGuard:
         self.grace_s = grace_s
         self.received: signal.Signals | None = None  # the first signal, once one arrived
         self._previous: dict[signal.Signals, Any] = {}
-        self._saved: dict[signal.Signals, Any] = {}  # the handlers from before the first install
         self._previous_fd = -1
         self._pipe: tuple[int, int] | None = None
         self._timer: threading.Timer | None = None
@@ -67,14 +96,18 @@ class SignalGuard:
         """Take over SIGTERM and SIGINT (again, if Lightning registered its own since)."""
         if threading.current_thread() is not threading.main_thread():
             return  # handlers can only be set from the main thread
+        global _active
         if self._timer is None:
             self.received = None  # a new stage (a signal caught by the user's code is past)
+        _active = weakref.ref(self)
+        first = self._pipe is None  # not a re-install over handlers the Trainer call set since
         for signum in SIGNALS:
             current = signal.getsignal(signum)
-            if current != self._handle:
+            if current is not _dispatch:
                 self._previous[signum] = current
-                self._saved.setdefault(signum, current)
-                signal.signal(signum, self._handle)
+                if first:  # what the process had before this Trainer call: never a handler
+                    _before[signum] = current  # of the call's own (Lightning's holds its Trainer)
+                signal.signal(signum, _dispatch)
         if self._pipe is None:
             read, write = os.pipe()
             os.set_blocking(write, False)
@@ -87,12 +120,15 @@ class SignalGuard:
     def uninstall(self) -> None:
         """Give the signals back to the handlers they had before. A watchdog already counting
         down after a signal keeps counting: the process is on its way out."""
+        global _active
         if self._pipe is None or threading.current_thread() is not threading.main_thread():
             return
         for signum, previous in self._previous.items():
-            if signal.getsignal(signum) == self._handle:
+            if signal.getsignal(signum) is _dispatch:
                 signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
+        if _active is not None and _active() is self:
+            _active = None
         signal.set_wakeup_fd(self._previous_fd)
         read, write = self._pipe
         self._pipe = None
@@ -100,25 +136,13 @@ class SignalGuard:
         del read
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        """The Python-level handler, in the main thread."""
-        if self._pipe is None:  # left installed by someone who saved it (Lightning's restore)
-            self._as_before(signum, frame)
-            return
+        """The Python-level handler, in the main thread (called by ``_dispatch``)."""
         if self.received is not None:
             return  # already stopping: a second Ctrl-C must not break the clean-up
         self.received = signal.Signals(signum)
         if signum == signal.SIGINT:
             raise KeyboardInterrupt(f"{self.describe()} received SIGINT")
         raise SignalStop(signum)
-
-    def _as_before(self, signum: int, frame: FrameType | None) -> None:
-        """What the signal did before the guard: the saved handler, or Python's default."""
-        previous = self._saved.get(signal.Signals(signum), signal.SIG_DFL)
-        if callable(previous):
-            previous(signum, frame)
-        elif previous == signal.SIG_DFL:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
 
     def _watch(self, read: int) -> None:
         """The watchdog: woken with the number of every signal that has a Python handler."""

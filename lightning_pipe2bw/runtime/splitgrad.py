@@ -192,7 +192,10 @@ class SplitBackward:
                 [self._seeds[k] for k in self._weight_roots],
                 inputs=self._weight_roots_leaves,
             )
-        self._roots, self._seeds = [], []
+        # drop every reference into the graph: a node kept by this object keeps the graph's
+        # accumulators, so the stage's weights and gradients, alive after the step
+        self._roots, self._seeds, self._inputs = [], [], []
+        self._regions, self._weight_roots, self._weight_roots_leaves = {}, [], []
 
 
 def _leaf_of(node: Any) -> Tensor | None:

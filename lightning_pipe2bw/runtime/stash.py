@@ -127,11 +127,17 @@ class ActivationStash:
         micro = self.micro.setdefault(microbatch, _Micro())
         by_ptr: dict[int, _Storage] = {}
 
+        # what a pack hook returns, autograd keeps in the node that saved it. A tensor that is
+        # the node's own output holds that node as its grad_fn: kept as it is, it would make a
+        # cycle through C++ that Python's collector cannot see, and a graph kept for a second
+        # pass (a backward cut in two, SplitBackward) would never be freed. So the hook keeps
+        # a detached alias (same storage and version counter); autograd reattaches the grad_fn
+        # when it unpacks it, as it does without hooks.
         def pack(t: Tensor) -> Any:
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
             if ptr in skip:
-                return t
+                return t.detach()
             policy = self.current_policy or "keep"
             if policy == "keep" and self.evictable and self.current_policy is not None:
                 policy = "evict"
@@ -140,18 +146,18 @@ class ActivationStash:
                 if ptr not in micro.counted and ptr not in by_ptr:
                     micro.counted[ptr] = storage.nbytes()
                     self._add(micro, storage.nbytes(), "device")
-                return t
+                return t.detach()
             rec = by_ptr.get(ptr)
             if rec is None:
                 if ptr in micro.counted:  # a kept storage that a managed block saves again
-                    return t
+                    return t.detach()
                 rec = _Storage(storage.nbytes(), policy, ptr)
                 rec.data = _bytes_of(t)
                 by_ptr[ptr] = rec
                 micro.storages.append(rec)
                 self._add(micro, rec.nbytes, "device")
             offset = int(t.storage_offset())
-            handle = _Saved(rec, t.dtype, offset, tuple(t.shape), tuple(t.stride()), t)
+            handle = _Saved(rec, t.dtype, offset, tuple(t.shape), tuple(t.stride()), t.detach())
             micro.handles.append(handle)
             return handle
 
