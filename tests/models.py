@@ -239,11 +239,13 @@ def reference_train(
     clip: tuple[str, float] | None = None,
     data: Iterable[Any] | None = None,
     model_name: str = "regression",
+    device: str | torch.device = "cpu",
 ) -> tuple[dict[str, Tensor], list[float]]:
     """Single-device gradient accumulation over the same micro-batches: the exactness reference.
     Batch norm normalises each micro-batch with its own statistics and updates its running
-    statistics once per micro-batch, as a pipeline stage does."""
-    model = make_model(model_name, optimizer, num_blocks)
+    statistics once per micro-batch, as a pipeline stage does. Trains on ``device``; the state
+    comes back on the CPU."""
+    model = make_model(model_name, optimizer, num_blocks).to(device)
     opt, sched = make_optimizer(model.parameters(), optimizer)
     losses = []
     data = make_loader(model_name, batch_size) if data is None else data
@@ -251,11 +253,11 @@ def reference_train(
         if step == steps:
             break
         opt.zero_grad()
-        losses.append(accumulate_gradient(model, x, y, microbatches))
+        losses.append(accumulate_gradient(model, x.to(device), y.to(device), microbatches))
         _clip(model.parameters(), clip)
         opt.step()
         sched.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, losses
 
 
 def max_abs_diff(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
@@ -276,14 +278,17 @@ def reference_2bw(
     clip: tuple[str, float] | None = None,
     data: Iterable[Any] | None = None,
     model_name: str = "regression",
+    device: str | torch.device = "cpu",
 ) -> dict[str, Tensor]:
     """Single-process PipeDream-2BW: batch t's gradient is computed with weight version
     max(t - 1, 0) and applied by the optimizer to the newest weights, so
     W(t+1) = W(t) - step(grad f(W(t-1))), W(-1) = W(0). The scheduler steps once per update,
     so the update of batch t uses the learning rate of step t, as on one device. Buffers (batch
-    norm's running statistics) are not versioned: every forward updates the live ones."""
-    model = make_model(model_name, optimizer, num_blocks)
-    shadow = make_model(model_name, optimizer, num_blocks)  # evaluates old weight versions
+    norm's running statistics) are not versioned: every forward updates the live ones. Trains
+    on ``device``; the state comes back on the CPU."""
+    model = make_model(model_name, optimizer, num_blocks).to(device)
+    # evaluates old weight versions
+    shadow = make_model(model_name, optimizer, num_blocks).to(device)
     opt, sched = make_optimizer(model.parameters(), optimizer)
     history = {0: {k: v.detach().clone() for k, v in model.state_dict().items()}}
     data = make_loader(model_name, batch_size) if data is None else data
@@ -295,7 +300,7 @@ def reference_2bw(
             for live, old in zip(model.buffers(), shadow.buffers(), strict=True):
                 old.copy_(live)
         shadow.zero_grad()
-        accumulate_gradient(shadow, x, y, microbatches)
+        accumulate_gradient(shadow, x.to(device), y.to(device), microbatches)
         with torch.no_grad():
             for live, old in zip(model.buffers(), shadow.buffers(), strict=True):
                 live.copy_(old)
@@ -305,7 +310,7 @@ def reference_2bw(
         opt.step()
         sched.step()
         history[step + 1] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return history[min(steps, len(history) - 1)]
+    return {k: v.cpu() for k, v in history[min(steps, len(history) - 1)].items()}
 
 
 def reference_pipedream(
