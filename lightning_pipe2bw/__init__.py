@@ -8,12 +8,14 @@ strategy registry.
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_pipe2bw.callbacks import ActivationBalancer, PipelineReport, StageMemoryMonitor
+from lightning_pipe2bw.optim import MuonAdamW
 from lightning_pipe2bw.partition.pipemodel import PipeModel
 from lightning_pipe2bw.pipeline.options import PipeOptions
 from lightning_pipe2bw.strategy import Pipe2BWStrategy
 
 __all__ = [
     "ActivationBalancer",
+    "MuonAdamW",
     "Pipe2BWStrategy",
     "PipeModel",
     "PipeOptions",

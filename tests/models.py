@@ -35,8 +35,19 @@ def lr_lambda(step: int) -> float:
 
 
 def make_optimizer(params: Any, kind: str = "adamw") -> tuple[torch.optim.Optimizer, Any]:
+    """``"adamw"``, ``"sgd"`` (with momentum) or ``"muon"`` (:class:`MuonAdamW`: Muon on every
+    2-D tensor, AdamW on the rest), with a LambdaLR schedule."""
     if kind == "adamw":
         opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
+    elif kind == "muon":
+        from lightning_pipe2bw import MuonAdamW
+
+        params = list(params)
+        groups = [
+            {"params": [p for p in params if p.ndim == 2], "muon": True},
+            {"params": [p for p in params if p.ndim != 2], "muon": False},
+        ]
+        opt = MuonAdamW([g for g in groups if g["params"]], lr=0.05, weight_decay=0.1)
     else:
         opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)

@@ -25,6 +25,8 @@ def _fit(
     microbatches: int = 2,
     state_dict_type: str = "full",
     data_parallel: int = 1,
+    optimizer: str = "adamw",
+    **strategy_kwargs: Any,
 ) -> dict[str, Any]:
     import torch.distributed as dist
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -45,6 +47,7 @@ def _fit(
         flush_every=flush_every,
         state_dict_type=state_dict_type,  # type: ignore[arg-type]
         data_parallel=data_parallel,
+        **strategy_kwargs,
     )
     trainer = quiet_trainer(
         devices=dist.get_world_size(),
@@ -60,7 +63,7 @@ def _fit(
         if dist.get_rank() == 0:
             torch.save(ckpt, resume)
         dist.barrier()
-    model = RegressionModel(optimizer="adamw")
+    model = RegressionModel(optimizer=optimizer)
     # every replica reads 3 batches of 8 per epoch
     trainer.fit(model, loader(8, n=SAMPLES * data_parallel), ckpt_path=resume)
     state = strategy.full_state_dict()

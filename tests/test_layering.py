@@ -18,6 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_pipe2bw"
 
 # lowest first; a module may import from its own layer and the ones before it
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("optim", ("lightning_pipe2bw.optim",)),
     ("schedule", ("lightning_pipe2bw.schedule",)),
     ("runtime", ("lightning_pipe2bw.runtime",)),
     ("partition", ("lightning_pipe2bw.partition",)),

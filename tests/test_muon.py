@@ -1,0 +1,201 @@
+"""``MuonAdamW``: Muon on the hidden matrices and AdamW on the rest as one optimizer, bitwise the
+two torch optimizers it runs; and through the strategy, under every schedule, with data
+parallelism, tied weights and checkpoints. Tolerances: the exactness contracts' (max |dW| <= 1e-5
+after 5 steps, fp32, CPU); bitwise where the order of operations is the reference's."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import workers
+from models import max_abs_diff, reference_2bw, reference_pipedream, reference_train
+from torch import nn
+
+from lightning_pipe2bw import MuonAdamW
+
+STEPS = 5
+TOL = 1e-5
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(10, 8)
+        self.hidden = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+        self.lm_head = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.hidden(self.embed(x)))
+        return self.lm_head(h + self.mlp(h))
+
+
+def _train(model: Tiny, optimizers: list[torch.optim.Optimizer], steps: int) -> None:
+    x = torch.randint(0, 10, (16,), generator=torch.Generator().manual_seed(1))
+    for _ in range(steps):
+        for opt in optimizers:
+            opt.zero_grad()
+        model(x).square().mean().backward()
+        for opt in optimizers:
+            opt.step()
+
+
+def test_it_is_torch_muon_and_adamw_bitwise() -> None:
+    model, twin = Tiny(), Tiny()
+    ours = MuonAdamW.for_module(model, lr=0.02, weight_decay=0.1)
+    assert ours.muon_names == ["hidden.weight", "mlp.0.weight", "mlp.2.weight"]
+    matrices = [twin.hidden.weight, twin.mlp[0].weight, twin.mlp[2].weight]
+    muon = torch.optim.Muon(matrices, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    rest = [p for p in twin.parameters() if all(p is not q for q in matrices)]
+    adamw = torch.optim.AdamW(
+        [
+            {"params": [p for p in rest if p.ndim >= 2]},
+            {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=0.02,
+        weight_decay=0.1,
+        betas=(0.9, 0.95),
+    )
+    _train(model, [ours], 4)
+    _train(twin, [muon, adamw], 4)
+    assert max_abs_diff(model.state_dict(), twin.state_dict()) == 0.0
+
+
+def test_its_state_dict_resumes_exactly() -> None:
+    straight = Tiny()
+    _train(straight, [MuonAdamW.for_module(straight, lr=0.02)], 4)
+    first = Tiny()
+    opt = MuonAdamW.for_module(first, lr=0.02)
+    _train(first, [opt], 2)
+    saved = copy.deepcopy(opt.state_dict())
+    assert {"momentum_buffer", "exp_avg", "exp_avg_sq"} <= {
+        k for s in saved["state"].values() for k in s
+    }
+    resumed = copy.deepcopy(first)
+    again = MuonAdamW.for_module(resumed, lr=0.02)
+    again.load_state_dict(saved)
+    _train(resumed, [again], 2)
+    assert max_abs_diff(resumed.state_dict(), straight.state_dict()) == 0.0
+
+
+def test_tied_and_head_weights_stay_with_adamw() -> None:
+    model = Tiny()
+    model.lm_head.weight = model.embed.weight  # an embedding tied to the head
+    opt = MuonAdamW.for_module(model)
+    assert opt.muon_names == ["hidden.weight", "mlp.0.weight", "mlp.2.weight"]
+    adamw = [p for g in opt.param_groups if not g["muon"] for p in g["params"]]
+    assert any(p is model.embed.weight for p in adamw)
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
+
+
+def test_bad_groups_are_refused_with_the_fix() -> None:
+    w = nn.Parameter(torch.zeros(3, 3))
+    b = nn.Parameter(torch.zeros(3))
+    with pytest.raises(TypeError, match="param groups with a 'muon' key"):
+        MuonAdamW([{"params": [w]}])
+    with pytest.raises(ValueError, match=r"Muon takes 2-D parameters only.*\(3,\)"):
+        MuonAdamW([{"params": [w, b], "muon": True}])
+
+
+FLUSH = [(s, p, m) for s in ("gpipe", "1f1b") for p, m in ((2, 4), (4, 4))]
+
+
+@pytest.mark.parametrize(("schedule", "p", "m"), FLUSH)
+def test_flush_schedules_with_muon_equal_one_device(
+    pools: Any, schedule: str, p: int, m: int
+) -> None:
+    results = pools(p).run(workers.fit, schedule, m, STEPS, "muon")
+    ref, _ = reference_train(STEPS, m, optimizer="muon")
+    diff = max_abs_diff(results[0]["state"], ref)
+    print(f"EXACTNESS muon {schedule} p={p} m={m}: max|dW| = {diff:.3e}")
+    assert diff <= TOL
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 2), (2, 4), (4, 4)])
+def test_2bw_with_muon_equals_the_delayed_reference(pools: Any, p: int, m: int) -> None:
+    results = pools(p).run(workers.fit, "2bw", m, STEPS, "muon")
+    ref = reference_2bw(STEPS, m, optimizer="muon")
+    diff = max_abs_diff(results[0]["state"], ref)
+    print(f"EXACTNESS muon 2bw p={p} m={m}: max|dW| = {diff:.3e}")
+    assert diff <= TOL
+
+
+def test_pipedream_with_muon_equals_its_reference(pools: Any) -> None:
+    results = pools(2).run(workers.fit, "pipedream", 2, STEPS, "muon")
+    ref = reference_pipedream(STEPS, 2, [4, 4], optimizer="muon")
+    diff = max_abs_diff(results[0]["state"], ref)
+    print(f"EXACTNESS muon pipedream p=2 m=2: max|dW| = {diff:.3e}")
+    assert diff <= TOL
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_muon_with_tied_weights(pools: Any, schedule: str) -> None:
+    results = pools(2).run(workers.fit, schedule, 4, STEPS, "muon", model="tied")
+    if schedule == "2bw":
+        ref = reference_2bw(STEPS, 4, optimizer="muon", model_name="tied")
+    else:
+        ref, _ = reference_train(STEPS, 4, optimizer="muon", model_name="tied")
+    diff = max_abs_diff(results[0]["state"], ref)
+    print(f"EXACTNESS muon tied {schedule}: max|dW| = {diff:.3e}")
+    assert diff <= TOL
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_muon_with_data_parallel(pools: Any, schedule: str) -> None:
+    from test_data_parallel import LOCAL_BATCH, _global_batches
+
+    results = pools(4).run(
+        workers.fit, schedule, 2, 4, "muon", batch_size=LOCAL_BATCH, data_parallel=2
+    )
+    batches = _global_batches(2, LOCAL_BATCH)
+    if schedule == "2bw":
+        ref = reference_2bw(4, 4, optimizer="muon", data=batches)
+    else:
+        ref, _ = reference_train(4, 4, optimizer="muon", data=batches)
+    diff = max_abs_diff(results[0]["state"], ref)
+    print(f"EXACTNESS muon dp=2 x pp=2 {schedule}: max|dW| = {diff:.3e}")
+    assert diff <= TOL
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_muon_resumes_exactly_from_a_consolidated_checkpoint(
+    pools: Any, tmp_path: Any, schedule: str
+) -> None:
+    from test_checkpoint import _fit
+
+    pool = pools(2)
+    straight = pool.run(_fit, schedule, 6, optimizer="muon")[0]
+    pool.run(_fit, schedule, 3, str(tmp_path), optimizer="muon")
+    ckpt = tmp_path / "step=3.ckpt"
+    raw = torch.load(ckpt, weights_only=True)
+    stages = raw["optimizer_states"][0]["pipe2bw_stages"]
+    assert all(
+        any("momentum_buffer" in s for s in stage["state"].values()) for stage in stages
+    )  # Muon's state, on every stage
+    resumed = pool.run(_fit, schedule, 6, None, str(ckpt), optimizer="muon")[0]
+    diff = max_abs_diff(resumed["state"], straight["state"])
+    print(f"RESUME muon {schedule}: 6 steps vs 3 + checkpoint + 3: max|dW| = {diff:.3e}")
+    assert diff == 0.0
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_muon_reshards_from_four_stages_to_two(pools: Any, tmp_path: Any, schedule: str) -> None:
+    from test_checkpoint import _fit
+
+    straight = pools(2).run(_fit, schedule, 6, microbatches=4, optimizer="muon")[0]
+    pools(4).run(
+        _fit, schedule, 3, str(tmp_path), microbatches=4, state_dict_type="sharded",
+        optimizer="muon",
+    )  # fmt: skip
+    resumed = pools(2).run(
+        _fit, schedule, 6, None, str(tmp_path / "step=3.ckpt"), microbatches=4,
+        state_dict_type="sharded", optimizer="muon",
+    )[0]  # fmt: skip
+    diff = max_abs_diff(resumed["state"], straight["state"])
+    print(f"RESUME sharded muon {schedule}: 4 stages x 3 steps + 2 x 3 vs 6: {diff:.3e}")
+    assert diff <= 1e-6
