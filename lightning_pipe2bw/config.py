@@ -62,6 +62,8 @@ class StrategyConfig:
     # flush schedules: send the last (GPipe: and the first) micro-batch's input gradient before
     # the weights' gradients
     early_input_grad: bool = True
+    # 2bw/pipedream: auto (the schedule's default), none, predict, error_feedback or nesterov
+    delay_correction: str = "auto"
 
 
 @dataclass
@@ -125,6 +127,7 @@ def _options(cfg: StrategyConfig, multirun: bool) -> dict[str, Any]:
         "repartition_every": cfg.repartition_every,
         "repartition_threshold": cfg.repartition_threshold,
         "early_input_grad": cfg.early_input_grad,
+        "delay_correction": cfg.delay_correction,
     }
 
 

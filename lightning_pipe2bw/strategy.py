@@ -152,6 +152,14 @@ class Pipe2BWStrategy(ParallelStrategy):
             input-gradient path instead. Stages whose backward must run as one pass (hooks,
             recomputation) do not split (see ``docs/schedules.md``); ``False`` turns it off
             everywhere.
+        delay_correction: ``2bw`` (and ``pipedream``, gradient corrections only): how each
+            update corrects 2BW's one-step gradient delay, by an exact rule of
+            ``lightning_pipe2bw.optim.delay``: ``"predict"`` evaluates each batch at the
+            optimizer's own prediction of the weights its gradient is applied to,
+            ``"error_feedback"`` adds the gradient's change since the previous step to the
+            gradient, ``"nesterov"`` extends each update by its change since the previous one,
+            ``"none"`` is the plain rule; ``"auto"`` (the default) takes the schedule's
+            default. Rules, memory and measured convergence: ``docs/pipedream-2bw.md``.
 
     The options are checked at once (:class:`~lightning_pipe2bw.pipeline.options.PipeOptions`,
     every problem in one error); :meth:`from_options` takes them already built.
@@ -181,6 +189,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         repartition_every: int | None = None,
         repartition_threshold: float = 0.15,
         early_input_grad: bool = True,
+        delay_correction: str = "auto",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -191,7 +200,7 @@ class Pipe2BWStrategy(ParallelStrategy):
             state_dict_type=state_dict_type, data_parallel=data_parallel, recompute=recompute,
             memory_plan=memory_plan, balance_activations=balance_activations,
             repartition_every=repartition_every, repartition_threshold=repartition_threshold,
-            early_input_grad=early_input_grad,
+            early_input_grad=early_input_grad, delay_correction=delay_correction,
         )  # fmt: skip
         self._num_nodes = 1
         self._process_group_backend = self.options.process_group_backend

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -290,23 +291,43 @@ def reference_2bw(
     data: Iterable[Any] | None = None,
     model_name: str = "regression",
     device: str | torch.device = "cpu",
+    correction: str = "none",
 ) -> dict[str, Tensor]:
     """Single-process PipeDream-2BW: batch t's gradient is computed with weight version
     max(t - 1, 0) and applied by the optimizer to the newest weights, so
     W(t+1) = W(t) - step(grad f(W(t-1))), W(-1) = W(0). The scheduler steps once per update,
     so the update of batch t uses the learning rate of step t, as on one device. Buffers (batch
     norm's running statistics) are not versioned: every forward updates the live ones. Trains
-    on ``device``; the state comes back on the CPU."""
+    on ``device``; the state comes back on the CPU.
+
+    ``correction`` (``docs/pipedream-2bw.md``), written here from the rules, not from the
+    library's code:
+
+    - ``"predict"``: batch t is evaluated at E(t) = W(t-1) - U(m(t-1); S(t-1)), the update the
+      optimizer applies to W(t-1) (batch t-1's, with its learning rate) were batch t-1's gradient
+      its first moment m (``exp_avg`` or ``momentum_buffer``); E(t) = W(t-1) without moments.
+    - ``"error_feedback"``: the optimizer steps with g_t + k (g_t - g_{t-1}) (k: the
+      correction's strength; g as clipped, before the correction; none for the first update).
+    - ``"nesterov"``: after the optimizer's own update u_t the weights move by
+      -b (u_t - u_{t-1}) (b: the correction's momentum; none for the first update).
+    """
+    previous: dict[Tensor, Tensor] = {}  # g_{t-1} or u_{t-1}, by parameter
     model = make_model(model_name, optimizer, num_blocks).to(device)
     # evaluates old weight versions
     shadow = make_model(model_name, optimizer, num_blocks).to(device)
     opt, sched = make_optimizer(model.parameters(), optimizer)
     history = {0: {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    points = {0: history[0]}  # where each batch is evaluated (corrections that predict)
     data = make_loader(model_name, batch_size) if data is None else data
     for step, (x, y) in enumerate(data):
         if step == steps:
             break
-        shadow.load_state_dict(history[max(step - 1, 0)])
+        if correction == "predict":
+            # batch step + 1's point: this update applied with the moments as the gradient
+            points[step + 1] = _predicted(model, opt, optimizer)
+            shadow.load_state_dict(points[step])
+        else:
+            shadow.load_state_dict(history[max(step - 1, 0)])
         with torch.no_grad():
             for live, old in zip(model.buffers(), shadow.buffers(), strict=True):
                 old.copy_(live)
@@ -318,14 +339,62 @@ def reference_2bw(
         for p, q in zip(model.parameters(), shadow.parameters(), strict=True):
             p.grad = q.grad.detach().clone() if q.grad is not None else None
         _clip(model.parameters(), clip)
-        opt.step()
+        corrected_step(opt, list(model.parameters()), correction, previous)
         sched.step()
         history[step + 1] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {k: v.cpu() for k, v in history[min(steps, len(history) - 1)].items()}
 
 
+def corrected_step(
+    opt: torch.optim.Optimizer,
+    params: list[Tensor],
+    correction: str,
+    previous: dict[Tensor, Tensor],
+) -> None:
+    """``opt.step()`` with a gradient correction (``previous``: each parameter's g_{t-1} or
+    u_{t-1}, updated here): ``"error_feedback"`` steps with g + k (g - g_prev),
+    ``"nesterov"`` moves on by -b (u - u_prev) after the optimizer's own update u."""
+    from lightning_pipe2bw.optim.delay import ErrorFeedback, NesterovLookahead
+
+    with_grad = [p for p in params if p.grad is not None]
+    if correction == "error_feedback":
+        raw = {p: p.grad.detach().clone() for p in with_grad}  # type: ignore[union-attr]
+        for p in with_grad:
+            if p in previous:
+                p.grad = raw[p].add(raw[p] - previous[p], alpha=ErrorFeedback.strength)
+        previous.update(raw)
+    before = {p: p.detach().clone() for p in with_grad}
+    opt.step()
+    if correction == "nesterov":
+        with torch.no_grad():
+            for p in with_grad:
+                update = before[p] - p
+                if p in previous:
+                    p.sub_(update - previous[p], alpha=NesterovLookahead.momentum)
+                previous[p] = update
+
+
+def _predicted(model: nn.Module, opt: torch.optim.Optimizer, kind: str) -> dict[str, Tensor]:
+    """The weights the optimizer's next step gives with each parameter's first moment as its
+    gradient, computed on copies (the model and the optimizer are left as they are)."""
+    twin = copy.deepcopy(model)
+    twin_opt, _ = make_optimizer(twin.parameters(), kind)
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for live, copied in zip(model.parameters(), twin.parameters(), strict=True):
+        state = opt.state.get(live, {})
+        moment = next((state[k] for k in ("exp_avg", "momentum_buffer") if k in state), None)
+        copied.grad = None if moment is None else moment.detach().clone()
+    twin_opt.step()
+    return {k: v.detach().clone() for k, v in twin.state_dict().items()}
+
+
 def reference_pipedream(
-    steps: int, microbatches: int, balance: list[int], optimizer: str = "adamw", batch_size: int = 8
+    steps: int,
+    microbatches: int,
+    balance: list[int],
+    optimizer: str = "adamw",
+    batch_size: int = 8,
+    correction: str = "none",
 ) -> dict[str, Tensor]:
     """Single-process PipeDream with weight stashing, stage by stage.
 
@@ -333,7 +402,8 @@ def reference_pipedream(
     micro-batch k - w - 1, so it has applied floor((k - w) / m) updates by then (none during
     warm-up): the forward and the backward of k on stage s use that version of the stage's
     weights. A stage applies batch t's update as soon as its own last backward of t is done,
-    with the learning rate of step t; each stage has its own optimizer state."""
+    with the learning rate of step t; each stage has its own optimizer state (and its own
+    gradient ``correction``, as :func:`corrected_step`)."""
     p = len(balance)
     model = RegressionModel(optimizer=optimizer)
     blocks = list(model.body.children())
@@ -349,6 +419,7 @@ def reference_pipedream(
     opts = [make_optimizer([q for _, q in params], optimizer)[0] for params in stage_params]
     base_lr = opts[0].param_groups[0]["lr"]
     history = [[{n: q.detach().clone() for n, q in params}] for params in stage_params]
+    previous: dict[Tensor, Tensor] = {}  # a gradient correction's g_{t-1} or u_{t-1}
     m = microbatches
     for t, (x, y) in enumerate(loader(batch_size)):
         if t == steps:
@@ -376,6 +447,6 @@ def reference_pipedream(
                 group["lr"] = base_lr * lr_lambda(t)
             for name, q in stage_params[s]:
                 q.grad = acc[s][name]
-            opts[s].step()
+            corrected_step(opts[s], [q for _, q in stage_params[s]], correction, previous)
             history[s].append({n: q.detach().clone() for n, q in stage_params[s]})
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

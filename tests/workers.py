@@ -43,6 +43,7 @@ def fit(
     trainer_kwargs = strategy_kwargs.pop("trainer_kwargs", {})
     val_batches = strategy_kwargs.pop("val_batches", 0)
     callbacks = strategy_kwargs.pop("callbacks", [])
+    samples = strategy_kwargs.pop("samples", 64)  # in the training set
     strategy = Pipe2BWStrategy(schedule=schedule, microbatches=microbatches, **strategy_kwargs)
     strategy.version_log = []
     record = RecordLoss()
@@ -54,7 +55,7 @@ def fit(
         **trainer_kwargs,
     )
     val = make_loader(model_name, batch_size, n=8 * val_batches) if val_batches else None
-    trainer.fit(model, make_loader(model_name, batch_size), val)
+    trainer.fit(model, make_loader(model_name, batch_size, n=samples), val)
     state = strategy.full_state_dict()
     opt = trainer.optimizers[0]
     return {

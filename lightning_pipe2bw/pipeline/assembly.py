@@ -272,6 +272,7 @@ def build_runtime(
             flush_every=options.flush_every,
             evicting=evicting,
             version_log=version_log,
+            delay_correction=options.correction,
         )
         runtime_optimizers = [driver.optimizer]
     else:

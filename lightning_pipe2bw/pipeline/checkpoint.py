@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 
 from lightning_pipe2bw.partition.plans import PlanResult
 from lightning_pipe2bw.pipeline.checkpoint_io import (
+    add_stored_optimizer_entries,
     gather_named,
     gather_optimizer_state,
     gather_state_dict,
@@ -158,6 +159,9 @@ class CheckpointFormat:
             return state
         local = driver["previous_weights"]
         state["batches"] = driver["batches"]
+        # its state per parameter is in the optimizer's; under a prediction the next batch's
+        # view is what "previous_weights" holds
+        state["delay_correction"] = driver["delay_correction"]
         if consolidate:
             local = gather_named(local, t.rank, t.world_size)
         state["previous_weights"] = local
@@ -235,6 +239,8 @@ class CheckpointFormat:
                 str(i): _renamed(stage_optimizer_state(root, opt), stable)
                 for i, opt in enumerate(optimizers)
             }
+            for i, entries in template["optimizer_states"].items():
+                add_stored_optimizer_entries(path, entries, f"optimizer_states.{i}.")
         names = runtime.weight_names()
         if pipeline.get("has_previous") and runtime.driver.state(names):
             template["previous_weights"] = {

@@ -156,6 +156,19 @@ def load_stage_optimizer_state_by_name(
     module: nn.Module, optimizer: Optimizer, state: dict[str, Any]
 ) -> None:
     set_optimizer_state_dict(module, optimizer, state, options=_OPTIONS)
+    # torch's loader keeps only the entries the optimizer makes itself; the others (a delay
+    # correction's, see add_stored_optimizer_entries) are put back here
+    params = dict(module.named_parameters(remove_duplicate=False))
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for key, value in state.items():
+        if not key.startswith("state.") or not isinstance(value, Tensor):
+            continue
+        name, entry = key[len("state.") :].rsplit(".", 1)
+        param = params.get(name)
+        if param is None or id(param) not in held or entry in optimizer.state[param]:
+            continue
+        dtype = param.dtype if value.is_floating_point() else value.dtype
+        optimizer.state[param][entry] = value.to(device=param.device, dtype=dtype)
 
 
 def save_sharded(
@@ -200,6 +213,26 @@ def load_sharded(path: str | os.PathLike[str], template: dict[str, Any]) -> None
             f"{missing[:5]}; was it written for a different model?"
         )
     dcp_load(template, checkpoint_id=path)
+
+
+def add_stored_optimizer_entries(
+    path: str | os.PathLike[str], template: dict[str, Any], prefix: str
+) -> None:
+    """Add to an optimizer-state ``template`` (flat: ``state.<name>.<key>``) the entries the
+    sharded checkpoint at ``path`` stores (under ``prefix``) for the same parameters that the
+    template lacks: state the optimizer gets beside its own (a delay correction's), which the
+    template, made from a freshly initialised optimizer, cannot know of."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    names = {key[len("state.") : key.rindex(".")] for key in template if key.startswith("state.")}
+    stored = FileSystemReader(Path(path)).read_metadata().state_dict_metadata
+    for key, meta in stored.items():
+        if not key.startswith(prefix + "state.") or not isinstance(meta, TensorStorageMetadata):
+            continue
+        flat = key[len(prefix) :]
+        name = flat[len("state.") : flat.rindex(".")]
+        if name in names and flat not in template:
+            template[flat] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
 
 
 def _missing_keys(path: Path, template: dict[str, Any]) -> list[str]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Literal, get_args
 
+from lightning_pipe2bw.optim.delay import CORRECTIONS, DEFAULT_CORRECTION
 from lightning_pipe2bw.runtime.stash import check_memory_plan
 from lightning_pipe2bw.schedule import SCHEDULES, ActivationBudget
 
@@ -100,6 +101,7 @@ class PipeOptions:
     repartition_every: int | None = None
     repartition_threshold: float = 0.15
     early_input_grad: bool = True
+    delay_correction: str = "auto"  # "auto": the schedule's default (see ``correction``)
 
     @classmethod
     def create(cls, **options: Any) -> PipeOptions:
@@ -126,6 +128,14 @@ class PipeOptions:
         """Whether batches follow one another without a flush (``2bw``, ``pipedream``)."""
         return self.schedule in ("2bw", "pipedream")
 
+    @property
+    def correction(self) -> str:
+        """The delay correction this run applies: the one asked for, or with ``"auto"`` the
+        schedule's default (``2bw``: ``DEFAULT_CORRECTION``; the others: ``"none"``)."""
+        if self.delay_correction != "auto":
+            return self.delay_correction
+        return DEFAULT_CORRECTION if self.schedule == "2bw" else "none"
+
     def num_microbatches(self, num_stages: int) -> int:
         """Micro-batches per batch: the option, or one per stage."""
         return self.microbatches if self.microbatches is not None else num_stages
@@ -145,6 +155,7 @@ class PipeOptions:
             "data_parallel": self.data_parallel,
             "body": self.body,
             "state_dict_type": self.state_dict_type,
+            "delay_correction": self.correction,
         }
 
     # ------------------------------------------------------------------ parsing
@@ -162,6 +173,9 @@ class PipeOptions:
                 values.update(parse(given[name]))
             except _Bad as bad:
                 problems.append(bad.problem)
+        if problems:
+            return None, problems
+        problems = _correction_problems(values["schedule"], values["delay_correction"])
         if problems:
             return None, problems
         return cls(**values), []
@@ -371,6 +385,48 @@ def _early_input_grad(value: Any) -> dict[str, Any]:
     return {"early_input_grad": value}
 
 
+def _delay_correction(value: Any) -> dict[str, Any]:
+    names = ("auto", *CORRECTIONS)
+    if value not in names:
+        valid = ", ".join(repr(n) for n in names)
+        raise _Bad(
+            "delay_correction",
+            value,
+            f"unknown delay_correction {value!r}; valid: {valid}",
+            choices=names,
+        )
+    return {"delay_correction": value}
+
+
+def _correction_problems(schedule: str, correction: str) -> list[Problem]:
+    """A correction the schedule has no use for, or cannot apply."""
+    if correction in ("auto", "none"):
+        return []
+    if schedule not in ("2bw", "pipedream"):
+        return [
+            Problem(
+                "delay_correction",
+                correction,
+                f"schedule={schedule!r} flushes the pipeline after every batch, so its gradients "
+                f"are not delayed and delay_correction={correction!r} has nothing to correct; it "
+                "applies to '2bw' and 'pipedream' (leave it 'auto')",
+            )
+        ]
+    if schedule == "pipedream" and CORRECTIONS[correction].predicts:
+        return [
+            Problem(
+                "delay_correction",
+                correction,
+                f"delay_correction={correction!r} evaluates each batch at a prediction of the "
+                "next update's weights, which needs 2BW's delay of exactly one update; under "
+                "'pipedream' each stage and micro-batch is behind by a different number of "
+                "updates. Use it with schedule='2bw', or a gradient correction with 'pipedream' "
+                f"({', '.join(repr(n) for n, c in CORRECTIONS.items() if not c.predicts)})",
+            )
+        ]
+    return []
+
+
 # every option as the user gives it, with its parser, in the order problems are listed
 _PARSERS: tuple[tuple[str, Any], ...] = (
     ("schedule", _schedule),
@@ -389,6 +445,7 @@ _PARSERS: tuple[tuple[str, Any], ...] = (
     ("repartition_every", _repartition_every),
     ("repartition_threshold", _repartition_threshold),
     ("early_input_grad", _early_input_grad),
+    ("delay_correction", _delay_correction),
 )
 _OPTION_NAMES = frozenset(name for name, _ in _PARSERS)
 _DEFAULTS: dict[str, Any] = {
@@ -408,6 +465,7 @@ _DEFAULTS: dict[str, Any] = {
     "repartition_every": None,
     "repartition_threshold": 0.15,
     "early_input_grad": True,
+    "delay_correction": "auto",
 }
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_pipe2bw.optim.delay import make_correction
 from lightning_pipe2bw.runtime.channel import ObjectChannel
 from lightning_pipe2bw.runtime.driver import DueGradient, Report
 from lightning_pipe2bw.runtime.engine import PipelineEngine, StepFn
@@ -49,17 +51,20 @@ class TwoBWDriver:
         flush_every: int | None = None,
         evicting: frozenset[int] = frozenset(),
         version_log: list[int] | None = None,
+        delay_correction: str = "none",
     ) -> None:
         """``optimizer``: the user's (wrapped here); ``channel``: carries the last stage's step
         values to the other ranks (None with one stage); ``flush_every``: drain every this many
         batches; ``evicting``: the stages that evict activations (BPipe); ``version_log``: a
-        list that gets the number of weight versions alive after every action (tests)."""
+        list that gets the number of weight versions alive after every action (tests);
+        ``delay_correction``: the name of a rule of ``lightning_pipe2bw.optim.delay``."""
         self.engine = engine
         self.m = num_microbatches
         self.channel = channel
         self.flush_every = flush_every
         self.evicting = evicting  # the stages that evict activations (BPipe)
         self.version_log = version_log
+        self.delay_correction = delay_correction
         self.admitted = 0  # batches admitted since fit started (= the next batch index)
         self.segment_start = 0  # first batch since the last flush
         self.next_update = 0  # the oldest batch whose update has not been applied
@@ -68,14 +73,27 @@ class TwoBWDriver:
         self._due = DueGradient()
 
     def _wrap(self, optimizer: Optimizer) -> tuple[WeightVersions, TwoBWOptimizer]:
-        """Weight versions over the stage's parameters, and the wrapper that keeps them."""
+        """Weight versions over the stage's parameters, and the wrapper that keeps them and
+        applies the delay correction."""
         engine = self.engine
+        named = list(engine.body.named_parameters())
+        correction = make_correction(self.delay_correction, optimizer, [p for _, p in named])
+        bound = self.max_versions(engine.stage, engine.num_stages)
         versions = WeightVersions(
-            list(engine.body.named_parameters()),
-            max_versions=self.max_versions(engine.stage, engine.num_stages),
+            named,
+            max_versions=bound + 1 if correction.predicts else bound,
             reserved=self.reserved_versions,
         )
-        return versions, TwoBWOptimizer(optimizer, versions)
+        wrapper = TwoBWOptimizer(optimizer, versions, correction)
+        if correction.predicts:
+            # batch t's view predicts from version t-1 and the state the next update (batch
+            # t-1's, with its learning rate) starts from
+            def predict(batch: int, newest: list[Tensor], out: list[Tensor]) -> None:
+                correction.predict(newest, out, wrapper.hyperparameters_of(batch - 1))
+
+            versions.predict = predict
+            versions.upcoming = lambda: {self.admitted}
+        return versions, wrapper
 
     def rebind(self, optimizers: list[Any]) -> list[Any]:
         """New weight versions over the stage's parameters, kept by a wrapper of the one
@@ -91,7 +109,8 @@ class TwoBWDriver:
         return 2
 
     def reserved_versions(self) -> set[int]:
-        """The version the next batch will run with must survive the updates before it."""
+        """The version the next batch will run with must survive the updates before it (with a
+        predicting correction, its view is made before they apply instead)."""
         return {WeightVersions.version_for(self.admitted)}
 
     def observe(self, action: Action) -> None:
@@ -269,6 +288,8 @@ class TwoBWDriver:
     def previous_version(self) -> list[Tensor] | None:
         """At a flush point: the weight version the next batch runs with when it is not the
         newest (2BW: version t-1 for batch t), which a checkpoint must keep for an exact resume."""
+        if self.versions.predict is not None:  # the next batch's view, if made already
+            return self.versions.view_tensors(self.admitted)
         version = WeightVersions.version_for(self.admitted)
         if self.admitted == 0 or version == self.versions.newest:
             return None
@@ -283,6 +304,7 @@ class TwoBWDriver:
             "previous_weights": (
                 dict(zip(names, previous, strict=True)) if previous is not None else {}
             ),
+            "delay_correction": self.delay_correction,
         }
 
     def resume(self, state: dict[str, Any], names: Sequence[str]) -> None:
@@ -292,6 +314,14 @@ class TwoBWDriver:
         rule at the loaded weights, as at the start of training: W(-1) = W(0)."""
         if "batches" not in state:
             return
+        written = state.get("delay_correction", "none")
+        if written != self.delay_correction:
+            warnings.warn(
+                f"resuming 2BW with delay_correction={self.delay_correction!r} from a checkpoint "
+                f"written with {written!r}: the next batch is evaluated where the checkpoint's rule "
+                "put it, and the correction starts from whatever state the optimizer holds for it",
+                stacklevel=2,
+            )
         previous: list[Tensor] | None = None
         saved = state.get("previous_weights") or {}
         if saved:

@@ -10,7 +10,11 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-__all__ = ["TwoBWOptimizer", "WeightVersions", "unwrap_optimizer"]
+from lightning_pipe2bw.optim.delay import DelayCorrection
+
+__all__ = ["VIEW", "TwoBWOptimizer", "WeightVersions", "unwrap_optimizer"]
+
+VIEW = -1  # the version key of a batch's leaves when it computes with its predicted weights
 
 
 class WeightVersions:
@@ -32,6 +36,12 @@ class WeightVersions:
 
     ``max_versions`` bounds the buffers: 2 for PipeDream-2BW, p - s for weight stashing on
     stage s; :meth:`advance` raises rather than exceed it.
+
+    With ``predict`` (a delay correction that evaluates batches at predicted weights, see
+    ``lightning_pipe2bw.optim.delay``), batch t computes not with version t - 1 but with a
+    *view*: a buffer of its own that ``predict(t, newest, out)`` fills from version t - 1 (then
+    the newest) when the batch first asks for weights. No batch then reads a version itself, so
+    every update is applied in place; the views of in-flight batches keep their buffers.
     """
 
     def __init__(
@@ -39,6 +49,8 @@ class WeightVersions:
         named_parameters: list[tuple[str, nn.Parameter]],
         max_versions: int = 2,
         reserved: Callable[[], set[int]] = set,
+        predict: Callable[[int, list[Tensor], list[Tensor]], None] | None = None,
+        upcoming: Callable[[], set[int]] = set,
     ) -> None:
         self.names = [name for name, _ in named_parameters]
         self.params = [param for _, param in named_parameters]
@@ -46,10 +58,14 @@ class WeightVersions:
         self._buffers: list[list[Tensor]] = [[p.data for p in self.params]]
         self._buffer_of: dict[int, int] = {0: 0}  # version -> buffer index
         self.newest = 0
-        self._leaves: dict[tuple[int, int], dict[str, Tensor]] = {}  # (batch, version) -> leaves
+        # (batch, version) -> leaves; (batch, VIEW) for a batch computing with its view
+        self._leaves: dict[tuple[int, int], dict[str, Tensor]] = {}
         self._finished: set[int] = set()  # batches with leaves whose backwards have all run
         # versions that batches not admitted yet will need (2BW: the next batch's)
         self.reserved = reserved
+        self.predict = predict
+        self.upcoming = upcoming  # batches not admitted yet (2BW: the next one)
+        self._view_of: dict[int, int] = {}  # batch -> the buffer of its predicted weights
 
     @staticmethod
     def version_for(batch: int) -> int:
@@ -58,7 +74,9 @@ class WeightVersions:
 
     def weights_for(self, batch: int, version: int | None = None) -> dict[str, Tensor]:
         """The leaf tensors batch ``batch`` computes with under ``version`` (default: the 2BW
-        rule), created on first use."""
+        rule, or the batch's view under ``predict``), created on first use."""
+        if version is None and self.predict is not None:
+            return self._view_leaves(batch)
         version = self.version_for(batch) if version is None else version
         leaves = self._leaves.get((batch, version))
         if leaves is None:
@@ -67,13 +85,66 @@ class WeightVersions:
                     f"batch {batch} needs weight version {version}, but this stage holds versions "
                     f"{sorted(self._buffer_of)}: updates were applied out of order"
                 )
-            buffer = self._buffers[self._buffer_of[version]]
-            leaves = {
-                name: t.detach().requires_grad_(p.requires_grad)
-                for name, t, p in zip(self.names, buffer, self.params, strict=True)
-            }
+            leaves = self._leaves_of(self._buffers[self._buffer_of[version]])
             self._leaves[(batch, version)] = leaves
         return leaves
+
+    def _leaves_of(self, buffer: list[Tensor]) -> dict[str, Tensor]:
+        return {
+            name: t.detach().requires_grad_(p.requires_grad)
+            for name, t, p in zip(self.names, buffer, self.params, strict=True)
+        }
+
+    def _view_leaves(self, batch: int) -> dict[str, Tensor]:
+        leaves = self._leaves.get((batch, VIEW))
+        if leaves is None:
+            if batch not in self._view_of:
+                self.make_view(batch)
+            leaves = self._leaves_of(self._buffers[self._view_of[batch]])
+            self._leaves[(batch, VIEW)] = leaves
+        return leaves
+
+    def make_view(self, batch: int) -> None:
+        """Fill batch ``batch``'s view from the newest weights (which must be its 2BW version:
+        the prediction reads the weights and the optimizer state the batch would have run
+        with)."""
+        assert self.predict is not None
+        version = self.version_for(batch)
+        if version != self.newest:
+            raise RuntimeError(
+                f"batch {batch} predicts its weights from version {version}, but this stage's "
+                f"newest is {self.newest}: its view had to be made before the update"
+            )
+        free = self._free_buffer(self._busy())
+        self.predict(batch, self._buffers[self._buffer_of[self.newest]], self._buffers[free])
+        self._view_of[batch] = free
+
+    def has_view(self, batch: int) -> bool:
+        return batch in self._view_of
+
+    def view_tensors(self, batch: int) -> list[Tensor] | None:
+        """Batch ``batch``'s predicted weights (in ``params`` order), if it has a view."""
+        index = self._view_of.get(batch)
+        return None if index is None else self._buffers[index]
+
+    def _busy(self) -> set[int]:
+        """The buffers something still reads: live versions' and views'."""
+        return {self._buffer_of[v] for v in self.live_versions() if isinstance(v, int)} | set(
+            self._view_of.values()
+        )
+
+    def _free_buffer(self, busy: set[int]) -> int:
+        free = next((i for i in range(len(self._buffers)) if i not in busy), None)
+        if free is None:
+            if len(self._buffers) >= self.max_versions:
+                raise RuntimeError(
+                    f"this stage would need {len(self._buffers) + 1} weight buffers (live: "
+                    f"{sorted(map(str, self.live_versions()))}), more than its bound of "
+                    f"{self.max_versions}"
+                )
+            self._buffers.append([torch.empty_like(t) for t in self._buffers[0]])
+            free = len(self._buffers) - 1
+        return free
 
     def grads_of(self, batch: int) -> list[Tensor | None]:
         """Batch ``batch``'s gradient: the sum over the versions its micro-batches ran with."""
@@ -94,19 +165,22 @@ class WeightVersions:
             self._finished.add(batch)
 
     def release(self, batch: int) -> None:
-        """Batch ``batch``'s gradient has been taken: drop its leaves."""
+        """Batch ``batch``'s gradient has been taken: drop its leaves (and its view)."""
         for key in [k for k in self._leaves if k[0] == batch]:
             del self._leaves[key]
         self._finished.discard(batch)
+        self._view_of.pop(batch, None)
 
     def _reading(self) -> set[int]:
         """Versions that micro-batches still compute with (forwards or backwards to come)."""
-        return {v for b, v in self._leaves if b not in self._finished}
+        return {v for b, v in self._leaves if b not in self._finished and v != VIEW}
 
-    def live_versions(self) -> set[int]:
+    def live_versions(self) -> set[int | tuple[str, int]]:
         """Versions some in-flight micro-batch, or a batch not admitted yet (``reserved``),
-        still needs, plus the newest."""
-        return self._reading() | self._reserved() | {self.newest}
+        still needs, plus the newest; and under ``predict`` the views still held, as
+        ``("view", batch)``."""
+        views = {("view", b) for b in self._view_of if b not in self._finished}
+        return self._reading() | self._reserved() | {self.newest} | views
 
     def _reserved(self) -> set[int]:
         # a reserved version may not exist yet (it is the one the coming update creates)
@@ -115,7 +189,18 @@ class WeightVersions:
     def advance(self) -> None:
         """Make room for version ``newest + 1``: copy the newest weights into a buffer no live
         version uses and point the parameters at it, so the optimizer's in-place step leaves
-        every version an in-flight micro-batch uses untouched."""
+        every version an in-flight micro-batch uses untouched. Under ``predict`` a batch not
+        admitted yet that would predict from the newest weights (the next batch, after a flush
+        applied its predecessor's update early) gets its view now, and the update is applied in
+        place: no batch reads a version itself."""
+        if self.predict is not None:
+            for batch in self.upcoming():
+                if batch not in self._view_of and self.version_for(batch) == self.newest:
+                    self.make_view(batch)
+            buffer = self._buffer_of[self.newest]
+            self.newest += 1
+            self._buffer_of = {self.newest: buffer}
+            return
         in_use = self._reading() | self._reserved()
         if self.newest not in in_use:
             # no in-flight micro-batch reads the newest weights: update them in place
@@ -124,17 +209,8 @@ class WeightVersions:
             self.newest += 1
             self._buffer_of[self.newest] = buffer
             return
-        live = self.live_versions()
-        busy = {self._buffer_of[v] for v in live}
-        free = next((i for i in range(len(self._buffers)) if i not in busy), None)
-        if free is None:
-            if len(self._buffers) >= self.max_versions:
-                raise RuntimeError(
-                    f"this stage would need {len(self._buffers) + 1} weight versions (live: "
-                    f"{sorted(live)}), more than its bound of {self.max_versions}"
-                )
-            self._buffers.append([torch.empty_like(t) for t in self._buffers[0]])
-            free = len(self._buffers) - 1
+        live = self._reading() | self._reserved() | {self.newest}
+        free = self._free_buffer({self._buffer_of[v] for v in live})
         current = self._buffer_of[self.newest]
         with torch.no_grad():
             for dst, src in zip(self._buffers[free], self._buffers[current], strict=True):
@@ -157,9 +233,11 @@ class WeightVersions:
 
     def restore(self, newest: int, previous: list[Tensor] | None) -> None:
         """Start from a checkpoint: the parameters hold version ``newest`` and ``previous``, if
-        given, is version ``newest - 1`` (copied into a buffer of its own)."""
+        given, is what batch ``newest`` computes with (copied into a buffer of its own): version
+        ``newest - 1``, or under ``predict`` that batch's view."""
         self._leaves.clear()
         self._finished.clear()
+        self._view_of.clear()
         self._buffers = [[p.data for p in self.params]]
         self._buffer_of = {newest: 0}
         self.newest = newest
@@ -171,7 +249,10 @@ class WeightVersions:
                 for t, p in zip(previous, self.params, strict=True)
             ]
             self._buffers.append(copies)
-            self._buffer_of[newest - 1] = 1
+            if self.predict is not None:
+                self._view_of[newest] = 1
+            else:
+                self._buffer_of[newest - 1] = 1
 
 
 class TwoBWOptimizer(Optimizer):
@@ -187,10 +268,17 @@ class TwoBWOptimizer(Optimizer):
     single-device run uses for it although the update lands one step later.
     """
 
-    def __init__(self, optimizer: Optimizer, versions: WeightVersions) -> None:
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        versions: WeightVersions,
+        correction: DelayCorrection | None = None,
+    ) -> None:
         # no super().__init__: the wrapped optimizer owns the param groups and the state
         self.optimizer = optimizer
         self.versions = versions
+        # the delay correction (lightning_pipe2bw.optim.delay); None: the plain rule
+        self.correction = correction
         self.due: int | None = None  # batch whose gradient the next step applies
         self._hyper: dict[int, list[dict[str, Any]]] = {}
 
@@ -217,6 +305,11 @@ class TwoBWOptimizer(Optimizer):
         called when Lightning runs that batch, before its scheduler steps."""
         self._hyper[batch] = self._snapshot()
 
+    def hyperparameters_of(self, batch: int) -> list[dict[str, Any]] | None:
+        """The param groups' values batch ``batch``'s update will use (None: not recorded, or
+        applied already)."""
+        return self._hyper.get(batch)
+
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         loss = closure() if closure is not None else None
         if self.due is not None:
@@ -229,13 +322,18 @@ class TwoBWOptimizer(Optimizer):
         return loss
 
     def apply(self, batch: int) -> None:
-        """Apply batch ``batch``'s gradient (in ``.grad``) to the newest weights."""
+        """Apply batch ``batch``'s gradient (in ``.grad``) to the newest weights, through the
+        delay correction if there is one."""
+        self.versions.advance()
         hyper = self._hyper.pop(batch)
         current = self._snapshot()
         for group, values in zip(self.param_groups, hyper, strict=True):
             group.update(values)
-        self.versions.advance()
+        if self.correction is not None:
+            self.correction.before_step()
         self.optimizer.step()
+        if self.correction is not None:
+            self.correction.after_step()
         for group, values in zip(self.param_groups, current, strict=True):
             group.update(values)
         self.due = None
@@ -246,8 +344,10 @@ class TwoBWOptimizer(Optimizer):
         that version numbers keep meaning "after t updates"."""
         if self.due is None:
             return
-        self._hyper.pop(self.due, None)
         self.versions.advance()
+        self._hyper.pop(self.due, None)
+        if self.correction is not None:
+            self.correction.skipped()
         self.due = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -1,0 +1,282 @@
+"""PipeDream-2BW's delay corrections: exact update rules that make a one-step-delayed gradient
+train like a fresh one.
+
+2BW computes batch t's gradient at W(t-1) and applies it to W(t) (``docs/pipedream-2bw.md``). A
+correction changes either the point where a batch is evaluated (its forward and backward), or
+the gradient the user's optimizer receives. Each is a precise rule of the weights, the
+optimizer's state and the gradients a stage already has when it needs them (while batch t runs,
+a stage holds W(t-1) and the optimizer state after update t-1; batch t-1's gradient is complete
+only when its update is applied), so a single-process loop reproduces it exactly
+(``tests/models.py::reference_2bw``). The notation: ``U(g; S)`` is the user's optimizer's whole
+update (moments, bias correction, decoupled weight decay, learning rate) with gradient ``g`` from
+state ``S``; ``S(t)`` is the state after t updates; batch t's update is the one that makes W(t+1)
+from W(t).
+
+State a correction keeps per parameter lives in the optimizer's own state (keys starting with
+``delay_``), so checkpoints save it, shard it by parameter name and reload it on any partition
+like the optimizer's moments.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+__all__ = [
+    "CORRECTIONS",
+    "DEFAULT_CORRECTION",
+    "DelayCorrection",
+    "ErrorFeedback",
+    "NesterovLookahead",
+    "NoCorrection",
+    "WeightPrediction",
+    "make_correction",
+]
+
+
+class DelayCorrection:
+    """The hooks a correction has: :meth:`predict` (where a batch is evaluated, when
+    :attr:`predicts`), :meth:`before_step` (the gradient the optimizer receives), and
+    :meth:`after_step` / :meth:`skipped` (what it keeps for the next step)."""
+
+    name: ClassVar[str] = "none"
+    # the batch is evaluated at weights of its own (a third weight buffer where batches span
+    # two calls): WeightVersions asks predict() for them
+    predicts: ClassVar[bool] = False
+    # the optimizer-state entries it keeps per parameter (each one tensor of the parameter's size)
+    state_keys: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, optimizer: Optimizer, params: Sequence[Tensor]) -> None:
+        self.optimizer = optimizer  # the user's (unwrapped)
+        self.params = list(params)  # the stage's, in WeightVersions order
+
+    def predict(
+        self, newest: list[Tensor], out: list[Tensor], hyper: list[dict[str, Any]] | None
+    ) -> None:
+        """Write the weights the next batch is evaluated at into ``out`` (``newest``: W(t-1);
+        ``hyper``: the param groups' values of the update that follows, None for the
+        current)."""
+        raise NotImplementedError(f"delay_correction={self.name!r} does not predict weights")
+
+    def before_step(self) -> None:
+        """The due gradient is in the parameters' ``.grad`` (clipped, unscaled); the optimizer
+        steps next."""
+
+    def after_step(self) -> None:
+        """The optimizer has stepped."""
+
+    def skipped(self) -> None:
+        """The loss scaler skipped the update (inf/NaN), on every stage alike."""
+
+    def state_of(self, param: Tensor) -> dict[str, Any]:
+        return self.optimizer.state[param]  # type: ignore[no-any-return]
+
+
+class NoCorrection(DelayCorrection):
+    """The plain rule: W(t+1) = W(t) - U(g_t), g_t at W(t-1)."""
+
+
+# ---------------------------------------------------------------------- weight prediction
+def _inner_class(optimizer: Optimizer, group: dict[str, Any]) -> type[Optimizer]:
+    """The optimizer class that steps ``group`` (MuonAdamW runs Muon or AdamW per group)."""
+    from lightning_pipe2bw.optim.muon import MuonAdamW
+
+    if isinstance(optimizer, MuonAdamW):
+        return torch.optim.Muon if group["muon"] else torch.optim.AdamW
+    return type(optimizer)
+
+
+_MOMENTS = ("exp_avg", "momentum_buffer")  # Adam's family, SGD and Muon
+
+
+class WeightPrediction(DelayCorrection):
+    """Batch t is evaluated at the optimizer's own prediction of the weights it would have
+    computed with: the next update applied to W(t-1) with the optimizer's first moment in place
+    of the gradient that is not complete yet (SpecTrain, XPipe and PipeOptim predict this way):
+
+        E(t) = W(t-1) - U(m(t-1); S(t-1)),    W(t+1) = W(t) - U(grad f_t(E(t)); S(t))
+
+    where m is the first moment the optimizer keeps (``exp_avg``: Adam, AdamW, NAdam...;
+    ``momentum_buffer``: SGD with momentum, Muon), U is the step the optimizer would take next
+    (batch t-1's, with its learning rate and weight decay), and S(t-1) is left untouched (the
+    prediction runs on copies). Before the first update (no moment yet) E(t) = W(t-1). Memory: a
+    third weight buffer on every stage but the last (a batch's view lives while its backwards
+    run in the next call), and one parameter's optimizer state, copied, at a time. Time: one
+    extra optimizer step per stage and step.
+    """
+
+    name = "predict"
+    predicts = True
+
+    def __init__(self, optimizer: Optimizer, params: Sequence[Tensor]) -> None:
+        super().__init__(optimizer, params)
+        self._group_of: dict[int, int] = {}
+        for index, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                self._group_of[id(p)] = index
+        self._shadows: dict[int, Optimizer] = {}
+
+    def predict(
+        self, newest: list[Tensor], out: list[Tensor], hyper: list[dict[str, Any]] | None
+    ) -> None:
+        optimizer = self.optimizer
+        with torch.no_grad():
+            for param, now, dst in zip(self.params, newest, out, strict=True):
+                dst.copy_(now)
+                state = optimizer.state.get(param)
+                key = next((k for k in _MOMENTS if state and k in state), None)
+                if key is None:
+                    if state:
+                        raise TypeError(
+                            f"delay_correction='predict' predicts with the optimizer's first "
+                            f"moment (exp_avg or momentum_buffer), and "
+                            f"{type(optimizer).__name__} keeps neither (its state: "
+                            f"{sorted(state)}); use delay_correction='error_feedback'"
+                        )
+                    continue  # before the first update: no moment, no step to predict
+                index = self._group_of[id(param)]
+                group = optimizer.param_groups[index]
+                values = {k: v for k, v in group.items() if k != "params"}
+                if hyper is not None:
+                    values.update(hyper[index])
+                assert state is not None
+                shadow = self._shadow(param, group, dst, values)
+                shadow.state[dst] = {
+                    k: v.clone() if isinstance(v, Tensor) else copy.deepcopy(v)
+                    for k, v in state.items()
+                }
+                dst.grad = state[key].clone()
+                shadow.step()
+                dst.grad = None
+                shadow.state.clear()
+
+    def _shadow(
+        self, param: Tensor, group: dict[str, Any], dst: Tensor, values: dict[str, Any]
+    ) -> Optimizer:
+        """An optimizer of the group's class over ``dst`` alone, with the group's values."""
+        shadow = self._shadows.get(id(param))
+        if shadow is None or shadow.param_groups[0]["params"][0] is not dst:
+            cls = _inner_class(self.optimizer, group)
+            shadow = cls([dst])  # type: ignore[call-arg]
+            self._shadows[id(param)] = shadow
+        shadow.param_groups[0].update(values)
+        shadow.param_groups[0]["params"] = [dst]
+        return shadow
+
+
+# ---------------------------------------------------------------------- error feedback
+class ErrorFeedback(DelayCorrection):
+    """Feed back the error of the last delayed step: the optimizer receives the due gradient
+    plus ``strength`` times how much it moved since the previous one,
+
+        W(t+1) = W(t) - U(g_t + k (g_t - g_{t-1}); S(t)),    g_t = grad f_t(W(t-1)),
+
+    with k = :attr:`strength` and no correction for the first update (no g_{t-1}). The delay
+    makes each update use a gradient one step old; to first order the error is the gradient's
+    change over one step, H (W(t) - W(t-1)), which the last two delayed gradients estimate, and
+    the update adds it back (error feedback, after arXiv 2606.30634's optimizer-agnostic
+    correction: it transforms the gradient of any optimizer). g is the gradient the optimizer
+    would see without the correction (clipped and unscaled). Memory: one gradient-sized buffer
+    per parameter (the previous gradient, ``delay_previous_grad`` in the optimizer's state).
+    Time: three element-wise passes per step.
+    """
+
+    name = "error_feedback"
+    state_keys = ("delay_previous_grad",)
+    strength: ClassVar[float] = 1.0
+
+    def __init__(self, optimizer: Optimizer, params: Sequence[Tensor]) -> None:
+        super().__init__(optimizer, params)
+        self._raw: dict[int, Tensor] = {}
+
+    def before_step(self) -> None:
+        with torch.no_grad():
+            for param in self.params:
+                grad = param.grad
+                if grad is None:
+                    continue
+                raw = grad.clone()
+                previous = self.state_of(param).get("delay_previous_grad")
+                if previous is not None:
+                    grad.add_(raw.sub(previous), alpha=self.strength)
+                self._raw[id(param)] = raw
+
+    def after_step(self) -> None:
+        # kept only after the optimizer has stepped: Adam's family makes its state when the
+        # state of a parameter is still empty at its first step
+        for param in self.params:
+            raw = self._raw.pop(id(param), None)
+            if raw is not None:
+                self.state_of(param)["delay_previous_grad"] = raw
+
+    def skipped(self) -> None:
+        self._raw.clear()
+
+
+# ---------------------------------------------------------------------- Nesterov
+class NesterovLookahead(DelayCorrection):
+    """Nesterov's look-ahead on the optimizer's own updates: after the optimizer's step, the
+    weights move on by ``momentum`` times how much that update changed from the previous one,
+
+        u_t = U(g_t; S(t)),    W(t+1) = W(t) - u_t - b (u_t - u_{t-1}),
+
+    with b = :attr:`momentum`, u the update the optimizer itself applied (before this
+    correction) and none for the first update. This is Nesterov's accelerated step written on
+    updates (W moves by (1 + b) u_t - b u_{t-1}, the look-ahead form of Sutskever et al.); with a
+    fixed delay of one it steps ahead of where the stale gradient points, as Ajanthan et al.
+    (ICML 2025) adapt Nesterov's look-ahead to a delay, for any optimizer. Memory: one
+    weight-sized buffer per parameter (the previous update, ``delay_previous_update`` in the
+    optimizer's state) and the weights before the step, copied during it. Time: four element-wise
+    passes per step.
+    """
+
+    name = "nesterov"
+    state_keys = ("delay_previous_update",)
+    momentum: ClassVar[float] = 0.5
+
+    def __init__(self, optimizer: Optimizer, params: Sequence[Tensor]) -> None:
+        super().__init__(optimizer, params)
+        self._before: dict[int, Tensor] = {}
+
+    def before_step(self) -> None:
+        for param in self.params:
+            if param.grad is not None:
+                self._before[id(param)] = param.detach().clone()
+
+    def after_step(self) -> None:
+        with torch.no_grad():
+            for param in self.params:
+                before = self._before.pop(id(param), None)
+                if before is None:
+                    continue
+                update = before.sub_(param)  # u_t = W(t) - (W(t) - u_t)
+                state = self.state_of(param)
+                previous = state.get("delay_previous_update")
+                if previous is not None:
+                    param.sub_(update.sub(previous), alpha=self.momentum)
+                state["delay_previous_update"] = update
+
+    def skipped(self) -> None:
+        self._before.clear()
+
+
+CORRECTIONS: dict[str, type[DelayCorrection]] = {
+    cls.name: cls for cls in (NoCorrection, WeightPrediction, ErrorFeedback, NesterovLookahead)
+}
+# what schedule="2bw" applies unless told otherwise (benchmarks/convergence.py chose it)
+DEFAULT_CORRECTION = "none"
+
+
+def make_correction(name: str, optimizer: Optimizer, params: Sequence[Tensor]) -> DelayCorrection:
+    """The correction called ``name`` for a stage's ``params`` under ``optimizer``."""
+    try:
+        cls = CORRECTIONS[name]
+    except KeyError:
+        valid = ", ".join(repr(n) for n in CORRECTIONS)
+        raise ValueError(f"unknown delay_correction {name!r}; valid: {valid}") from None
+    return cls(optimizer, params)
