@@ -1,28 +1,50 @@
-"""Convergence of PipeDream-2BW (one step of weight delay) against 1F1B (exact, flushed).
+"""Time to accuracy: PipeDream-2BW with each delay correction against 1F1B, with AdamW and Muon.
 
-Trains the same small byte-level GPT (``lightning_pipe2bw.recipes.gpt``) on the Python standard library's
-sources with ``schedule="2bw"`` and ``schedule="1f1b"``: same seed, same initial weights, same
-batches, 2 CPU processes (one pipeline stage each), 4 micro-batches per batch, AdamW with warm-up
-and cosine decay, once per peak learning rate (``--lr``, several by default: the gap 2BW's delay
-opens depends strongly on it). Each run is a real Lightning ``Trainer`` with spawned workers; the
-losses are read back from the CSV logger's file (written on global rank 0, the last stage).
+Every configuration trains the main job's GPT (``lightning_pipe2bw.recipes.gpt``: 4 blocks of
+width 128, context 128, batches of 32 in 4 micro-batches, warm-up then cosine decay) on the
+Python standard library's sources from the same seed, weights and batches:
 
-    python benchmarks/convergence.py                      # 3 rates x 2 schedules x 300 steps
-    python benchmarks/convergence.py --lr 5e-4 --steps 100 --val-every 50
+* ``1f1b`` (exact: one device's gradient accumulation), and ``2bw`` with each
+  ``delay_correction`` (``none``, ``predict``, ``error_feedback``, ``nesterov``);
+* each with ``AdamW`` and with ``Muon`` (``MuonAdamW``: Muon on the blocks' matrices, AdamW on
+  the rest, one learning rate for both);
+* each at several peak learning rates (``--lr-adamw``, ``--lr-muon``).
 
-Writes ``benchmarks/results/convergence.png`` (one panel per rate: training curves and
-validation points) and ``benchmarks/results/convergence.json`` (the curves, the final losses and
-the settings), and prints a table of the final losses and, per rate, the relative difference of
-2BW's final validation loss from 1F1B's.
+It runs in two phases:
+
+1. **curves**: every configuration at every learning rate, trained by the strategy on one
+   process (p = 1), two runs at a time with one thread each. The update rules do not depend on
+   the number of stages: the tests prove each equal, bit for bit, to its single-process
+   reference at p = 2 and 4 (``tests/test_delay.py``, ``tests/test_exactness.py``), and phase 2
+   checks that 2 stages give this phase's final loss.
+2. **pipeline**: the best learning rate of each configuration (lowest final validation loss),
+   trained by the real strategy on 2 processes (2 stages). Its final validation loss is checked
+   against phase 1's, and it gives the configuration's wall time per step.
+
+The target loss is the best ``1f1b`` + AdamW run's final validation loss. For every
+configuration the report gives the final validation loss at its best learning rate, the steps
+to reach the target (from its validation curve, measured every ``--val-every`` steps) and the
+wall-clock seconds to reach it (steps x phase 2's seconds per training step, validation
+excluded), and plots the validation loss against steps and against wall time.
+
+    python benchmarks/convergence.py                 # the whole sweep (about 90 min on 2 cores)
+    python benchmarks/convergence.py --configs 1f1b:adamw 2bw-error_feedback:adamw \\
+        --lr-adamw 2e-3 --steps 100                 # a part of it
+
+Writes ``benchmarks/results/convergence.json`` (every curve, the settings, the table) and
+``convergence.png``; prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
+import multiprocessing as mp
+import os
 import shlex
+import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -31,148 +53,216 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
-from lightning.pytorch.loggers import CSVLogger
 
 from lightning_pipe2bw import Pipe2BWStrategy
 from lightning_pipe2bw.recipes.gpt import GPT, StdlibTextDataModule
 
 ROOT = Path(__file__).resolve().parent.parent
-
 DEFAULT_OUT = ROOT / "benchmarks" / "results"
+CORRECTIONS = ("none", "predict", "error_feedback", "nesterov")
+DEFAULT_CONFIGS = [
+    f"{schedule}:{optimizer}"
+    for optimizer in ("adamw", "muon")
+    for schedule in ("1f1b", *(f"2bw-{c}" for c in CORRECTIONS))
+]
 
 
-class Progress(Callback):
-    """Prints the training loss every ``every`` steps, on global rank 0 only."""
+def parse_config(name: str) -> tuple[str, str, str]:
+    """``"2bw-error_feedback:muon"`` -> (schedule, correction, optimizer)."""
+    head, _, optimizer = name.partition(":")
+    schedule, _, correction = head.partition("-")
+    if schedule not in ("1f1b", "2bw") or optimizer not in ("adamw", "muon"):
+        raise ValueError(f"bad configuration {name!r}: use e.g. 1f1b:adamw or 2bw-predict:muon")
+    if schedule == "2bw" and correction not in CORRECTIONS:
+        raise ValueError(f"bad correction in {name!r}: use one of {', '.join(CORRECTIONS)}")
+    return schedule, correction or "none", optimizer
 
-    def __init__(self, label: str, every: int) -> None:
-        self.label = label
-        self.every = every
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Record(Callback):
+    """Losses and the training wall time at each validation, written to ``path`` by global
+    rank 0 (the last stage, which has every step's own loss) at the end of fit (spawned
+    workers run the fit: their callbacks' state stays with them)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.train: list[list[float]] = []
+        self.val: list[list[float]] = []
         self.start = 0.0
+        self.in_validation = 0.0  # seconds spent validating so far
+        self._val_start = 0.0
+        self.step_end = 0.0
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.start = time.perf_counter()
 
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_end(self, trainer: Trainer, *_: Any) -> None:
+        self.step_end = time.perf_counter()
         step = trainer.global_step
-        if trainer.is_global_zero and (step % self.every == 0 or step == trainer.max_steps):
+        if step % 10 == 0 or step == trainer.max_steps:
             loss = trainer.callback_metrics.get("train_loss")
-            value = f"{float(loss):.4f}" if loss is not None else "n/a"
-            elapsed = time.perf_counter() - self.start
-            print(
-                f"[{self.label}] step {step:4d}/{trainer.max_steps}  train_loss {value}  "
-                f"({elapsed:.0f} s)",
-                flush=True,
-            )
+            if loss is not None:
+                self.train.append([step, float(loss)])
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._val_start = time.perf_counter()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        now = time.perf_counter()
+        # training time up to the end of this step (the flush before validation included)
+        seconds = self._val_start - self.start - self.in_validation
+        self.in_validation += now - self._val_start
+        loss = trainer.callback_metrics.get("val_loss")
+        if loss is not None and not trainer.sanity_checking:
+            self.val.append([trainer.global_step, float(loss), seconds])
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.is_global_zero:
+            self.path.write_text(json.dumps({"train": self.train, "val": self.val}))
 
 
-def read_metrics(csv_path: Path) -> dict[str, list[list[float]]]:
-    """``{"train": [[step, loss], ...], "val": [[step, loss, ppl], ...]}`` from a CSVLogger file."""
-    train: list[list[float]] = []
-    val: list[list[float]] = []
-    with csv_path.open(newline="") as f:
-        for row in csv.DictReader(f):
-            step = float(row["step"])
-            if row.get("train_loss"):
-                train.append([step, float(row["train_loss"])])
-            if row.get("val_loss"):
-                ppl = float(row["val_ppl"]) if row.get("val_ppl") else math.nan
-                val.append([step, float(row["val_loss"]), ppl])
-    return {"train": train, "val": val}
+def train(config: str, lr: float, devices: int, args: dict[str, Any]) -> dict[str, Any]:
+    """One run of ``config`` at peak learning rate ``lr`` on ``devices`` stages: its curves and
+    training wall time (validation excluded)."""
+    torch.set_num_threads(1)
+    schedule, correction, optimizer = parse_config(config)
 
-
-def run(schedule: str, lr: float, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
-    """Train one schedule from the seed; return its curves, final losses and wall time."""
-    seed_everything(args.seed, workers=True)
+    seed_everything(args["seed"], workers=True)
     model = GPT(
-        block_size=args.block_size,
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        n_embd=args.n_embd,
+        block_size=args["block_size"],
+        n_layer=args["n_layer"],
+        n_head=args["n_head"],
+        n_embd=args["n_embd"],
         lr=lr,
-        weight_decay=args.weight_decay,
-        warmup_steps=args.warmup,
-        max_steps=args.steps,
+        weight_decay=args["weight_decay"],
+        warmup_steps=args["warmup"],
+        max_steps=args["steps"],
+        optimizer=optimizer,
     )
     data = StdlibTextDataModule(
-        block_size=args.block_size,
-        batch_size=args.batch_size,
-        max_bytes=args.max_bytes,
-        train_samples=args.steps * args.batch_size,  # one epoch is the whole run
-        val_samples=args.val_batches * args.batch_size,
-        seed=args.seed,
+        block_size=args["block_size"],
+        batch_size=args["batch_size"],
+        max_bytes=args["max_bytes"],
+        train_samples=args["steps"] * args["batch_size"],  # one epoch is the whole run
+        val_samples=args["val_batches"] * args["batch_size"],
+        seed=args["seed"],
     )
-    logger = CSVLogger(save_dir=str(log_dir), name=f"{schedule}-lr{lr:g}", version=0)
+    strategy = Pipe2BWStrategy(
+        schedule=schedule,
+        microbatches=args["microbatches"],
+        start_method="spawn" if devices > 1 else "popen",
+        **({"delay_correction": correction} if schedule == "2bw" else {}),
+    )
+    out = Path(tempfile.mkdtemp(prefix="convergence-")) / "record.json"
     trainer = Trainer(
         accelerator="cpu",
-        devices=args.devices,
-        strategy=Pipe2BWStrategy(
-            schedule=schedule, microbatches=args.microbatches, start_method="spawn"
-        ),
-        max_steps=args.steps,
-        val_check_interval=args.val_every,
+        devices=devices,
+        strategy=strategy,
+        max_steps=args["steps"],
+        val_check_interval=args["val_every"],
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
-        log_every_n_steps=args.log_every,
-        logger=logger,
+        logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[Progress(f"{schedule} lr {lr:g}", every=args.print_every)],
+        callbacks=[Record(out)],
     )
     start = time.perf_counter()
     trainer.fit(model, datamodule=data)
-    seconds = time.perf_counter() - start
-    metrics = read_metrics(Path(logger.log_dir) / "metrics.csv")
-    if not metrics["train"] or not metrics["val"]:
-        raise RuntimeError(f"{schedule}: no losses in {logger.log_dir}/metrics.csv")
-    last = [loss for _, loss in metrics["train"][-5:]]
+    total = time.perf_counter() - start
+    record = json.loads(out.read_text())
+    shutil.rmtree(out.parent, ignore_errors=True)
+    final = record["val"][-1][1] if record["val"] else math.nan
+    train_s = record["val"][-1][2] if record["val"] else math.nan
     return {
-        "train": metrics["train"],
-        "val": metrics["val"],
-        "final_train_loss": metrics["train"][-1][1],
-        "final_train_loss_mean_last5": sum(last) / len(last),
-        "final_val_loss": metrics["val"][-1][1],
-        "final_val_ppl": metrics["val"][-1][2],
-        "final_val_step": metrics["val"][-1][0],
-        "seconds": seconds,
+        "config": config,
+        "lr": lr,
+        "devices": devices,
+        "train": record["train"],
+        "val": record["val"],
+        "final_val_loss": final,
+        "train_seconds": train_s,
+        "seconds_per_step": train_s / args["steps"],
+        "total_seconds": total,
     }
 
 
-def plot(sweep: dict[float, dict[str, Any]], path: Path, title: str) -> None:
-    """One panel per learning rate: both schedules' training curves and validation points."""
+def _phase1_worker(job: tuple[str, float, dict[str, Any]]) -> dict[str, Any]:
+    config, lr, args = job
+    os.environ["MASTER_PORT"] = str(_free_port())  # two single-process runs side by side
+    # one thread, as each of the 2 stages gets on 2 cores (the strategy would take them all)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ.pop("LOCAL_RANK", None)
+    result = train(config, lr, 1, args)
+    print(
+        f"[curves] {config:28s} lr {lr:<8g} final val {result['final_val_loss']:.4f} "
+        f"({result['total_seconds']:.0f} s)",
+        flush=True,
+    )
+    return result
+
+
+def steps_to(curve: list[list[float]], target: float) -> tuple[float, float]:
+    """The first validation step (and its training seconds) whose loss is at most ``target``."""
+    for step, loss, seconds in curve:
+        if loss <= target:
+            return step, seconds
+    return math.nan, math.nan
+
+
+def best_runs(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each configuration's run at its best learning rate (lowest final validation loss)."""
+    best: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        loss = run["final_val_loss"]
+        current = best.get(run["config"])
+        if not math.isnan(loss) and (current is None or loss < current["final_val_loss"]):
+            best[run["config"]] = run
+    return best
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(sweep), figsize=(6 * len(sweep), 4.5), squeeze=False)
-    styles = {"2bw": ("tab:red", "PipeDream-2BW"), "1f1b": ("tab:blue", "1F1B (flush)")}
-    for ax, (lr, entry) in zip(axes[0], sweep.items(), strict=True):
-        for schedule, res in entry["runs"].items():
-            color, label = styles.get(schedule, (None, schedule))
-            steps, losses = zip(*res["train"], strict=True)
-            ax.plot(steps, losses, color=color, alpha=0.8, lw=1.2, label=f"{label}: train")
-            vsteps = [v[0] for v in res["val"]]
-            vlosses = [v[1] for v in res["val"]]
-            ax.plot(
-                vsteps,
-                vlosses,
-                color=color,
-                marker="o",
-                ls="--",
-                ms=6,
-                label=f"{label}: validation",
+    rows = report["table"]
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9), squeeze=False)
+    target = report["target_loss"]
+    for col, optimizer in enumerate(("adamw", "muon")):
+        for row in rows:
+            if not row["config"].endswith(":" + optimizer):
+                continue
+            curve = row["pipeline_val"] or row["curve_val"]
+            steps = [v[0] for v in row["curve_val"]]
+            losses = [v[1] for v in row["curve_val"]]
+            style = "-" if row["config"].startswith("2bw") else "--"
+            label = f"{row['config'].split(':')[0]} (lr {row['lr']:g})"
+            axes[0][col].plot(steps, losses, style, marker="o", ms=3, label=label)
+            spp = row["seconds_per_step"]
+            if spp and not math.isnan(spp):
+                axes[1][col].plot(
+                    [s * spp for s in steps], losses, style, marker="o", ms=3, label=label
+                )
+            del curve
+        for r, xlabel in ((0, "optimizer step"), (1, "training wall time on 2 stages (s)")):
+            ax = axes[r][col]
+            ax.axhline(target, color="grey", lw=0.8, ls=":", label=f"target {target:.3f}")
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("validation loss (nats / byte)")
+            ax.set_title(
+                f"{'AdamW' if optimizer == 'adamw' else 'Muon'}: best lr per configuration"
             )
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("cross-entropy (nats / byte)")
-        ax.set_title(
-            f"lr {lr:g}: final val loss, 2BW vs 1F1B {entry['relative']:+.1%}", fontsize=10
-        )
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle(report["title"], fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -183,99 +273,131 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS)
+    parser.add_argument("--lr-adamw", type=float, nargs="+", default=[5e-4, 1e-3, 2e-3, 4e-3])
+    parser.add_argument("--lr-muon", type=float, nargs="+", default=[2e-3, 4e-3, 8e-3, 1.6e-2])
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--schedules", nargs="+", default=["2bw", "1f1b"])
-    parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-head", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=128)
-    parser.add_argument(
-        "--lr",
-        type=float,
-        nargs="+",
-        default=[2e-4, 5e-4, 2e-3],
-        help="peak learning rates; both schedules train once per rate",
-    )
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--max-bytes", type=int, default=6_000_000)
-    parser.add_argument("--val-every", type=int, default=100, help="steps between validations")
+    parser.add_argument("--val-every", type=int, default=25, help="steps between validations")
     parser.add_argument("--val-batches", type=int, default=8)
-    parser.add_argument("--log-every", type=int, default=10)
-    parser.add_argument("--print-every", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--parallel", type=int, default=2, help="phase 1 runs at a time")
+    parser.add_argument("--skip-pipeline", action="store_true", help="phase 1 only")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument(
-        "--log-dir", type=Path, default=None, help="keep the CSV logs here (default: a temp dir)"
-    )
-    args = parser.parse_args()
-    if args.steps % args.val_every != 0:
-        parser.error(
-            f"--steps ({args.steps}) must be a multiple of --val-every ({args.val_every}) so that "
-            "the last step is validated"
-        )
+    ns = parser.parse_args()
+    if ns.steps % ns.val_every:
+        parser.error(f"--steps ({ns.steps}) must be a multiple of --val-every ({ns.val_every})")
+    configs = [c for c in ns.configs if parse_config(c)]
+    args = {k: v for k, v in vars(ns).items() if k not in ("configs", "out")}
     command = shlex.join(["python", *sys.argv])
     print(f"command: {command}", flush=True)
-    print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads in the launcher", flush=True
-    )
+    started = time.perf_counter()
 
-    start = time.perf_counter()
-    sweep: dict[float, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="convergence-") as tmp:
-        log_dir = args.log_dir if args.log_dir is not None else Path(tmp)
-        for lr in args.lr:
-            results: dict[str, dict[str, Any]] = {}
-            for schedule in args.schedules:
-                results[schedule] = run(schedule, lr, args, log_dir)
-                print(
-                    f"[{schedule} lr {lr:g}] done in {results[schedule]['seconds']:.1f} s",
-                    flush=True,
-                )
-            rel = math.nan
-            if "2bw" in results and "1f1b" in results:
-                base = results["1f1b"]["final_val_loss"]
-                rel = (results["2bw"]["final_val_loss"] - base) / base
-            sweep[lr] = {"runs": results, "relative": rel}
-    total = time.perf_counter() - start
+    jobs = [
+        (config, lr, args)
+        for config in configs
+        for lr in (ns.lr_muon if config.endswith(":muon") else ns.lr_adamw)
+    ]
+    print(f"phase 1: {len(jobs)} runs on one process each, {ns.parallel} at a time", flush=True)
+    with mp.get_context("spawn").Pool(ns.parallel, maxtasksperchild=1) as pool:
+        runs = pool.map(_phase1_worker, jobs, chunksize=1)
 
-    print()
-    print("| lr | schedule | final train loss (mean of last 5) | final val loss | val ppl | s |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for lr, entry in sweep.items():
-        for schedule, res in entry["runs"].items():
+    best = best_runs(runs)
+    pipeline: dict[str, dict[str, Any]] = {}
+    if not ns.skip_pipeline:
+        print(f"phase 2: the best learning rate of {len(best)} configurations on 2 stages")
+        for config, run in best.items():
+            result = train(config, run["lr"], 2, args)
+            pipeline[config] = result
             print(
-                f"| {lr:g} | {schedule} | {res['final_train_loss_mean_last5']:.4f} | "
-                f"{res['final_val_loss']:.4f} | {res['final_val_ppl']:.3f} | {res['seconds']:.0f} |"
+                f"[2 stages] {config:28s} lr {run['lr']:<8g} final val "
+                f"{result['final_val_loss']:.4f} (1 process: {run['final_val_loss']:.4f}), "
+                f"{1000 * result['seconds_per_step']:.1f} ms/step",
+                flush=True,
             )
-    print()
-    for lr, entry in sweep.items():
-        print(f"lr {lr:g}: 2BW's final val loss vs 1F1B's: {entry['relative']:+.2%}")
 
-    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    title = (
-        f"GPT {args.n_layer}x{args.n_embd}, block {args.block_size}, batch {args.batch_size}, "
-        f"{args.devices} stages, m={args.microbatches}, {args.steps} steps, AdamW"
+    reference = [r for c, r in best.items() if c == "1f1b:adamw"]
+    target = (
+        reference[0]["final_val_loss"]
+        if reference
+        else min(r["final_val_loss"] for r in best.values())
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    png = args.out / "convergence.png"
-    plot(sweep, png, title)
+    table = []
+    for config in configs:
+        if config not in best:
+            continue
+        run = best[config]
+        pipe = pipeline.get(config)
+        spp = pipe["seconds_per_step"] if pipe else math.nan
+        step, _ = steps_to(run["val"], target)
+        same_opt = best.get("1f1b:" + config.split(":")[1])
+        table.append(
+            {
+                "config": config,
+                "lr": run["lr"],
+                "final_val_loss": run["final_val_loss"],
+                "vs_1f1b_same_optimizer": (
+                    run["final_val_loss"] / same_opt["final_val_loss"] - 1 if same_opt else math.nan
+                ),
+                "pipeline_final_val_loss": pipe["final_val_loss"] if pipe else math.nan,
+                "seconds_per_step": spp,
+                "steps_to_target": step,
+                "seconds_to_target": step * spp,
+                "curve_val": run["val"],
+                "pipeline_val": pipe["val"] if pipe else [],
+            }
+        )
     report = {
         "command": command,
-        "config": config,
-        "total_seconds": total,
-        "relative_difference_final_val_loss_2bw_vs_1f1b": {
-            f"{lr:g}": entry["relative"] for lr, entry in sweep.items()
-        },
-        "runs": {f"{lr:g}": entry["runs"] for lr, entry in sweep.items()},
+        "settings": args,
+        "title": (
+            f"GPT {ns.n_layer}x{ns.n_embd}, context {ns.block_size}, batch {ns.batch_size} "
+            f"(m={ns.microbatches}), {ns.steps} steps; target = best 1f1b+AdamW final val loss"
+        ),
+        "target_loss": target,
+        "table": table,
+        "runs": runs,
+        "pipeline": pipeline,
+        "total_seconds": time.perf_counter() - started,
     }
-    json_path = args.out / "convergence.json"
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {png} and {json_path}")
-    print(f"total time {total:.1f} s")
+    ns.out.mkdir(parents=True, exist_ok=True)
+    (ns.out / "convergence.json").write_text(json.dumps(report, indent=1) + "\n")
+    plot(report, ns.out / "convergence.png")
+
+    print()
+    print(f"target: {target:.4f} (best 1f1b + AdamW final validation loss)")
+    print()
+    print(
+        "| configuration | best lr | final val loss | vs 1f1b, same optimizer | 2 stages: final "
+        "val loss | ms / step (2 stages) | steps to target | s to target |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for row in table:
+        print(
+            f"| {row['config']} | {row['lr']:g} | {row['final_val_loss']:.4f} | "
+            f"{row['vs_1f1b_same_optimizer']:+.1%} | {row['pipeline_final_val_loss']:.4f} | "
+            f"{1000 * row['seconds_per_step']:.1f} | {row['steps_to_target']:g} | "
+            f"{row['seconds_to_target']:.0f} |"
+        )
+    print()
+    print("| configuration | " + " | ".join(f"lr {lr:g}" for lr in ns.lr_adamw) + " |")
+    for optimizer, lrs in (("adamw", ns.lr_adamw), ("muon", ns.lr_muon)):
+        for config in configs:
+            if not config.endswith(":" + optimizer):
+                continue
+            by_lr = {r["lr"]: r["final_val_loss"] for r in runs if r["config"] == config}
+            cells = " | ".join(f"{lr:g}: {by_lr.get(lr, math.nan):.4f}" for lr in lrs)
+            print(f"| {config} | {cells} |")
+    print(f"\nwrote {ns.out / 'convergence.json'} and {ns.out / 'convergence.png'}")
+    print(f"total {report['total_seconds']:.0f} s")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from lightning_pipe2bw.config import (
     trainer_kwargs,
 )
 from lightning_pipe2bw.recipes.gpt.data import StdlibTextDataModule
-from lightning_pipe2bw.recipes.gpt.model import GPT
+from lightning_pipe2bw.recipes.gpt.model import GPT, OPTIMIZERS
 
 __all__ = [
     "START_METHODS",
@@ -68,6 +68,7 @@ class ModelConfig:
     # the learning-rate decay ends with training unless set explicitly
     max_steps: int | None = II("trainer.max_steps")
     min_lr_ratio: float = 0.1
+    optimizer: str = "adamw"  # or "muon": Muon on the blocks' matrices, AdamW on the rest
 
 
 @dataclass
@@ -167,6 +168,8 @@ def check_config(cfg: TrainConfig) -> None:
             f"strategy.balance={list(s.balance)} must sum to the model's {blocks} blocks "
             "(model.n_layer + 2)"
         )
+    if m.optimizer not in OPTIMIZERS:
+        problems.append(f"model.optimizer={m.optimizer!r} must be one of {', '.join(OPTIMIZERS)}")
     if m.n_embd % m.n_head != 0:
         problems.append(f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}")
     if d.block_size > m.block_size:

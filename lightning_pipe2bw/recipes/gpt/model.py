@@ -36,6 +36,8 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torchmetrics.functional.text import perplexity
 
+from lightning_pipe2bw.optim import MuonAdamW
+
 __all__ = [
     "GPT",
     "MLP",
@@ -150,6 +152,16 @@ def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_ratio: float
     return min_ratio + 0.5 * (1.0 - min_ratio) * (1.0 + math.cos(math.pi * progress))
 
 
+OPTIMIZERS = ("adamw", "muon")
+
+
+def _block_matrix(name: str, param: Tensor, module: nn.Module) -> bool:
+    """Muon's share of the GPT: the matrices of the blocks' attention and MLP."""
+    return isinstance(module, nn.Linear) and param is module.weight and (
+        ".attn." in name or ".mlp." in name
+    )
+
+
 class GPT(LightningModule):
     """A GPT-style decoder over bytes (``vocab_size=256``), trained with next-token cross-entropy.
 
@@ -166,6 +178,9 @@ class GPT(LightningModule):
         warmup_steps: linear warm-up steps of the learning rate.
         max_steps: steps of the cosine decay; ``None`` uses ``trainer.estimated_stepping_batches``.
         min_lr_ratio: the learning rate at the end of the decay, relative to ``lr``.
+        optimizer: ``"adamw"``, or ``"muon"``: :class:`~lightning_pipe2bw.MuonAdamW`, Muon on the
+            blocks' attention and MLP matrices (its step scaled to AdamW's RMS, so ``lr`` serves
+            both) and AdamW on the embeddings, norms, biases and head.
     """
 
     def __init__(
@@ -181,9 +196,13 @@ class GPT(LightningModule):
         warmup_steps: int = 30,
         max_steps: int | None = None,
         min_lr_ratio: float = 0.1,
+        optimizer: str = "adamw",
     ) -> None:
         super().__init__()
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
         self.save_hyperparameters()
+        self.optimizer_name = optimizer
         self.vocab_size = vocab_size
         self.lr = lr
         self.weight_decay = weight_decay
@@ -236,14 +255,20 @@ class GPT(LightningModule):
 
     def configure_optimizers(self) -> Any:
         # under a pipeline strategy this sees only the parameters of this rank's stage
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": self.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        optimizer = torch.optim.AdamW(
-            [g for g in groups if g["params"]], lr=self.lr, betas=(0.9, 0.95)
-        )
+        optimizer: torch.optim.Optimizer
+        if self.optimizer_name == "muon":
+            optimizer = MuonAdamW.for_module(
+                self, lr=self.lr, weight_decay=self.weight_decay, muon_params=_block_matrix
+            )
+        else:
+            params = [p for p in self.parameters() if p.requires_grad]
+            groups = [
+                {"params": [p for p in params if p.dim() >= 2], "weight_decay": self.weight_decay},
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+            ]
+            optimizer = torch.optim.AdamW(
+                [g for g in groups if g["params"]], lr=self.lr, betas=(0.9, 0.95)
+            )
         steps = self.max_steps
         total = int(steps if steps is not None else self.trainer.estimated_stepping_batches)
         warmup, ratio = self.warmup_steps, self.min_lr_ratio
