@@ -291,7 +291,7 @@ def reference_2bw(
     data: Iterable[Any] | None = None,
     model_name: str = "regression",
     device: str | torch.device = "cpu",
-    correction: str = "none",
+    correction: str = "auto",
 ) -> dict[str, Tensor]:
     """Single-process PipeDream-2BW: batch t's gradient is computed with weight version
     max(t - 1, 0) and applied by the optimizer to the newest weights, so
@@ -310,8 +310,11 @@ def reference_2bw(
       correction's strength; g as clipped, before the correction; none for the first update).
     - ``"nesterov"``: after the optimizer's own update u_t the weights move by
       -b (u_t - u_{t-1}) (b: the correction's momentum; none for the first update).
+
+    A spec may join them with ``+`` and give coefficients (``"predict+error_feedback=0.5"``);
+    ``"auto"`` is the library's default for 2bw.
     """
-    previous: dict[Tensor, Tensor] = {}  # g_{t-1} or u_{t-1}, by parameter
+    previous: dict[Any, Tensor] = {}  # g_{t-1} and u_{t-1}, by parameter
     model = make_model(model_name, optimizer, num_blocks).to(device)
     # evaluates old weight versions
     shadow = make_model(model_name, optimizer, num_blocks).to(device)
@@ -322,7 +325,7 @@ def reference_2bw(
     for step, (x, y) in enumerate(data):
         if step == steps:
             break
-        if correction == "predict":
+        if "predict" in correction_terms(correction):
             # batch step + 1's point: this update applied with the moments as the gradient
             points[step + 1] = _predicted(model, opt, optimizer)
             shadow.load_state_dict(points[step])
@@ -349,29 +352,45 @@ def corrected_step(
     opt: torch.optim.Optimizer,
     params: list[Tensor],
     correction: str,
-    previous: dict[Tensor, Tensor],
+    previous: dict[Any, Tensor],
 ) -> None:
-    """``opt.step()`` with a gradient correction (``previous``: each parameter's g_{t-1} or
-    u_{t-1}, updated here): ``"error_feedback"`` steps with g + k (g - g_prev),
-    ``"nesterov"`` moves on by -b (u - u_prev) after the optimizer's own update u."""
-    from lightning_pipe2bw.optim.delay import ErrorFeedback, NesterovLookahead
-
+    """``opt.step()`` with the gradient and update corrections of ``correction`` (a spec such
+    as ``"predict+error_feedback=0.5"``; ``previous`` keeps each parameter's g_{t-1} and
+    u_{t-1}, updated here): ``error_feedback`` steps with g + k (g - g_prev), ``nesterov``
+    moves on by -b (u - u_prev) after the optimizer's own update u."""
+    terms = correction_terms(correction)
     with_grad = [p for p in params if p.grad is not None]
-    if correction == "error_feedback":
+    strength = terms.get("error_feedback")
+    if strength is not None:
         raw = {p: p.grad.detach().clone() for p in with_grad}  # type: ignore[union-attr]
         for p in with_grad:
-            if p in previous:
-                p.grad = raw[p].add(raw[p] - previous[p], alpha=ErrorFeedback.strength)
-        previous.update(raw)
+            if ("g", p) in previous:
+                p.grad = raw[p].add(raw[p] - previous[("g", p)], alpha=strength)
+        previous.update({("g", p): g for p, g in raw.items()})
     before = {p: p.detach().clone() for p in with_grad}
     opt.step()
-    if correction == "nesterov":
+    momentum = terms.get("nesterov")
+    if momentum is not None:
         with torch.no_grad():
             for p in with_grad:
                 update = before[p] - p
-                if p in previous:
-                    p.sub_(update - previous[p], alpha=NesterovLookahead.momentum)
-                previous[p] = update
+                if ("u", p) in previous:
+                    p.sub_(update - previous[("u", p)], alpha=momentum)
+                previous[("u", p)] = update
+
+
+def correction_terms(spec: str) -> dict[str, float | None]:
+    """A correction spec's terms with each coefficient (the class's default when not given)."""
+    from lightning_pipe2bw.optim.delay import (
+        DEFAULT_CORRECTION,
+        ErrorFeedback,
+        NesterovLookahead,
+        parse_correction,
+    )
+
+    defaults = {"error_feedback": ErrorFeedback.strength, "nesterov": NesterovLookahead.momentum}
+    spec = DEFAULT_CORRECTION if spec == "auto" else spec
+    return {name: c if c is not None else defaults.get(name) for name, c in parse_correction(spec)}
 
 
 def _predicted(model: nn.Module, opt: torch.optim.Optimizer, kind: str) -> dict[str, Tensor]:
@@ -419,7 +438,7 @@ def reference_pipedream(
     opts = [make_optimizer([q for _, q in params], optimizer)[0] for params in stage_params]
     base_lr = opts[0].param_groups[0]["lr"]
     history = [[{n: q.detach().clone() for n, q in params}] for params in stage_params]
-    previous: dict[Tensor, Tensor] = {}  # a gradient correction's g_{t-1} or u_{t-1}
+    previous: dict[Any, Tensor] = {}  # a gradient correction's g_{t-1} and u_{t-1}
     m = microbatches
     for t, (x, y) in enumerate(loader(batch_size)):
         if t == steps:

@@ -16,11 +16,17 @@ import workers
 from models import loader, max_abs_diff, reference_2bw, reference_pipedream
 
 from lightning_pipe2bw import Pipe2BWStrategy
-from lightning_pipe2bw.optim.delay import CORRECTIONS, DEFAULT_CORRECTION
+from lightning_pipe2bw.optim.delay import (
+    CORRECTIONS,
+    DEFAULT_CORRECTION,
+    canonical_correction,
+    correction_predicts,
+)
 
 STEPS = 6
 TOL = 1e-6
-NAMED = [name for name in CORRECTIONS if name != "none"]
+# every correction alone, and a prediction with a gradient correction of strength 0.5
+NAMED = [name for name in CORRECTIONS if name != "none"] + ["predict+error_feedback=0.5"]
 
 CASES = [
     (c, p, m, opt) for c in NAMED for p in (2, 4) for m in (p, 4 * p) for opt in ("adamw", "muon")
@@ -47,7 +53,7 @@ def test_each_correction_equals_its_reference(
     assert diff <= TOL
     plain = reference_2bw(STEPS, m, optimizer=optimizer, correction="none", data=data)
     assert max_abs_diff(ref, plain) > 1e-3  # the correction changed the training
-    predicts = CORRECTIONS[correction].predicts
+    predicts = correction_predicts(correction)
     for r in results:
         # the plain rule's two versions; a third buffer (the next batch's view) where a batch
         # spans two calls under a prediction, never more
@@ -124,7 +130,7 @@ def test_corrections_with_data_parallel(pools: Any, correction: str) -> None:
     assert diff <= 1e-5  # the replicas' average changes the order of additions
 
 
-@pytest.mark.parametrize("correction", [n for n in NAMED if not CORRECTIONS[n].predicts])
+@pytest.mark.parametrize("correction", [n for n in NAMED if not correction_predicts(n)])
 def test_gradient_corrections_under_pipedream(pools: Any, correction: str) -> None:
     """Each stage corrects its own updates, which it applies when its batch is done."""
     for p, m in ((2, 1), (2, 2), (4, 4)):
@@ -151,11 +157,32 @@ def test_gradient_corrections_under_pipedream(pools: Any, correction: str) -> No
             "needs 2BW's delay of exactly one update",
         ),
         ({"delay_correction": "ef"}, "unknown delay_correction 'ef'; valid: 'auto', 'none'"),
+        (
+            {"delay_correction": "predict=2"},
+            "delay_correction 'predict=2': 'predict' takes no coefficient; only "
+            "'error_feedback', 'nesterov' do",
+        ),
+        (
+            {"delay_correction": "error_feedback=-1"},
+            "'error_feedback''s coefficient must be a finite number >= 0, got -1.0",
+        ),
+        (
+            {"delay_correction": "error_feedback+error_feedback"},
+            "names 'error_feedback' twice",
+        ),
+        ({"delay_correction": "none+predict"}, "'none' cannot be combined with others"),
     ],
 )
 def test_bad_corrections_are_refused_with_the_fix(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Pipe2BWStrategy(**kwargs)
+
+
+def test_a_spec_has_one_spelling() -> None:
+    assert canonical_correction(" error_feedback=0.50 + predict") == "predict+error_feedback=0.5"
+    assert Pipe2BWStrategy(delay_correction="error_feedback=1").options.correction == (
+        "error_feedback=1.0"
+    )
 
 
 # ---------------------------------------------------------------------- checkpoints

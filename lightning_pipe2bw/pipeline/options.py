@@ -19,7 +19,12 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Literal, get_args
 
-from lightning_pipe2bw.optim.delay import CORRECTIONS, DEFAULT_CORRECTION
+from lightning_pipe2bw.optim.delay import (
+    CORRECTIONS,
+    DEFAULT_CORRECTION,
+    canonical_correction,
+    correction_predicts,
+)
 from lightning_pipe2bw.runtime.stash import check_memory_plan
 from lightning_pipe2bw.schedule import SCHEDULES, ActivationBudget
 
@@ -386,16 +391,19 @@ def _early_input_grad(value: Any) -> dict[str, Any]:
 
 
 def _delay_correction(value: Any) -> dict[str, Any]:
-    names = ("auto", *CORRECTIONS)
-    if value not in names:
-        valid = ", ".join(repr(n) for n in names)
-        raise _Bad(
-            "delay_correction",
-            value,
-            f"unknown delay_correction {value!r}; valid: {valid}",
-            choices=names,
-        )
-    return {"delay_correction": value}
+    if value == "auto":
+        return {"delay_correction": value}
+    try:
+        return {"delay_correction": canonical_correction(value)}
+    except ValueError as err:
+        message = str(err)
+        if isinstance(value, str) and "+" not in value and "=" not in value:
+            valid = ", ".join(repr(n) for n in ("auto", *CORRECTIONS))
+            message = (
+                f"unknown delay_correction {value!r}; valid: {valid}, or several joined by '+' "
+                "(e.g. 'predict+error_feedback=0.5')"
+            )
+        raise _Bad("delay_correction", value, message) from None
 
 
 def _correction_problems(schedule: str, correction: str) -> list[Problem]:
@@ -412,7 +420,7 @@ def _correction_problems(schedule: str, correction: str) -> list[Problem]:
                 "applies to '2bw' and 'pipedream' (leave it 'auto')",
             )
         ]
-    if schedule == "pipedream" and CORRECTIONS[correction].predicts:
+    if schedule == "pipedream" and correction_predicts(correction):
         return [
             Problem(
                 "delay_correction",
