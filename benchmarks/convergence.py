@@ -19,14 +19,16 @@ It runs in two phases:
    reference at p = 2 and 4 (``tests/test_delay.py``, ``tests/test_exactness.py``), and phase 2
    checks that 2 stages give this phase's final loss.
 2. **pipeline**: the best learning rate of each configuration (lowest final validation loss),
-   trained by the real strategy on 2 processes (2 stages). Its final validation loss is checked
-   against phase 1's, and it gives the configuration's wall time per step.
+   trained by the real strategy on 2 processes (2 stages); its final validation loss is checked
+   against phase 1's. Then ``--timing-rounds`` rounds of short runs of every configuration, in
+   alternating order (the machine drifts), give each configuration's seconds per training step:
+   the median over the full run and the rounds of each run's median step after the tenth.
 
 The target loss is the best ``1f1b`` + AdamW run's final validation loss. For every
 configuration the report gives the final validation loss at its best learning rate, the steps
 to reach the target (from its validation curve, measured every ``--val-every`` steps) and the
-wall-clock seconds to reach it (steps x phase 2's seconds per training step, validation
-excluded), and plots the validation loss against steps and against wall time.
+wall-clock seconds to reach it on 2 stages (steps x phase 2's seconds per training step,
+validation excluded), and plots the validation loss against steps and against wall time.
 
     python benchmarks/convergence.py                 # the whole sweep (about 80 min on 2 cores)
     python benchmarks/convergence.py --configs 1f1b:adamw 2bw-error_feedback:adamw \\
@@ -39,6 +41,7 @@ Writes ``benchmarks/results/convergence.json`` (every curve, the settings, the t
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import multiprocessing as mp
@@ -46,6 +49,7 @@ import os
 import shlex
 import shutil
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -100,12 +104,15 @@ class Record(Callback):
         self.in_validation = 0.0  # seconds spent validating so far
         self._val_start = 0.0
         self.step_end = 0.0
+        self.ends: list[float] = []
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: Trainer, *_: Any) -> None:
         self.step_end = time.perf_counter()
+        # training time at the end of each step, validation excluded
+        self.ends.append(self.step_end - self.start - self.in_validation)
         step = trainer.global_step
         if step % 10 == 0 or step == trainer.max_steps:
             loss = trainer.callback_metrics.get("train_loss")
@@ -126,7 +133,8 @@ class Record(Callback):
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.is_global_zero:
-            self.path.write_text(json.dumps({"train": self.train, "val": self.val}))
+            record = {"train": self.train, "val": self.val, "ends": self.ends}
+            self.path.write_text(json.dumps(record))
 
 
 def train(config: str, lr: float, devices: int, args: dict[str, Any]) -> dict[str, Any]:
@@ -183,6 +191,9 @@ def train(config: str, lr: float, devices: int, args: dict[str, Any]) -> dict[st
     shutil.rmtree(out.parent, ignore_errors=True)
     final = record["val"][-1][1] if record["val"] else math.nan
     train_s = record["val"][-1][2] if record["val"] else math.nan
+    ends = record["ends"]
+    # the steady state: the median step after the first ten (set-up, warm caches)
+    steady = statistics.median(b - a for a, b in itertools.pairwise(ends[10:]))
     return {
         "config": config,
         "lr": lr,
@@ -192,6 +203,7 @@ def train(config: str, lr: float, devices: int, args: dict[str, Any]) -> dict[st
         "final_val_loss": final,
         "train_seconds": train_s,
         "seconds_per_step": train_s / args["steps"],
+        "median_step_seconds": steady,
         "total_seconds": total,
     }
 
@@ -294,6 +306,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--parallel", type=int, default=2, help="phase 1 runs at a time")
     parser.add_argument("--skip-pipeline", action="store_true", help="phase 1 only")
+    parser.add_argument(
+        "--timing-rounds", type=int, default=3, help="interleaved timing runs per configuration"
+    )
+    parser.add_argument("--timing-steps", type=int, default=60, help="steps of a timing run")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ns = parser.parse_args()
     if ns.steps % ns.val_every:
@@ -315,17 +331,27 @@ def main() -> None:
 
     best = best_runs(runs)
     pipeline: dict[str, dict[str, Any]] = {}
+    timing: dict[str, list[float]] = {c: [] for c in best}
     if not ns.skip_pipeline:
         print(f"phase 2: the best learning rate of {len(best)} configurations on 2 stages")
         for config, run in best.items():
             result = train(config, run["lr"], 2, args)
             pipeline[config] = result
+            timing[config].append(result["median_step_seconds"])
             print(
                 f"[2 stages] {config:28s} lr {run['lr']:<8g} final val "
                 f"{result['final_val_loss']:.4f} (1 process: {run['final_val_loss']:.4f}), "
-                f"{1000 * result['seconds_per_step']:.1f} ms/step",
+                f"{1000 * result['median_step_seconds']:.1f} ms/step",
                 flush=True,
             )
+        # seconds per step: interleaved rounds of short runs (the machine drifts), the median
+        short = {**args, "steps": ns.timing_steps, "val_every": ns.timing_steps}
+        for round_ in range(ns.timing_rounds):
+            order = list(best) if round_ % 2 == 0 else list(reversed(best))
+            for config in order:
+                result = train(config, best[config]["lr"], 2, short)
+                timing[config].append(result["median_step_seconds"])
+            print(f"timing round {round_ + 1}/{ns.timing_rounds} done", flush=True)
 
     reference = [r for c, r in best.items() if c == "1f1b:adamw"]
     target = (
@@ -339,7 +365,7 @@ def main() -> None:
             continue
         run = best[config]
         pipe = pipeline.get(config)
-        spp = pipe["seconds_per_step"] if pipe else math.nan
+        spp = statistics.median(timing[config]) if timing.get(config) else math.nan
         step, _ = steps_to(run["val"], target)
         same_opt = best.get("1f1b:" + config.split(":")[1])
         table.append(
@@ -352,6 +378,7 @@ def main() -> None:
                 ),
                 "pipeline_final_val_loss": pipe["final_val_loss"] if pipe else math.nan,
                 "seconds_per_step": spp,
+                "step_seconds_per_round": timing.get(config, []),
                 "steps_to_target": step,
                 "seconds_to_target": step * spp,
                 "curve_val": run["val"],

@@ -128,10 +128,11 @@ class WeightVersions:
         return None if index is None else self._buffers[index]
 
     def _busy(self) -> set[int]:
-        """The buffers something still reads: live versions' and views'."""
-        return {self._buffer_of[v] for v in self.live_versions() if isinstance(v, int)} | set(
-            self._view_of.values()
-        )
+        """The buffers something still reads: live versions' and the views of batches with
+        backwards to run (a finished batch's leaves keep its gradient, but nothing reads their
+        values: its buffer may take the next view, as an update in place reuses a version's)."""
+        views = {i for b, i in self._view_of.items() if b not in self._finished}
+        return {self._buffer_of[v] for v in self.live_versions() if isinstance(v, int)} | views
 
     def _free_buffer(self, busy: set[int]) -> int:
         free = next((i for i in range(len(self._buffers)) if i not in busy), None)
