@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from models import corrected_step, correction_terms, predicted
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -64,7 +65,12 @@ def batches(family: str, n: int = 5, seed: int = 0) -> list[tuple[Tensor, Tensor
     out = []
     for _ in range(n):
         if family == "vit":
-            out.append((torch.randn(BATCH, 3, IMAGE, IMAGE, generator=g), torch.randint(0, 5, (BATCH,), generator=g)))
+            out.append(
+                (
+                    torch.randn(BATCH, 3, IMAGE, IMAGE, generator=g),
+                    torch.randint(0, 5, (BATCH,), generator=g),
+                )
+            )
         else:
             ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
             out.append((ids, ids))
@@ -121,18 +127,29 @@ def train_reference(
     loss: Loss,
     lr: float = LR,
     delayed: bool = False,
+    correction: str = "auto",
 ) -> dict[str, Tensor]:
     """One device, the whole model (``build()``, called twice: it must seed itself): AdamW on
     the gradient accumulated over ``m`` micro-batches of each batch (micro-batch i's loss
     weighted by its share); with ``delayed``, 2BW's rule W(t+1) = W(t) - step(grad f(W(t-1))),
-    W(-1) = W(0). The final state dict."""
+    W(-1) = W(0), with its delay ``correction`` (as ``models.reference_2bw``). The final state
+    dict."""
     model, shadow = build().train(), build().train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     history = [{k: v.detach().clone() for k, v in model.state_dict().items()}]
+    terms = correction_terms(correction) if delayed else {}
+    points = {0: history[0]}  # where each batch is evaluated, under a prediction
+    previous: dict[Any, Tensor] = {}
     for step, (x, y) in enumerate(data):
         net = model
         if delayed:  # the gradient of the version before the newest, on the shadow copy
-            shadow.load_state_dict(history[max(step - 1, 0)])
+            if "predict" in terms:
+                points[step + 1] = predicted(
+                    model, opt, lambda params: torch.optim.AdamW(params, lr=lr)
+                )
+                shadow.load_state_dict(points[step])
+            else:
+                shadow.load_state_dict(history[max(step - 1, 0)])
             net = shadow
         net.zero_grad()
         for xs, ys in zip(torch.tensor_split(x, m), torch.tensor_split(y, m), strict=True):
@@ -140,7 +157,7 @@ def train_reference(
         if delayed:
             for p, q in zip(model.parameters(), shadow.parameters(), strict=True):
                 p.grad = None if q.grad is None else q.grad.clone()
-        opt.step()
+        corrected_step(opt, list(model.parameters()), correction if delayed else "none", previous)
         history.append({k: v.detach().clone() for k, v in model.state_dict().items()})
     return history[-1]
 

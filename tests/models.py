@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -327,7 +327,9 @@ def reference_2bw(
             break
         if "predict" in correction_terms(correction):
             # batch step + 1's point: this update applied with the moments as the gradient
-            points[step + 1] = _predicted(model, opt, optimizer)
+            points[step + 1] = predicted(
+                model, opt, lambda params: make_optimizer(params, optimizer)[0]
+            )
             shadow.load_state_dict(points[step])
         else:
             shadow.load_state_dict(history[max(step - 1, 0)])
@@ -393,11 +395,16 @@ def correction_terms(spec: str) -> dict[str, float | None]:
     return {name: c if c is not None else defaults.get(name) for name, c in parse_correction(spec)}
 
 
-def _predicted(model: nn.Module, opt: torch.optim.Optimizer, kind: str) -> dict[str, Tensor]:
+def predicted(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    build: Callable[[Iterable[Tensor]], torch.optim.Optimizer],
+) -> dict[str, Tensor]:
     """The weights the optimizer's next step gives with each parameter's first moment as its
-    gradient, computed on copies (the model and the optimizer are left as they are)."""
+    gradient, computed on copies (the model and the optimizer are left as they are; ``build``
+    makes an optimizer like ``opt`` over other parameters)."""
     twin = copy.deepcopy(model)
-    twin_opt, _ = make_optimizer(twin.parameters(), kind)
+    twin_opt = build(twin.parameters())
     twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
     for live, copied in zip(model.parameters(), twin.parameters(), strict=True):
         state = opt.state.get(live, {})

@@ -1,6 +1,7 @@
-"""On a GPU: stage processes that share one GPU train exactly as one device does, host swap runs
-on its CUDA stream, ``16-mixed`` (with its real GradScaler) and ``bf16-mixed`` equal Lightning on
-one GPU, and the memory monitor reports CUDA peaks.
+"""On a GPU: stage processes that share one GPU train exactly as one device does (the delay
+corrections of 2BW and ``MuonAdamW`` too), host swap runs on its CUDA stream, ``16-mixed`` (with
+its real GradScaler) and ``bf16-mixed`` equal Lightning on one GPU, and the memory monitor
+reports CUDA peaks.
 
 NCCL refuses two ranks on one device, so the stages of these tests run on gloo and exchange
 activations and gradients through host memory (the strategy chooses gloo when stage processes
@@ -67,6 +68,7 @@ def _fit_on_one_gpu(
     wide: bool = False,
     precision: str = "32-true",
     transport: str | None = None,
+    optimizer: str = "adamw",
     **strategy_kwargs: Any,
 ) -> dict[str, Any]:
     """Every rank of the pool runs its stage on GPU 0; rank 0 returns the whole state."""
@@ -80,7 +82,7 @@ def _fit_on_one_gpu(
     if transport is not None:
         os.environ["PIPE2BW_TRANSPORT"] = transport
     try:
-        model = WideModel() if wide else RegressionModel()
+        model = WideModel() if wide else RegressionModel(optimizer=optimizer)
         strategy = Pipe2BWStrategy(
             schedule=schedule,
             microbatches=microbatches,
@@ -260,3 +262,28 @@ def test_memory_monitor_reports_cuda_peaks(pools: Any) -> None:
         held = figures["weight_versions"] + figures["optimizer_state"]
         assert figures["cuda_allocated_peak"] >= held, figures
         assert figures["cuda_reserved"] >= figures["cuda_allocated_peak"], figures
+
+
+CORRECTED = [
+    (c, o)
+    for c in ("predict", "error_feedback", "nesterov", "predict+error_feedback=0.5")
+    for o in ("adamw", "muon")
+]
+
+
+@pytest.mark.parametrize(("correction", "optimizer"), CORRECTED)
+def test_delay_corrections_and_muon_on_a_gpu(pools: Any, correction: str, optimizer: str) -> None:
+    results = _on_gpu(pools, 2, "2bw", 4, STEPS, optimizer=optimizer, delay_correction=correction)
+    _check_shared(results)
+    ref = reference_2bw(STEPS, 4, optimizer=optimizer, correction=correction, device=GPU)
+    diff = max_abs_diff(results[0]["state"], ref)
+    print(f"CUDA EXACTNESS 2bw {correction} {optimizer} p=2 m=4: max|dW| = {diff:.3e}")
+    assert diff <= TOL
+
+
+def test_muon_under_1f1b_on_a_gpu(pools: Any) -> None:
+    results = _on_gpu(pools, 2, "1f1b", 4, STEPS, optimizer="muon")
+    ref, _ = reference_train(STEPS, 4, optimizer="muon", device=GPU)
+    diff = max_abs_diff(results[0]["state"], ref)
+    print(f"CUDA EXACTNESS 1f1b muon p=2 m=4: max|dW| = {diff:.3e}")
+    assert diff <= TOL
