@@ -223,6 +223,25 @@ def _phase1_worker(job: tuple[str, float, dict[str, Any]]) -> dict[str, Any]:
     return result
 
 
+# the settings a run's curve depends on (not the learning rates swept, nor the timing runs)
+_TRAINING = (
+    "steps", "microbatches", "batch_size", "block_size", "n_layer", "n_head", "n_embd",
+    "weight_decay", "warmup", "max_bytes", "val_every", "val_batches", "seed",
+)  # fmt: skip
+
+
+def _reusable(path: Path, args: dict[str, Any]) -> dict[tuple[str, float], dict[str, Any]]:
+    """The phase 1 runs of an earlier report with the same training settings, by (config, lr)."""
+    report = json.loads(path.read_text())
+    differ = [k for k in _TRAINING if report["settings"].get(k) != args[k]]
+    if differ:
+        raise SystemExit(
+            f"--reuse {path}: written with other training settings ({', '.join(differ)}); "
+            "run those again or use the same settings"
+        )
+    return {(run["config"], run["lr"]): run for run in report["runs"]}
+
+
 def steps_to(curve: list[list[float]], target: float) -> tuple[float, float]:
     """The first validation step (and its training seconds) whose loss is at most ``target``."""
     for step, loss, seconds in curve:
@@ -311,6 +330,13 @@ def main() -> None:
     )
     parser.add_argument("--timing-steps", type=int, default=60, help="steps of a timing run")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument(
+        "--reuse",
+        type=Path,
+        default=None,
+        help="a convergence.json written with the same training settings: its phase 1 runs "
+        "are taken instead of being run again (to add learning rates or configurations)",
+    )
     ns = parser.parse_args()
     if ns.steps % ns.val_every:
         parser.error(f"--steps ({ns.steps}) must be a multiple of --val-every ({ns.val_every})")
@@ -325,10 +351,22 @@ def main() -> None:
         for config in configs
         for lr in (ns.lr_muon if config.endswith(":muon") else ns.lr_adamw)
     ]
-    print(f"phase 1: {len(jobs)} runs on one process each, {ns.parallel} at a time", flush=True)
-    with mp.get_context("spawn").Pool(ns.parallel, maxtasksperchild=1) as pool:
-        runs = pool.map(_phase1_worker, jobs, chunksize=1)
+    reused = _reusable(ns.reuse, args) if ns.reuse is not None else {}
+    runs = [reused[(c, lr)] for c, lr, _ in jobs if (c, lr) in reused]
+    jobs = [job for job in jobs if (job[0], job[1]) not in reused]
+    print(
+        f"phase 1: {len(jobs)} runs on one process each, {ns.parallel} at a time "
+        f"({len(runs)} taken from {ns.reuse})",
+        flush=True,
+    )
+    if jobs:
+        with mp.get_context("spawn").Pool(ns.parallel, maxtasksperchild=1) as pool:
+            runs += pool.map(_phase1_worker, jobs, chunksize=1)
 
+    ns.out.mkdir(parents=True, exist_ok=True)
+    partial = {"command": command, "settings": args, "runs": runs, "phase": 1}
+    # phase 1 alone, reusable with --reuse if phase 2 does not finish
+    (ns.out / "convergence.json").write_text(json.dumps(partial, indent=1) + "\n")
     best = best_runs(runs)
     pipeline: dict[str, dict[str, Any]] = {}
     timing: dict[str, list[float]] = {c: [] for c in best}
