@@ -242,6 +242,16 @@ def _reusable(path: Path, args: dict[str, Any]) -> dict[tuple[str, float], dict[
     return {(run["config"], run["lr"]): run for run in report["runs"]}
 
 
+def _reusable_pipeline(
+    path: Path,
+) -> tuple[dict[str, dict[str, Any]], dict[str, list[float]]]:
+    """An earlier report's 2-stage runs and timings, by configuration (none if it stopped after
+    phase 1)."""
+    report = json.loads(path.read_text())
+    timings = {row["config"]: row["step_seconds_per_round"] for row in report.get("table", [])}
+    return report.get("pipeline", {}), timings
+
+
 def steps_to(curve: list[list[float]], target: float) -> tuple[float, float]:
     """The first validation step (and its training seconds) whose loss is at most ``target``."""
     for step, loss, seconds in curve:
@@ -341,7 +351,7 @@ def main() -> None:
     if ns.steps % ns.val_every:
         parser.error(f"--steps ({ns.steps}) must be a multiple of --val-every ({ns.val_every})")
     configs = [c for c in ns.configs if parse_config(c)]
-    args = {k: v for k, v in vars(ns).items() if k not in ("configs", "out")}
+    args = {k: v for k, v in vars(ns).items() if k not in ("configs", "out", "reuse")}
     command = shlex.join(["python", *sys.argv])
     print(f"command: {command}", flush=True)
     started = time.perf_counter()
@@ -370,9 +380,16 @@ def main() -> None:
     best = best_runs(runs)
     pipeline: dict[str, dict[str, Any]] = {}
     timing: dict[str, list[float]] = {c: [] for c in best}
+    # from --reuse: a configuration's seconds per step do not depend on its learning rate, and
+    # its 2-stage run stands if its best learning rate has not changed
+    earlier = _reusable_pipeline(ns.reuse) if ns.reuse is not None else ({}, {})
     if not ns.skip_pipeline:
         print(f"phase 2: the best learning rate of {len(best)} configurations on 2 stages")
         for config, run in best.items():
+            timing[config] = list(earlier[1].get(config, []))
+            if config in earlier[0] and earlier[0][config]["lr"] == run["lr"]:
+                pipeline[config] = earlier[0][config]
+                continue
             result = train(config, run["lr"], 2, args)
             pipeline[config] = result
             timing[config].append(result["median_step_seconds"])
@@ -384,8 +401,9 @@ def main() -> None:
             )
         # seconds per step: interleaved rounds of short runs (the machine drifts), the median
         short = {**args, "steps": ns.timing_steps, "val_every": ns.timing_steps}
-        for round_ in range(ns.timing_rounds):
-            order = list(best) if round_ % 2 == 0 else list(reversed(best))
+        untimed = [c for c in best if c not in earlier[1]]
+        for round_ in range(ns.timing_rounds if untimed else 0):
+            order = untimed if round_ % 2 == 0 else list(reversed(untimed))
             for config in order:
                 result = train(config, best[config]["lr"], 2, short)
                 timing[config].append(result["median_step_seconds"])
@@ -456,13 +474,17 @@ def main() -> None:
             f"{row['seconds_to_target']:.0f} |"
         )
     print()
-    print("| configuration | " + " | ".join(f"lr {lr:g}" for lr in ns.lr_adamw) + " |")
+    print("final validation loss by peak learning rate:")
     for optimizer, lrs in (("adamw", ns.lr_adamw), ("muon", ns.lr_muon)):
-        for config in configs:
-            if not config.endswith(":" + optimizer):
-                continue
+        rows = [c for c in configs if c.endswith(":" + optimizer)]
+        if not rows:
+            continue
+        print()
+        print("| configuration | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |")
+        print("| --- |" + " --- |" * len(lrs))
+        for config in rows:
             by_lr = {r["lr"]: r["final_val_loss"] for r in runs if r["config"] == config}
-            cells = " | ".join(f"{lr:g}: {by_lr.get(lr, math.nan):.4f}" for lr in lrs)
+            cells = " | ".join(f"{by_lr.get(lr, math.nan):.4f}" for lr in lrs)
             print(f"| {config} | {cells} |")
     print(f"\nwrote {ns.out / 'convergence.json'} and {ns.out / 'convergence.png'}")
     print(f"total {report['total_seconds']:.0f} s")

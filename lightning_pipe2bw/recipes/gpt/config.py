@@ -62,13 +62,15 @@ class ModelConfig:
     n_head: int = 4
     n_embd: int = 128
     dropout: float = 0.0
-    lr: float = 5e-4  # PipeDream-2BW's one-step delay hurts at higher rates (docs/pipedream-2bw.md)
+    # the main job: Muon (its best rate, about 4x AdamW's) with 2BW's default delay correction
+    # (benchmarks/convergence.py, docs/pipedream-2bw.md)
+    lr: float = 1.6e-2
     weight_decay: float = 0.1
     warmup_steps: int = 30
     # the learning-rate decay ends with training unless set explicitly
     max_steps: int | None = II("trainer.max_steps")
     min_lr_ratio: float = 0.1
-    optimizer: str = "adamw"  # or "muon": Muon on the blocks' matrices, AdamW on the rest
+    optimizer: str = "muon"  # Muon on the blocks' matrices, AdamW on the rest; or "adamw"
 
 
 @dataclass
