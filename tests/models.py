@@ -292,6 +292,7 @@ def reference_2bw(
     model_name: str = "regression",
     device: str | torch.device = "cpu",
     correction: str = "auto",
+    start: dict[str, Tensor] | None = None,
 ) -> dict[str, Tensor]:
     """Single-process PipeDream-2BW: batch t's gradient is computed with weight version
     max(t - 1, 0) and applied by the optimizer to the newest weights, so
@@ -313,9 +314,14 @@ def reference_2bw(
 
     A spec may join them with ``+`` and give coefficients (``"predict+error_feedback=0.5"``);
     ``"auto"`` is the library's default for 2bw.
+
+    ``start``: the weights to start from (a fit after an earlier one starts the rule afresh
+    from the weights it holds: W(-1) = W(0), a new optimizer, no correction history).
     """
     previous: dict[Any, Tensor] = {}  # g_{t-1} and u_{t-1}, by parameter
     model = make_model(model_name, optimizer, num_blocks).to(device)
+    if start is not None:
+        model.load_state_dict(start)
     # evaluates old weight versions
     shadow = make_model(model_name, optimizer, num_blocks).to(device)
     opt, sched = make_optimizer(model.parameters(), optimizer)

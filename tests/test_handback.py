@@ -14,11 +14,10 @@ import torch
 import torch.distributed as dist
 from models import (
     RegressionModel,
-    accumulate_gradient,
     loader,
-    make_optimizer,
     max_abs_diff,
     quiet_trainer,
+    reference_2bw,
     reference_train,
 )
 from workers import LateBuiltModel
@@ -107,24 +106,8 @@ def _two_fits(schedule: str) -> dict[int, Any] | None:
 
 def _reference_2bw_from(start: dict[str, Any] | None, steps: int) -> dict[str, Any]:
     """PipeDream-2BW on one device from ``start``, restarted as a new fit restarts it: a fresh
-    optimizer and W(-1) = W(0)."""
-    model, shadow = RegressionModel(optimizer="adamw"), RegressionModel(optimizer="adamw")
-    if start is not None:
-        model.load_state_dict(start)
-    opt, sched = make_optimizer(model.parameters(), "adamw")
-    history = {0: {k: v.clone() for k, v in model.state_dict().items()}}
-    for step, (x, y) in enumerate(loader(8)):
-        if step == steps:
-            break
-        shadow.load_state_dict(history[max(step - 1, 0)])
-        shadow.zero_grad()
-        accumulate_gradient(shadow, x, y, 2)
-        for p, q in zip(model.parameters(), shadow.parameters(), strict=True):
-            p.grad = q.grad.clone() if q.grad is not None else None
-        opt.step()
-        sched.step()
-        history[step + 1] = {k: v.clone() for k, v in model.state_dict().items()}
-    return history[steps]
+    optimizer, no delay-correction history and W(-1) = W(0), with the default correction."""
+    return reference_2bw(steps, microbatches=2, start=start)
 
 
 def test_a_second_fit_restarts_the_2bw_rule_exactly(pools: Any) -> None:
