@@ -40,6 +40,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
 )
 from lightning.pytorch.trainer import call
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import _update_dataloader as update_dataloader
 from torch import Tensor
 from torch.optim import Optimizer
@@ -106,6 +107,31 @@ def training_dataloader(trainer: Trainer) -> Any:
     """The training DataLoader ``fit`` was given, before the fit loop has set it up (the
     ``_data_source`` of the fit loop)."""
     return trainer.fit_loop._data_source.dataloader()
+
+
+def current_dataloader(trainer: Trainer) -> tuple[Any, str] | None:
+    """The DataLoader the running Trainer call reads first, before its loop has set it up, and
+    the step hook that takes its batches (``training_step`` for ``fit``); None when there is
+    none (a loader given as a dict or an empty list takes its first)."""
+    fn = trainer.state.fn
+    loops: dict[TrainerFn, tuple[Any, str]] = {
+        TrainerFn.FITTING: (trainer.fit_loop, "training_step"),
+        TrainerFn.VALIDATING: (trainer.validate_loop, "validation_step"),
+        TrainerFn.TESTING: (trainer.test_loop, "test_step"),
+        TrainerFn.PREDICTING: (trainer.predict_loop, "predict_step"),
+    }
+    if fn not in loops:
+        return None
+    loop, hook = loops[fn]
+    try:
+        loader = loop._data_source.dataloader()
+    except Exception:  # a datamodule that needs its setup first: the guard does without
+        return None
+    if isinstance(loader, dict):
+        loader = next(iter(loader.values()), None)
+    elif isinstance(loader, (list, tuple)):
+        loader = loader[0] if loader else None
+    return None if loader is None else (loader, hook)
 
 
 def skip_sigterm_broadcast(trainer: Trainer) -> None:

@@ -64,6 +64,9 @@ class StrategyConfig:
     early_input_grad: bool = True
     # 2bw/pipedream: auto (the schedule's default), none, predict, error_feedback or nesterov
     delay_correction: str = "auto"
+    # models that are not an nn.Sequential: check the split's output against the whole model's
+    # at set-up, and that every parameter gets a gradient at the first update
+    check_split: bool = True
 
 
 @dataclass
@@ -128,6 +131,7 @@ def _options(cfg: StrategyConfig, multirun: bool) -> dict[str, Any]:
         "repartition_threshold": cfg.repartition_threshold,
         "early_input_grad": cfg.early_input_grad,
         "delay_correction": cfg.delay_correction,
+        "check_split": cfg.check_split,
     }
 
 

@@ -61,6 +61,11 @@ from lightning_pipe2bw.pipeline.autoplan import (
 from lightning_pipe2bw.pipeline.checkpoint import CheckpointFormat, layout_to_adopt
 from lightning_pipe2bw.pipeline.checkpoint_io import gather_state_dict, is_sharded_checkpoint
 from lightning_pipe2bw.pipeline.groups import ProcessGroups, choose_backend
+from lightning_pipe2bw.pipeline.intake import (
+    check_every_parameter_used,
+    step_call,
+    unused_parameters,
+)
 from lightning_pipe2bw.pipeline.migrate import hand_back, relayout
 from lightning_pipe2bw.pipeline.options import (
     DEFAULT_TIMEOUT,
@@ -160,6 +165,12 @@ class Pipe2BWStrategy(ParallelStrategy):
             gradient, ``"nesterov"`` extends each update by its change since the previous one,
             ``"none"`` is the plain rule; ``"auto"`` (the default) takes the schedule's
             default. Rules, memory and measured convergence: ``docs/pipedream-2bw.md``.
+        check_split: the guard against a split that trains silently wrong (on by default): at
+            set-up, a model that is not an ``nn.Sequential`` (a Hugging Face model, a
+            ``PipeModel``) is run whole and split on the first micro-batch and their outputs
+            must agree; at the first update, every trainable parameter must have received a
+            gradient on some stage (as DDP checks). ``False`` turns both off. See
+            ``docs/models.md``.
 
     The options are checked at once (:class:`~lightning_pipe2bw.pipeline.options.PipeOptions`,
     every problem in one error); :meth:`from_options` takes them already built.
@@ -190,6 +201,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         repartition_threshold: float = 0.15,
         early_input_grad: bool = True,
         delay_correction: str = "auto",
+        check_split: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -201,6 +213,7 @@ class Pipe2BWStrategy(ParallelStrategy):
             memory_plan=memory_plan, balance_activations=balance_activations,
             repartition_every=repartition_every, repartition_threshold=repartition_threshold,
             early_input_grad=early_input_grad, delay_correction=delay_correction,
+            check_split=check_split,
         )  # fmt: skip
         self._num_nodes = 1
         self._process_group_backend = self.options.process_group_backend
@@ -212,6 +225,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         self._repartitioner = Repartitioner(repartition_every, self.options.repartition_threshold)
         self._due = DueGradient()  # the gradient Lightning's coming optimizer step applies
         self._failed = False  # this Trainer call raised: no collective at teardown
+        self._use_check = False  # check_split: the first update's check is still to come
         # SIGTERM / SIGINT end every rank within seconds (see pipeline.signals)
         self._signals = SignalGuard(self._describe, self._on_forced_exit)
 
@@ -418,7 +432,9 @@ class Pipe2BWStrategy(ParallelStrategy):
             )
         )
         check_same_setup(self._settings(trainer))
-        ref = find_body(module, self.options.body)
+        ref = find_body(
+            module, self.options.body, self._step_call(trainer), check=self.options.check_split
+        )
         if fitting and self.options.balance_mode == "auto" and not isinstance(ref.module, StageBody):
             self._plan_auto(ref)
         balance = resolve_balance(self.options, ref, self.num_stages, self.plan)
@@ -447,10 +463,37 @@ class Pipe2BWStrategy(ParallelStrategy):
             if self.options.repartition_every is not None:
                 self.runtime.start_block_timing()
         self._agree_across_stages()
+        # the guard's second half: every parameter gets a gradient at the first update
+        self._use_check = fitting and self.options.check_split
         if any(isinstance(m, Metric) for m in module.modules()):  # the same on every rank
             group = self.groups.metrics() if self.data_parallel > 1 else None
             share_metrics(module, self.topology.is_last, group)
         quiet_epoch_sync_advice()
+
+    def _step_call(self, trainer: Trainer) -> Callable[[nn.Module], Any] | None:
+        """The arguments the step passes to a model on the first micro-batch of this Trainer
+        call's first loader (``pipeline.intake.step_call``), or None without a loader."""
+        found = compat.current_dataloader(trainer)
+        module = self.lightning_module
+        if found is None or module is None:
+            return None
+        loader, hook = found
+        return step_call(module, hook, loader, self.num_microbatches)
+
+    def _check_use(self, due: DueGradient) -> None:
+        """At the first update that applies a gradient: every trainable parameter got one on
+        some stage (collective over the pipeline; see ``pipeline.intake``)."""
+        if not self._use_check or not due.pairs:
+            return
+        self._use_check = False
+        module = self.lightning_module
+        assert module is not None and self.groups is not None
+        names = {id(p): _model_name(n, module) for n, p in module.named_parameters()}
+        held = [names.get(id(p), "?") for p in due.params if p.requires_grad]
+        check_every_parameter_used(
+            unused_parameters(due.pairs, names), held, self.groups.pipeline,
+            self.num_stages, self.stage,
+        )  # fmt: skip
 
     def _settings(self, trainer: Trainer) -> dict[str, object]:
         """What every rank of the pipeline must agree on (see ``check_same_setup``)."""
@@ -578,6 +621,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         due, self._due = self._due, DueGradient()
+        self._check_use(due)
         self._runtime.average_gradients(due.install())
         compat.call_backward_hooks(module.trainer, closure_loss)
         return closure_loss
@@ -606,6 +650,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         due = runtime.flush(self._backward_microbatch)
         if due is None:
             return
+        self._check_use(due)
         runtime.average_gradients(due.install())
         # Lightning's own step path: loss-scaler unscale and (agreed) inf check, the
         # on_before_optimizer_step hooks, clipping over all stages, then the update
@@ -879,6 +924,17 @@ class Pipe2BWStrategy(ParallelStrategy):
             )
         for name, description, init in entries:
             strategy_registry.register(name, cls, description=description, override=True, **init)
+
+
+def _model_name(name: str, module: nn.Module) -> str:
+    """A parameter's name as the user knows it: a model's body (``takes_any_call``) holds the
+    model's modules under their own paths behind a block index, which is dropped."""
+    for path, sub in module.named_modules():
+        if isinstance(sub, StageBody) and sub.takes_any_call and name.startswith(path + "."):
+            block, _, rest = name[len(path) + 1 :].partition(".")
+            if block.isdigit():
+                return f"{path}.{rest}"
+    return name
 
 
 def _initialized() -> bool:

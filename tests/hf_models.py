@@ -19,6 +19,7 @@ transformers = __import__("transformers")
 transformers.logging.set_verbosity_error()
 
 VOCAB, SEQ, IMAGE = 64, 12, 16
+LABELS = 3
 BATCH = 8
 LR = 1e-3
 
@@ -50,6 +51,46 @@ def vit() -> nn.Module:
     return transformers.ViTForImageClassification(config)
 
 
+def opt() -> nn.Module:
+    """OPT registers its final norm before its layer list: only the forward tells it runs after."""
+    config = transformers.OPTConfig(
+        hidden_size=32, ffn_dim=64, num_hidden_layers=4, num_attention_heads=2, vocab_size=VOCAB,
+        max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, layerdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=1,
+    )  # fmt: skip
+    return transformers.OPTForCausalLM(config)
+
+
+def bert(task: str = "classify") -> nn.Module:
+    config = transformers.BertConfig(
+        hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64,
+        vocab_size=VOCAB, max_position_embeddings=64, num_labels=LABELS,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0,
+    )  # fmt: skip
+    if task == "mlm":
+        return transformers.BertForMaskedLM(config)
+    return transformers.BertForSequenceClassification(config)
+
+
+def distilbert() -> nn.Module:
+    """DistilBERT's classifier runs ``pre_classifier`` on the first token before ``classifier``."""
+    config = transformers.DistilBertConfig(
+        dim=32, n_layers=4, n_heads=2, hidden_dim=64, vocab_size=VOCAB,
+        max_position_embeddings=64, num_labels=LABELS, dropout=0.0, attention_dropout=0.0,
+        seq_classif_dropout=0.0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.DistilBertForSequenceClassification(config)
+
+
+def roberta() -> nn.Module:
+    config = transformers.RobertaConfig(
+        hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64,
+        vocab_size=VOCAB, max_position_embeddings=64, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+    )  # fmt: skip
+    return transformers.RobertaForMaskedLM(config)
+
+
 FAMILIES: dict[str, Callable[[], nn.Module]] = {
     "gpt2_untied": lambda: gpt2(tie=False),
     "gpt2": gpt2,
@@ -57,7 +98,13 @@ FAMILIES: dict[str, Callable[[], nn.Module]] = {
     "llama_tied": lambda: llama(tie=True),
     "llama_masked": llama,  # called with a padding mask: a 4-d float mask crosses stages
     "vit": vit,
+    "opt": opt,
+    "bert_cls": bert,  # called with a padding mask and class labels
+    "bert_mlm": lambda: bert("mlm"),
+    "distilbert_cls": distilbert,  # called with a padding mask and class labels
+    "roberta_mlm": roberta,
 }
+CLASSIFIERS = ("bert_cls", "distilbert_cls")
 
 
 def batches(family: str, n: int = 5, seed: int = 0) -> list[tuple[Tensor, Tensor]]:
@@ -71,8 +118,11 @@ def batches(family: str, n: int = 5, seed: int = 0) -> list[tuple[Tensor, Tensor
                     torch.randint(0, 5, (BATCH,), generator=g),
                 )
             )
+        elif family in CLASSIFIERS:
+            ids = torch.randint(2, VOCAB, (BATCH, SEQ), generator=g)
+            out.append((ids, torch.randint(0, LABELS, (BATCH,), generator=g)))
         else:
-            ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+            ids = torch.randint(2, VOCAB, (BATCH, SEQ), generator=g)
             out.append((ids, ids))
     return out
 
@@ -86,6 +136,10 @@ def call(model: nn.Module, family: str, x: Tensor, y: Tensor) -> Any:
     """The model's own call, as a user writes it."""
     if family == "vit":
         return model(pixel_values=x, labels=y)
+    if family in CLASSIFIERS:  # every other sequence padded on the right by 3 tokens
+        mask = torch.ones_like(x)
+        mask[::2, -3:] = 0
+        return model(input_ids=x, attention_mask=mask, labels=y)
     if family.endswith("_masked"):  # every other sequence padded on the left by 3 tokens
         mask = torch.ones_like(x)
         mask[::2, :3] = 0

@@ -29,17 +29,16 @@ How the parts run:
   labels) on the last stage: for Hugging Face models the final norm, the head and the model's own
   loss function, returning the model's output class (``out.loss``, ``out.logits``).
 
-:func:`pipe_model_for` knows Hugging Face causal language models (GPT-2, Llama and the other
-decoders with ``lm_head``) and image classifiers (ViT); any other model is described by hand.
+:func:`partition.hf.pipe_model_for` describes Hugging Face models (found by watching one
+forward); any other model is described by hand.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -57,7 +56,6 @@ __all__ = [
     "PipeModel",
     "PipeModelBody",
     "Released",
-    "pipe_model_for",
 ]
 
 # runs the last part of the model: (model, hidden state, the step's args, its kwargs) -> output
@@ -266,6 +264,9 @@ class PipeModel:
     head: Head | None = None
     embed: Callable[..., Any] | None = None
     init: Callable[[nn.Module], None] | None = None
+    # set by the intake that watched the model's forward (``partition.observe``): the whole
+    # model's output on the first micro-batch, which the split's output is checked against
+    observed: Any = field(default=None, repr=False, compare=False)
 
     def body(self) -> PipeModelBody:
         """The model as an ``nn.Sequential`` of blocks (the model's modules, not copies)."""
@@ -373,7 +374,8 @@ def release(model: nn.Module, blocks: Sequence[nn.Module]) -> None:
         if isinstance(block, _Part):
             for path, obj in list(block.parts()):
                 if isinstance(obj, nn.Module):
-                    _set(model, path, Released(path))
+                    if any(True for _ in obj.parameters()):  # modules without any stay: the
+                        _set(model, path, Released(path))  # last stage's replay runs them
                 else:
                     _set(model, path, nn.Parameter(torch.empty(0), requires_grad=False))
 
@@ -386,125 +388,8 @@ def _resolves(model: nn.Module, path: str) -> bool:
     return isinstance(obj, (nn.Module, nn.Parameter))
 
 
-# ---------------------------------------------------------------------- Hugging Face families
-def _hf_layers(base: nn.Module) -> str | None:
-    """The name (within ``base``) of its list of layers: the ``nn.ModuleList`` holding the most
-    parameters, searched one level deep (``h``, ``layers``, ``encoder.layer``)."""
-    best: tuple[int, str] | None = None
-    for name, sub in base.named_modules():
-        if isinstance(sub, nn.ModuleList) and name.count(".") <= 1 and len(sub) > 0:
-            n = sum(p.numel() for p in sub.parameters())
-            if best is None or n > best[0]:
-                best = (n, name)
-    return None if best is None else best[1]
-
-
-def _hf_parts(model: nn.Module) -> tuple[str, str, list[str], list[str]] | None:
-    """(base prefix, layers path, pre, post) of a Hugging Face model: the base model's children
-    registered after its layers that hold parameters (the final norm) are ``post``, the others
-    ``pre``; the model's own children besides the base (the head) are ``post``."""
-    prefix = getattr(model, "base_model_prefix", "")
-    base = getattr(model, prefix, None) if prefix else None
-    if not isinstance(base, nn.Module):
-        return None
-    layers = _hf_layers(base)
-    if layers is None:
-        return None
-    top = layers.split(".")[0]
-    pre: list[str] = []
-    post: list[str] = []
-    after = False
-    for name, child in base.named_children():
-        if name == top:
-            after = True
-            if "." in layers:  # the list sits in a container (encoder.layer): its siblings
-                for sub, _ in child.named_children():
-                    if f"{top}.{sub}" != layers:
-                        pre.append(f"{prefix}.{top}.{sub}")
-            continue
-        if child is None:
-            continue
-        holds = any(True for _ in child.parameters())
-        (post if after and holds else pre).append(f"{prefix}.{name}")
-    for name, _ in base.named_parameters(recurse=False):
-        pre.append(f"{prefix}.{name}")
-    for name, child in model.named_children():
-        if name != prefix and child is not None:
-            post.append(name)
-    return prefix, f"{prefix}.{layers}", pre, post
-
-
-def _causal_lm_head(
-    norm: str | None, model: nn.Module, hidden: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    """A Hugging Face causal LM's end: final norm, ``lm_head``, the model's own loss."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    if norm is not None:
-        hidden = _get(model, norm)(hidden)  # type: ignore[operator]
-    logits = model.lm_head(hidden)  # type: ignore[operator]
-    labels = _argument(model, "labels", args, kwargs)
-    loss = None
-    if labels is not None:
-        config: Any = model.config
-        loss = model.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size)  # type: ignore[operator]
-    return CausalLMOutputWithPast(loss=loss, logits=logits)
-
-
-def _image_classifier_head(
-    norm: str | None, model: nn.Module, hidden: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    """A Hugging Face image classifier's end: final norm, ``classifier`` on the first token,
-    the model's own loss."""
-    from transformers.modeling_outputs import ImageClassifierOutput
-
-    if norm is not None:
-        hidden = _get(model, norm)(hidden)  # type: ignore[operator]
-    logits = model.classifier(hidden[:, 0, :])  # type: ignore[operator]
-    labels = _argument(model, "labels", args, kwargs)
-    loss = None
-    if labels is not None:
-        loss = model.loss_function(labels, logits, model.config)  # type: ignore[operator]
-    return ImageClassifierOutput(loss=loss, logits=logits)
-
-
 def _whole(part: nn.Module) -> Any:
     model = getattr(part, "whole_model", None)
     if model is None:
         raise RuntimeError("this block travelled without its model; restore the model first")
     return model
-
-
-def _argument(model: nn.Module, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The value of ``model.forward``'s argument ``name`` in a call (keyword or positional)."""
-    if name in kwargs:
-        return kwargs[name]
-    params = list(inspect.signature(model.forward).parameters)
-    index = params.index(name) if name in params else len(args)
-    return args[index] if index < len(args) else None
-
-
-def pipe_model_for(model: nn.Module) -> PipeModel | None:
-    """A :class:`PipeModel` for a known family (Hugging Face ``*ForCausalLM`` / ``*LMHeadModel``
-    with ``lm_head``, and ``*ForImageClassification`` with ``classifier``), or None."""
-    parts = _hf_parts(model)
-    if parts is None or not hasattr(model, "config"):
-        return None
-    prefix, layers, pre, post = parts
-    norm = next((p for p in post if p.startswith(prefix + ".")), None)
-    if isinstance(getattr(model, "lm_head", None), nn.Module):
-        head: Head = functools.partial(_causal_lm_head, norm)
-    elif isinstance(getattr(model, "classifier", None), nn.Module):
-        head = functools.partial(_image_classifier_head, norm)
-    else:
-        return None
-    init = getattr(model, "_init_weights", None)
-    return PipeModel(
-        model,
-        blocks=layers,
-        pre=pre,
-        post=post,
-        head=head,
-        init=init if callable(init) else None,
-    )
-

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_pipe2bw.partition.pipemodel import PipeModel, pipe_model_for
-from lightning_pipe2bw.runtime.stage import StageBody
+from lightning_pipe2bw.partition.hf import hf_layout, pipe_model_for, training_kwargs
+from lightning_pipe2bw.partition.observe import TURN_OFF, SplitError, compare_outputs, evaluating
+from lightning_pipe2bw.partition.pipemodel import PipeModel
+from lightning_pipe2bw.runtime.stage import BodyInput, StageBody
 
-__all__ = ["BodyRef", "Partition", "find_body", "make_partition"]
+# the arguments the user's step passes to a model on the first micro-batch, or None
+CallOf = Callable[[nn.Module], BodyInput | None]
+
+__all__ = ["BodyRef", "CallOf", "Partition", "check_split", "find_body", "make_partition"]
 
 
 @dataclass(frozen=True)
@@ -26,7 +31,7 @@ class BodyRef:
         return getattr(self.parent, self.attr)  # type: ignore[no-any-return]
 
 
-def _resolve(root: nn.Module, path: str) -> BodyRef:
+def _resolve(root: nn.Module, path: str, call_of: CallOf | None = None, check: bool = True) -> BodyRef:
     parent = root
     *heads, attr = path.split(".")
     for name in heads:
@@ -42,9 +47,11 @@ def _resolve(root: nn.Module, path: str) -> BodyRef:
             f"body path {path!r}: {type(parent).__name__} has no attribute {attr!r}; pass the name of the nn.Sequential attribute that holds the blocks"
         )
     if not isinstance(body, (nn.Sequential, StageBody)) and isinstance(body, nn.Module):
-        spec = pipe_model_for(body)
-        if spec is not None:
-            return _install(parent, attr, path, spec)
+        if hf_layout(body) is not None:
+            call = call_of(body) if call_of is not None else None
+            spec = pipe_model_for(body, call)
+            assert spec is not None
+            return _install(parent, attr, path, spec, call if check else None)
     if not isinstance(body, (nn.Sequential, StageBody)):
         hint = (
             " (a ModuleList has no forward: nn.Sequential(*layers) holds the same layers under "
@@ -60,24 +67,64 @@ def _resolve(root: nn.Module, path: str) -> BodyRef:
     return BodyRef(parent, attr, path)
 
 
-def _install(parent: nn.Module, attr: str, path: str, spec: PipeModel) -> BodyRef:
+def _install(
+    parent: nn.Module, attr: str, path: str, spec: PipeModel, call: BodyInput | None
+) -> BodyRef:
     """Put ``spec``'s body in place of its model at ``parent.<attr>``: the model's own modules
-    as a sequence of blocks (see ``partition.pipemodel``)."""
-    setattr(parent, attr, spec.body())
+    as a sequence of blocks (see ``partition.pipemodel``); with ``call`` (the step's arguments
+    on the first micro-batch), first check that the body computes what the model does."""
+    body = spec.body()
+    try:
+        if call is not None:
+            check_split(spec, body, call)
+    finally:
+        spec.observed = None  # the whole model's output: not kept
+    setattr(parent, attr, body)
     return BodyRef(parent, attr, path)
+
+
+def check_split(spec: PipeModel, body: nn.Module, call: BodyInput) -> None:
+    """Raise :class:`SplitError` unless the split ``body`` of ``spec.model``, run block after
+    block in this process, returns what the whole model returns on ``call`` (eval mode, no
+    gradient, the random state put back): every tensor of the output both have (``loss``,
+    ``logits``) within rtol 1e-4, atol 1e-5."""
+    model = spec.model
+    with evaluating(model):
+        if spec.observed is not None:
+            whole = spec.observed.output
+        else:
+            whole = model(*call.args, **training_kwargs(model, call.kwargs))
+        split = body(*call.args, **call.kwargs)
+    problems = compare_outputs(whole, split)
+    if problems:
+        raise SplitError(
+            f"the pipeline split of {type(model).__name__} computes something else than the "
+            f"whole model on the first micro-batch ({'; '.join(problems)}). pipe2bw put "
+            f"{list(spec.pre)} before its layers {spec.blocks!r} (first stage) and "
+            f"{list(spec.post)} after them (last stage). Describe the model with "
+            "PipeModel(model, blocks=..., pre=[...], post=[...], head=...) from a "
+            "`pipeline_body()` method of your LightningModule (docs/models.md), or turn the "
+            f"check off with {TURN_OFF}"
+        )
 
 
 def _path_of(module: nn.Module, target: nn.Module) -> str | None:
     return next((path for path, sub in module.named_modules() if sub is target and path), None)
 
 
-def find_body(module: nn.Module, name: str | None = None) -> BodyRef:
+def find_body(
+    module: nn.Module, name: str | None = None, call_of: CallOf | None = None, check: bool = True
+) -> BodyRef:
     """Locate the body: the ``name`` given, else ``module.pipeline_body()``'s answer, else the only
     outermost ``nn.Sequential`` attribute of ``module`` that holds parameters. A body already
     replaced by its :class:`StageBody` (by an earlier ``trainer`` call) is found the same way.
+
+    ``call_of(model)``: the arguments the step passes to a model on the first micro-batch (or
+    None): a Hugging Face model's structure is then learnt from one forward, and with ``check``
+    a model's split (Hugging Face or ``PipeModel``) must compute what the whole model does.
     """
     if name is not None:
-        return _resolve(module, name)
+        return _resolve(module, name, call_of, check)
     hook = getattr(module, "pipeline_body", None)
     if callable(hook):
         target = hook()
@@ -91,10 +138,11 @@ def find_body(module: nn.Module, name: str | None = None) -> BodyRef:
                 )
             parent_path, _, attr = where.rpartition(".")
             parent = module.get_submodule(parent_path) if parent_path else module
-            return _install(parent, attr, where, target)
+            call = call_of(target.model) if call_of is not None and check else None
+            return _install(parent, attr, where, target, call)
         for path, sub in module.named_modules():
             if sub is target and path:
-                return _resolve(module, path)
+                return _resolve(module, path, call_of, check)
         raise ValueError(
             f"{type(module).__name__}.pipeline_body() must return a submodule (an nn.Sequential "
             f"attribute) of the module; got {type(target).__name__} that is not one of its submodules"
@@ -110,9 +158,10 @@ def find_body(module: nn.Module, name: str | None = None) -> BodyRef:
     top = [p for p in candidates if not any(p.startswith(q + ".") for q in candidates if q != p)]
     known = _known_models(module)
     if len(known) == 1 and all(p.startswith(known[0] + ".") for p in top):
-        return _resolve(module, known[0])  # a Hugging Face model (its Sequentials are inside)
+        # a Hugging Face model (its Sequentials are inside)
+        return _resolve(module, known[0], call_of, check)
     if len(top) == 1:
-        return _resolve(module, top[0])
+        return _resolve(module, top[0], call_of, check)
     if not top:
         raise TypeError(
             f"{type(module).__name__} has no nn.Sequential attribute to split into pipeline stages. "
@@ -138,7 +187,7 @@ def _known_models(module: nn.Module) -> list[str]:
     found: list[str] = []
     for path, sub in module.named_modules():
         if path and not any(path.startswith(q + ".") for q in found):
-            if any(True for _ in sub.parameters()) and pipe_model_for(sub) is not None:
+            if any(True for _ in sub.parameters()) and hf_layout(sub) is not None:
                 found.append(path)
     return found
 

@@ -107,6 +107,7 @@ class PipeOptions:
     repartition_threshold: float = 0.15
     early_input_grad: bool = True
     delay_correction: str = "auto"  # "auto": the schedule's default (see ``correction``)
+    check_split: bool = True  # the guard against a split that computes something else
 
     @classmethod
     def create(cls, **options: Any) -> PipeOptions:
@@ -390,6 +391,17 @@ def _early_input_grad(value: Any) -> dict[str, Any]:
     return {"early_input_grad": value}
 
 
+def _check_split(value: Any) -> dict[str, Any]:
+    if not isinstance(value, bool):
+        raise _Bad(
+            "check_split",
+            value,
+            f"check_split must be True or False, got {value!r}",
+            kind=TypeError,
+        )
+    return {"check_split": value}
+
+
 def _delay_correction(value: Any) -> dict[str, Any]:
     if value == "auto":
         return {"delay_correction": value}
@@ -454,6 +466,7 @@ _PARSERS: tuple[tuple[str, Any], ...] = (
     ("repartition_threshold", _repartition_threshold),
     ("early_input_grad", _early_input_grad),
     ("delay_correction", _delay_correction),
+    ("check_split", _check_split),
 )
 _OPTION_NAMES = frozenset(name for name, _ in _PARSERS)
 _DEFAULTS: dict[str, Any] = {
@@ -474,6 +487,7 @@ _DEFAULTS: dict[str, Any] = {
     "repartition_threshold": 0.15,
     "early_input_grad": True,
     "delay_correction": "auto",
+    "check_split": True,
 }
 
 

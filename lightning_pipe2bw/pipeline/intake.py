@@ -1,0 +1,136 @@
+"""What the intake of a model learns from the user's own step, and the guard against a split that
+trains silently wrong.
+
+- :func:`step_call`: the arguments the user's step passes to the model on the first micro-batch
+  (the step runs up to the model's call, which is stopped there), so that the structure of a
+  model that is not an ``nn.Sequential`` is learnt from one forward (``partition.observe``) and
+  the split is checked against the whole model (``partition.split``).
+- :func:`check_every_parameter_used`: at the first update, every trainable parameter must have
+  received a gradient on some stage, as DDP checks (collective over the pipeline).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_pipe2bw.partition.observe import TURN_OFF, SplitError
+from lightning_pipe2bw.runtime.microbatch import batch_size_of, split_batch
+from lightning_pipe2bw.runtime.stage import BodyInput
+
+__all__ = ["SplitError", "check_every_parameter_used", "step_call", "unused_parameters"]
+
+log = logging.getLogger(__name__)
+
+
+class _Stopped(BaseException):
+    """Raised by the hook on the model's call: a BaseException, so that no ``except Exception``
+    in the user's step swallows it."""
+
+    def __init__(self, call: BodyInput) -> None:
+        super().__init__("stopped at the model's call")
+        self.call = call
+
+
+def step_call(
+    module: nn.Module, hook: str, loader: Any, microbatches: int
+) -> Callable[[nn.Module], BodyInput | None]:
+    """A function that gives the arguments ``module.<hook>`` (the user's step) passes to a
+    model on the first micro-batch of ``loader``'s first batch, or None where that cannot be had
+    (no loader, a model on the meta device, a step that fails outside the loop or never calls
+    the model): the intake then does without (a warning says so). The random state is put back
+    (the loader's sampler draws its seed from it)."""
+
+    def call_of(model: nn.Module) -> BodyInput | None:
+        if loader is None or any(p.is_meta for p in model.parameters()):
+            return None
+        step = getattr(module, hook, None)
+        if not callable(step):
+            return None
+        devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+        handle = model.register_forward_pre_hook(_stop, with_kwargs=True)
+        try:
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                batch = next(iter(loader))
+                n = max(1, min(microbatches, batch_size_of(batch)))
+                sample = _to(split_batch(batch, n)[0][0], _device_of(model))
+                step(sample, 0)
+        except _Stopped as stopped:
+            return stopped.call
+        except Exception as err:  # the step needs the loop (a log before the call, ...)
+            _cannot(model, f"{hook} raised {type(err).__name__}: {err}")
+            return None
+        finally:
+            handle.remove()
+        _cannot(model, f"{hook} did not call it on the first micro-batch")
+        return None
+
+    return call_of
+
+
+def _stop(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    raise _Stopped(BodyInput(args, dict(kwargs)))
+
+
+def _cannot(model: nn.Module, why: str) -> None:
+    warnings.warn(
+        f"pipe2bw: could not run {type(model).__name__} on the first micro-batch at set-up "
+        f"({why}); its split follows the order it registers its modules in, unchecked until "
+        "the first update checks that every parameter gets a gradient",
+        stacklevel=2,
+    )
+
+
+def _device_of(model: nn.Module) -> torch.device | None:
+    return next((p.device for p in model.parameters()), None)
+
+
+def _to(batch: Any, device: torch.device | None) -> Any:
+    if device is None:
+        return batch
+    leaves, spec = torch.utils._pytree.tree_flatten(batch)
+    moved = [x.to(device) if isinstance(x, Tensor) else x for x in leaves]
+    return torch.utils._pytree.tree_unflatten(moved, spec)
+
+
+def unused_parameters(pairs: Sequence[tuple[Tensor, Tensor | None]], names: Mapping[int, str]) -> list[str]:
+    """The names of the trainable parameters among ``pairs`` (parameter, its gradient) that
+    have no gradient."""
+    return [names.get(id(p), "?") for p, grad in pairs if p.requires_grad and grad is None]
+
+
+def check_every_parameter_used(
+    unused: list[str], held: list[str], group: Any, num_stages: int, stage: int
+) -> None:
+    """Raise :class:`SplitError` on every stage of the pipeline when a trainable parameter got
+    no gradient on any stage at the first update (collective over ``group``: every stage
+    calls it at the same update). ``held``: the names of the parameters this stage holds
+    (a tied weight held by two stages counts as used when one of them uses it)."""
+    mine = (stage, sorted(unused), sorted(held))
+    gathered: list[Any] = [None] * num_stages
+    if num_stages > 1:
+        dist.all_gather_object(gathered, mine, group=group)
+    else:
+        gathered = [mine]
+    used = {name for _, idle, names in gathered for name in set(names) - set(idle)}
+    where = {name: s for s, idle, _ in gathered for name in idle if name not in used}
+    if not where:
+        return
+    listed = sorted(where)
+    shown = listed if len(listed) <= 8 else [*listed[:8], f"... {len(listed) - 8} more"]
+    stages = sorted(set(where.values()))
+    raise SplitError(
+        f"{len(listed)} trainable parameter(s) got no gradient on any stage at the first update: "
+        f"{shown} (held by stage {', '.join(map(str, stages))}). Either the split runs the "
+        "module that holds them on a stage where the forward never reaches it (the model runs "
+        "them at another point than pipe2bw placed them: describe it with PipeModel(model, "
+        "blocks=..., pre=[...], post=[...]), docs/models.md), or the model never uses them "
+        "(freeze them with requires_grad_(False)). To train on regardless, turn the check "
+        f"off with {TURN_OFF}"
+    )
