@@ -11,6 +11,7 @@ private API is reached through ``compat`` only.
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib.metadata
 import logging
 import math
@@ -19,8 +20,9 @@ import pickle
 import signal
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, cast
 
 import lightning
 import torch
@@ -34,6 +36,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
+from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from torchmetrics import Metric
@@ -75,13 +78,14 @@ from lightning_pipe2bw.pipeline.options import (
     raise_problems,
     run_problems,
 )
+from lightning_pipe2bw.pipeline.peers import PeerDirectory
 from lightning_pipe2bw.pipeline.repartition import Repartition, Repartitioner
 from lightning_pipe2bw.pipeline.signals import SignalGuard
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
 from lightning_pipe2bw.pipeline.topology import Topology
 from lightning_pipe2bw.runtime import PipelineEngine, StageBody
 from lightning_pipe2bw.runtime.driver import Driver, DueGradient
-from lightning_pipe2bw.runtime.failure import SignalStop
+from lightning_pipe2bw.runtime.failure import SignalStop, StageFailure
 from lightning_pipe2bw.runtime.microbatch import batch_size_of
 from lightning_pipe2bw.schedule import SCHEDULES, ActivationBudget
 from lightning_pipe2bw.steplog import (
@@ -98,6 +102,34 @@ log = logging.getLogger(__name__)
 
 def _same(loss: Tensor) -> Tensor:
     return loss
+
+
+# how long trainer.save_checkpoint waits for every rank to reach it (or the process-group
+# timeout, if shorter)
+SAVE_WAIT = timedelta(seconds=60)
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _names_lost_ranks(where: str) -> Callable[[_Method], _Method]:
+    """A strategy method whose collectives, when a rank's process is gone, raise an error that
+    names that rank, its stage and how it died (``pipeline.peers``), not the process group's
+    ``Connection reset by peer``."""
+
+    def wrap(method: _Method) -> _Method:
+        @functools.wraps(method)
+        def named(self: Pipe2BWStrategy, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except Exception as err:
+                failure = self._lost_rank(err, where)
+                if failure is None:
+                    raise
+                raise failure from err
+
+        return cast(_Method, named)
+
+    return wrap
 
 
 class Pipe2BWStrategy(ParallelStrategy):
@@ -226,6 +258,8 @@ class Pipe2BWStrategy(ParallelStrategy):
         self._due = DueGradient()  # the gradient Lightning's coming optimizer step applies
         self._failed = False  # this Trainer call raised: no collective at teardown
         self._use_check = False  # check_split: the first update's check is still to come
+        self._peers: PeerDirectory | None = None  # every rank's host and process (set-up)
+        self._control: Any = None  # a gloo group of every rank when the default one is not
         # SIGTERM / SIGINT end every rank within seconds (see pipeline.signals)
         self._signals = SignalGuard(self._describe, self._on_forced_exit)
 
@@ -397,10 +431,14 @@ class Pipe2BWStrategy(ParallelStrategy):
         raise_problems(topology.option_problems(self.options))
         backend = self._resolve_backend()
         created = not _initialized()
-        compat.init_dist_connection(env, backend, timeout=self.options.timeout)
+        compat.init_dist_connection(
+            env, backend, timeout=self.options.timeout, **_elastic_store(self.options.timeout)
+        )
         if created:
             atexit.register(_destroy_process_group)
         self.groups = ProcessGroups.create(topology)
+        # a gloo group of every rank, for the checkpoint's monitored barrier (collective)
+        self._control = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
 
     # ------------------------------------------------------------------ model set-up
     @contextmanager
@@ -432,10 +470,17 @@ class Pipe2BWStrategy(ParallelStrategy):
             )
         )
         check_same_setup(self._settings(trainer))
+        if self._peers is None and self.world_size > 1:
+            topology = self.topology
+            self._peers = PeerDirectory.gather(lambda r: replace(topology, rank=r).stage)
         ref = find_body(
             module, self.options.body, self._step_call(trainer), check=self.options.check_split
         )
-        if fitting and self.options.balance_mode == "auto" and not isinstance(ref.module, StageBody):
+        if (
+            fitting
+            and self.options.balance_mode == "auto"
+            and not isinstance(ref.module, StageBody)
+        ):
             self._plan_auto(ref)
         balance = resolve_balance(self.options, ref, self.num_stages, self.plan)
         recompute = self.plan.best.recompute if self.plan is not None else self.options.recompute
@@ -479,6 +524,20 @@ class Pipe2BWStrategy(ParallelStrategy):
             return None
         loader, hook = found
         return step_call(module, hook, loader, self.num_microbatches)
+
+    def _lost_rank(self, error: BaseException, where: str) -> StageFailure | None:
+        """The error naming a rank found gone, for ``error`` raised in ``where``; None when the
+        error does not say a peer is gone, or no rank is found gone."""
+        if self._peers is None:
+            return None
+        launcher = self._launcher
+
+        def exit_codes() -> dict[int, int | None]:  # of the workers this process started
+            if not isinstance(launcher, PipePopenLauncher):
+                return {}
+            return {p.pid: p.poll() for p in compat.launched_processes(launcher)}
+
+        return self._peers.lost(error, where, exit_codes)
 
     def _check_use(self, due: DueGradient) -> None:
         """At the first update that applies a gradient: every trainable parameter got one on
@@ -546,6 +605,7 @@ class Pipe2BWStrategy(ParallelStrategy):
             agree_on_inf_checks(scaler, self.root_device, group, self.num_stages)
 
     # ------------------------------------------------------------------ steps
+    @_names_lost_ranks("a step (delivering its values)")
     def _run_pipelined(
         self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], train: bool
     ) -> Any:
@@ -614,6 +674,7 @@ class Pipe2BWStrategy(ParallelStrategy):
             return self._run_pipelined("predict_step", args, kwargs, train=False)
 
     @override
+    @_names_lost_ranks("the optimizer step's gradient exchange")
     def backward(
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> Tensor:
@@ -627,6 +688,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         return closure_loss
 
     @override
+    @_names_lost_ranks("the optimizer step")
     def optimizer_step(
         self,
         optimizer: Optimizer,
@@ -641,6 +703,7 @@ class Pipe2BWStrategy(ParallelStrategy):
             self.flush()
         return output
 
+    @_names_lost_ranks("a flush of the pipeline")
     def flush(self) -> None:
         """Drain a 2BW pipeline and apply the last batch's update (collective: every rank calls it
         at the same point of Lightning's loop). A no-op for flush schedules or an empty pipeline."""
@@ -657,7 +720,9 @@ class Pipe2BWStrategy(ParallelStrategy):
         done = torch.zeros((), device=self.root_device)
         module = self.lightning_module
         assert module is not None
-        self.precision_plugin.optimizer_step(runtime.optimizers[0], model=module, closure=lambda: done)
+        self.precision_plugin.optimizer_step(
+            runtime.optimizers[0], model=module, closure=lambda: done
+        )
         runtime.driver.finish_update()
         due.clear()
         log.debug("pipe2bw: flushed the pipeline")
@@ -749,6 +814,7 @@ class Pipe2BWStrategy(ParallelStrategy):
                 self._hand_back(runtime)
         super().teardown()
 
+    @_names_lost_ranks("the hand-back of the trained model after the Trainer call")
     def _hand_back(self, runtime: StageRuntime) -> None:
         """The whole trained body back in the user's module, on every rank (collective)."""
         reason = hand_back(runtime)
@@ -792,6 +858,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         stop_workers(self._launcher, self.worker_grace_s)
 
     @override
+    @_names_lost_ranks("a decision shared by every rank (reduce_boolean_decision)")
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Global rank 0's decision, on every rank.
 
@@ -807,11 +874,47 @@ class Pipe2BWStrategy(ParallelStrategy):
         return bool(flag.item())
 
     @override
+    @_names_lost_ranks("a barrier")
     def barrier(self, name: str | None = None) -> None:
-        if _initialized():
-            dist.barrier()
+        if not _initialized():
+            return
+        if name == "Trainer.save_checkpoint" and self.world_size > 1:
+            self._checkpoint_barrier()
+            return
+        dist.barrier()
+
+    def _checkpoint_barrier(self) -> None:
+        """The barrier ``trainer.save_checkpoint`` starts and ends with: every rank must be
+        there, since the save gathers every stage's part. A rank that does not come within
+        ``SAVE_WAIT`` (or the process-group timeout, if shorter), or whose process is gone, is
+        an error that says so (a save under ``if trainer.global_rank == 0`` is the usual
+        cause), instead of the collectives' timeout and gloo's words."""
+        if not _initialized() or self.world_size == 1:
+            return
+        timeout = min(self.options.timeout or DEFAULT_TIMEOUT, SAVE_WAIT)
+        group = self._control_group()
+        try:
+            dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
+        except RuntimeError as err:
+            lost = self._lost_rank(err, "trainer.save_checkpoint")
+            seen = f"{lost}" if lost is not None else f"{type(err).__name__}: {err}"
+            raise RuntimeError(
+                f"trainer.save_checkpoint on rank {self.global_rank} (stage {self.stage}): not "
+                f"every rank took part ({seen}; the wait is at most "
+                f"{timeout.total_seconds():.0f} s). With "
+                "pipe2bw each rank holds a part of the model, so trainer.save_checkpoint(path) "
+                "gathers every part and must be called on every rank, as Lightning documents "
+                "for distributed strategies: call it outside `if trainer.global_rank == 0:` (the "
+                "file is written once, by global rank 0)"
+            ) from err
+
+    def _control_group(self) -> Any:
+        """A gloo group of every rank (``monitored_barrier`` runs on gloo only): the default
+        group when it is gloo, else one made at set-up."""
+        return self._control
 
     @override
+    @_names_lost_ranks("a broadcast")
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _initialized():
             return obj
@@ -820,6 +923,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         return box[0]
 
     @override
+    @_names_lost_ranks("a reduction (strategy.reduce)")
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         if isinstance(tensor, Tensor):
             return compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
@@ -836,6 +940,7 @@ class Pipe2BWStrategy(ParallelStrategy):
     def restore_checkpoint_after_setup(self) -> bool:
         return True
 
+    @_names_lost_ranks("full_state_dict (gathering the weights)")
     def full_state_dict(self) -> dict[str, Any]:
         """The unpartitioned model's state dict on global rank 0 (collective; ``{}`` elsewhere)."""
         module = self.lightning_module
@@ -851,15 +956,19 @@ class Pipe2BWStrategy(ParallelStrategy):
         return [compat.torch_optimizer(o) for o in self.optimizers]
 
     @override
+    @_names_lost_ranks("trainer.save_checkpoint (gathering the weights)")
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._checkpoint_barrier()  # every rank is saving: the gather below needs them all
         self.flush()  # a checkpoint is a flush point: no micro-batch in flight, no update pending
         return self._format().model_state()
 
     @override
+    @_names_lost_ranks("trainer.save_checkpoint (gathering the optimizer state)")
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         return self._format().optimizer_state(compat.torch_optimizer(optimizer))
 
     @override
+    @_names_lost_ranks("trainer.save_checkpoint")
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
@@ -880,11 +989,15 @@ class Pipe2BWStrategy(ParallelStrategy):
             os.replace(tmp, path)
 
     @override
+    @_names_lost_ranks("loading a checkpoint")
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
         """Lightning's loader, with ``weights_only=True`` unless the caller chose: a pipe2bw
         checkpoint holds tensors and plain containers only. A checkpoint that needs arbitrary
         unpickling (e.g. custom hyper-parameter objects) is loaded with ``weights_only=False``
-        after a warning; pass ``weights_only=False`` to ``fit`` to skip the first attempt."""
+        after a warning; pass ``weights_only=False`` to ``fit`` to skip the first attempt.
+        First, every rank must be able to read it (``PeerDirectory.check_readable``)."""
+        if self._peers is not None and "://" not in str(checkpoint_path):
+            self._peers.check_readable(str(checkpoint_path))
         if is_sharded_checkpoint(checkpoint_path):
             return self._format().load_sharded(
                 checkpoint_path, weights_only is not False, self._torch_optimizers,
@@ -935,6 +1048,24 @@ def _model_name(name: str, module: nn.Module) -> str:
             if block.isdigit():
                 return f"{path}.{rest}"
     return name
+
+
+def _elastic_store(timeout: timedelta | None) -> dict[str, Any]:
+    """Under torchrun's c10d rendezvous the workers of every attempt meet in the agent's one
+    store, where the keys of an attempt that ended (a process's address) are still there: a
+    restarted worker may read a dead peer's address and fail to connect. Each attempt gets
+    keys of its own (``TORCHELASTIC_RESTART_COUNT``); outside torchrun, nothing changes."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return {}
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout or DEFAULT_TIMEOUT,
+    )
+    return {"store": PrefixStore(f"pipe2bw/attempt_{attempt}/", store)}
 
 
 def _initialized() -> bool:

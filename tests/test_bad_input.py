@@ -421,6 +421,8 @@ def test_layers_in_module_list_without_hook(pools: Any) -> None:
     )
     assert "pipeline_body(self) -> nn.Sequential" in message
     assert "Pipe2BWStrategy(body='<attribute name>')" in message
+    assert "Its layers are in the nn.ModuleList 'layers': when a model's forward loops" in message
+    assert "PipeModel(model, blocks=" in message
 
 
 def test_two_sequential_attributes(pools: Any) -> None:
@@ -588,6 +590,7 @@ def test_a_module_list_named_as_the_body_says_how_to_make_it_one(pools: Any) -> 
         "TypeError: the pipeline body 'layers' must be an nn.Sequential of blocks, got ModuleList"
     )
     assert "nn.Sequential(*layers) holds the same layers under the same names" in message
+    assert "describe it with a `pipeline_body()` method returning PipeModel(model" in message
 
 
 def test_a_block_that_returns_none_is_named(pools: Any) -> None:

@@ -205,3 +205,55 @@ def test_data_parallel_resume_is_exact(pools: Any, tmp_path: Path, state_dict_ty
     diff = max_abs_diff(resumed["state"], straight["state"])
     print(f"RESUME dp=2 x pp=2 2bw {state_dict_type}: max|dW| = {diff:.3e}")
     assert diff <= TOL
+
+
+def _resume_in(folders: dict[int, str], path: str) -> str:
+    """Resume from ``path`` with each rank in its own working directory (``folders`` by rank):
+    a relative path then names a different file on each rank, as a node's local disk does."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    here = os.getcwd()
+    os.chdir(folders[dist.get_rank()])
+    try:
+        _fit("1f1b", 4, resume=path)
+    except (FileNotFoundError, ValueError) as err:
+        return f"{type(err).__name__}: {err}".replace(socket.gethostname(), "HOST")
+    finally:
+        os.chdir(here)
+    return "no error"
+
+
+def test_a_checkpoint_not_every_rank_can_read_is_named_at_once(
+    pools: Any, tmp_path: Path
+) -> None:
+    """A checkpoint on the disk of the node that wrote it only: the rank that cannot read it is
+    named, with its host and the path, on every rank, before any rank waits on another."""
+    pool = pools(2)
+    pool.run(_fit, "1f1b", 3, str(tmp_path / "a"))
+    (tmp_path / "b").mkdir()
+    folders = {0: str(tmp_path / "a"), 1: str(tmp_path / "b")}
+    for message in pool.run(_resume_in, folders, "step=3.ckpt"):
+        assert message.startswith(
+            "FileNotFoundError: cannot resume from 'step=3.ckpt': rank 1 (stage 0) on host HOST: "
+            "no such file or directory. every rank reads the checkpoint"
+        ), message
+        assert "copy it to the same path on each node" in message
+
+
+def test_a_truncated_checkpoint_is_named(pools: Any, tmp_path: Path) -> None:
+    pool = pools(2)
+    pool.run(_fit, "1f1b", 3, str(tmp_path))
+    path = tmp_path / "step=3.ckpt"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    folders = {0: str(tmp_path), 1: str(tmp_path)}
+    for message in pool.run(_resume_in, folders, str(path)):
+        assert message.startswith(
+            f"ValueError: cannot resume from '{path}': rank 0 (stage 1) on host HOST: a damaged "
+            f"or truncated file of {len(data) // 2} bytes"
+        ), message
+        assert "rank 1 (stage 0) on host HOST: a damaged" in message
+        assert "resume from an earlier checkpoint" in message

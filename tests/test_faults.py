@@ -83,6 +83,47 @@ def test_a_killed_rank_stops_every_rank(
     assert f"rank {rank} (stage {stage}) failed in an unknown action: its process vanished" in out
 
 
+@pytest.mark.parametrize(
+    ("rank", "stage", "other", "how"),
+    [
+        (0, 1, 1, "its process vanished without reporting an error"),
+        (1, 0, 0, "its process was killed by SIGKILL (signal 9)"),  # a worker rank 0 started
+    ],
+)
+def test_a_rank_killed_outside_the_schedule_is_named(
+    tmp_path: Path, rank: int, stage: int, other: int, how: str
+) -> None:
+    """A rank killed in the middle of a checkpoint (between two steps): the other rank's
+    collective breaks outside the schedule, and its error names the lost rank, its stage and
+    how it died instead of gloo's "Connection closed by peer" alone."""
+    proc, elapsed = _run_job(tmp_path, "kill-in-save", rank)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert elapsed < LIMIT_S
+    expected = (
+        f"[rank{other}]: lightning_pipe2bw.runtime.failure.StageFailure: lost rank {rank} "
+        f"(stage {stage}, process "
+    )
+    assert expected in out, out[-4000:]
+    assert f"while this rank ({other}, stage {1 - stage}) was in trainer.save_checkpoint" in out
+    assert f"rank {rank} (stage {stage}) failed in code outside the pipeline schedule: {how}" in out
+
+
+def test_a_checkpoint_saved_on_rank_0_only_is_refused_in_time(tmp_path: Path) -> None:
+    """``trainer.save_checkpoint`` under ``if trainer.global_rank == 0`` (the single-process
+    habit) while the other rank goes on: the save's first barrier says that every rank must
+    call it, after at most the process-group timeout (8 s here), not gloo's timeout words."""
+    proc, elapsed = _run_job(tmp_path, "save-on-rank0", 0, "--timeout", "8")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert elapsed < LIMIT_S
+    assert "trainer.save_checkpoint on rank 0 (stage 1): not every rank took part" in out, out[-3000:]
+    assert "Ranks 1 failed to pass monitoredBarrier" in out
+    assert "must be called on every rank" in out
+    assert "call it outside `if trainer.global_rank == 0:`" in out
+    assert not (tmp_path / "whole.ckpt").exists()
+
+
 @pytest.mark.parametrize(("rank", "stage", "other"), [(0, 1, 1), (1, 0, 0)])
 def test_a_hanging_rank_is_stopped_by_the_timeout(
     tmp_path: Path, rank: int, stage: int, other: int

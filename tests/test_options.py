@@ -101,6 +101,12 @@ def test_one_problem_raises_its_own_error() -> None:
         PipeOptions.create(timeout=30)
     with pytest.raises(TypeError, match=r"memory_plan must map block indices to policies"):
         PipeOptions.create(memory_plan=["swap"])
+    for bad in (timedelta(0), timedelta(seconds=-5)):  # before torch's rendezvous sees it
+        with pytest.raises(ValueError) as zero:
+            PipeOptions.create(timeout=bad)
+        seconds = f"{bad.total_seconds():g}"
+        assert str(zero.value).startswith(f"timeout must be positive, got {bad!r} ({seconds} s)")
+        assert "timedelta(minutes=10), or None for the default (3 minutes)" in str(zero.value)
     # only type errors: a TypeError that lists both
     with pytest.raises(TypeError, match=r"(?s)invalid pipe2bw options.*timeout.*recompute"):
         PipeOptions.create(recompute=3, timeout="1m")

@@ -249,11 +249,14 @@ def replay_head(
     saved = [(blocks, layers)] + [(p, _get(model, p)) for p in blank]
     saved += [(p, _get(model, p)) for p, _, _ in blank_parameters]
     _set(model, blocks, swapped)
+    unmade = _stateless_blanks(model, blank, hidden.device)
+    saved += [(p, _get(model, p)) for p in unmade]
     for path, skeleton_of in blank.items():
         _set(model, path, _Blank(skeleton_of, hidden))
+    for path in unmade:
+        _set(model, path, _Blank(_get(model, path), hidden))  # type: ignore[arg-type]
     for path, size, dtype in blank_parameters:
         _set(model, path, nn.Parameter(hidden.new_zeros(size, dtype=dtype), requires_grad=False))
-    _move_stateless(model, hidden.device)
     try:
         return model(*args, **training_kwargs(model, kwargs))
     finally:
@@ -261,11 +264,22 @@ def replay_head(
             _set(model, path, obj)  # type: ignore[arg-type]
 
 
-def _move_stateless(model: nn.Module, device: torch.device) -> None:
+def _stateless_blanks(
+    model: nn.Module, blank: Mapping[str, nn.Module], device: torch.device
+) -> list[str]:
     """Modules without parameters left in the model object (the first stage's rotary table)
-    follow the hidden state's device: the last stage's model object is not moved as a whole."""
-    for module in model.modules():
-        if not any(True for _ in module.parameters(recurse=False)):
-            for name, buf in module._buffers.items():
-                if buf is not None and buf.device != device:
-                    module._buffers[name] = buf.to(device)
+    follow the hidden state's device: the last stage's model object is not moved as a whole.
+    Those whose buffers were never materialised (a model built on the meta device: the first
+    stage holds the real ones) are blanked too; their paths are returned."""
+    meta = []
+    for path, module in model.named_modules():
+        if path in blank or any(True for _ in module.parameters(recurse=False)):
+            continue
+        if any(b is not None and b.is_meta for b in module._buffers.values()):
+            if not any(True for _ in module.parameters()):
+                meta.append(path)
+            continue
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
+    return [p for p in meta if not any(p.startswith(q + ".") for q in meta if q != p)]

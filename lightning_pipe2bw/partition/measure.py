@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_pipe2bw.partition.profile import BlockProfile, Profile, ProfileSet
 from lightning_pipe2bw.runtime.inplace import writable
+from lightning_pipe2bw.runtime.stage import call_input
 
 __all__ = [
     "MakeOptimizer",
@@ -102,10 +103,12 @@ def profile_blocks(
     rng = torch.random.fork_rng([dev.index] if cuda else [], device_type="cuda" if cuda else None)
     with _kept_state(mods), rng, torch.inference_mode(False), torch.enable_grad():
         x = _tree_map(lambda t: t.detach().to(dev), sample)
+        call = x  # a model's head (its last block) runs with the call's own arguments
         inputs = []
         with ExitStack() as moved:
             for i, (name, block) in enumerate(zip(labels, mods, strict=True)):
                 moved.enter_context(_on_device(block, dev, i))
+                moved.enter_context(call_input(block, call))
                 block.train()
                 inputs.append(x)
                 profile, x = _measure_bytes(block, x, i, name)

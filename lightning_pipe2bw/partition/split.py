@@ -55,7 +55,10 @@ def _resolve(root: nn.Module, path: str, call_of: CallOf | None = None, check: b
     if not isinstance(body, (nn.Sequential, StageBody)):
         hint = (
             " (a ModuleList has no forward: nn.Sequential(*layers) holds the same layers under "
-            "the same names and runs them in order)"
+            "the same names and runs them in order; or, when a model's forward loops over the "
+            "list, leave the model as it is and describe it with a `pipeline_body()` method "
+            "returning PipeModel(model, blocks='<the list's path in the model>', pre=[...], "
+            "post=[...]), docs/models.md)"
             if isinstance(body, nn.ModuleList)
             else ""
         )
@@ -168,17 +171,35 @@ def find_body(
             "pipe2bw's rule: the layers that hold parameters live in one nn.Sequential (the body) that "
             "forward/training_step call once per step. Either build such an attribute, define "
             "`pipeline_body(self) -> nn.Sequential`, or pass Pipe2BWStrategy(body='<attribute name>')"
+            + _list_hint(module)
         )
     parents = {p.rpartition(".")[0] for p in top}
     within = ""
     if len(parents) == 1 and isinstance(getattr(module, next(iter(parents)), None), nn.ModuleList):
         within = (
             f" (the items of the nn.ModuleList {next(iter(parents))!r}: make it an nn.Sequential, "
-            "and it is the body)"
+            "and it is the body; or, when a model's forward loops over the list, describe that "
+            "model with a PipeModel from `pipeline_body()`, docs/models.md)"
         )
     raise ValueError(
         f"{type(module).__name__} has several nn.Sequential attributes with parameters: {top}; name the "
         f"pipeline body with Pipe2BWStrategy(body=...) or a `pipeline_body()` method{within}"
+    )
+
+
+def _list_hint(module: nn.Module) -> str:
+    """For a module whose layers sit in an ``nn.ModuleList``: the rule that takes it as is."""
+    lists = [
+        path
+        for path, sub in module.named_modules()
+        if path and isinstance(sub, nn.ModuleList) and any(True for _ in sub.parameters())
+    ]
+    if not lists:
+        return ""
+    return (
+        f". Its layers are in the nn.ModuleList {lists[0]!r}: when a model's forward loops over "
+        "such a list, leave the model as it is and return PipeModel(model, blocks='<the list's "
+        "path in the model>', pre=[...], post=[...]) from `pipeline_body()` (docs/models.md)"
     )
 
 

@@ -296,6 +296,14 @@ def _timeout(value: Any) -> dict[str, Any]:
             f"{value!r}",
             kind=TypeError,
         )
+    if value is not None and value.total_seconds() <= 0:
+        raise _Bad(
+            "timeout",
+            value,
+            f"timeout must be positive, got {value!r} ({value.total_seconds():g} s): it is how "
+            "long a rank waits for another before giving up; give e.g. timedelta(minutes=10), or "
+            f"None for the default ({DEFAULT_TIMEOUT.total_seconds() / 60:g} minutes)",
+        )
     return {"timeout": value}
 
 

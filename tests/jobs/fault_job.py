@@ -3,7 +3,10 @@
     python tests/jobs/fault_job.py --mode raise --rank 0 --step 2 --token T
 
 ``--mode raise`` raises ValueError in that rank's ``training_step`` at that step; ``--mode kill``
-sends the rank SIGKILL there; ``--mode hang`` sleeps there for an hour, so that only the process
+sends the rank SIGKILL there; ``--mode kill-after-save`` saves a checkpoint on every rank at the
+end of that step, and then the rank SIGKILLs itself (between two steps); ``--mode kill-in-save``
+kills the rank in the middle of that checkpoint (outside the schedule, in the save's collectives);
+``--mode save-on-rank0`` fits, then calls ``trainer.save_checkpoint`` on global rank 0 only; ``--mode hang`` sleeps there for an hour, so that only the process
 group's timeout (``--timeout`` seconds) can stop the run. ``--token`` only tags the command line, so a test can check that
 no process of the run is left behind.
 """
@@ -49,18 +52,28 @@ class FaultyModel(RegressionModel):
         raise ValueError(f"failing on purpose at step {self.fail_step}")
 
     def _block_hook(self, block: Any, args: Any) -> None:
-        if self.in_block and self._fail_here():
+        if self.in_block and self._fail_here() and self.mode in ("raise", "kill", "hang"):
             self._fail()
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
-        if not self.in_block and self._fail_here():
+        if not self.in_block and self._fail_here() and self.mode in ("raise", "kill", "hang"):
             self._fail()
         return super().training_step(batch, batch_idx)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.mode.startswith("kill-") and self.trainer.global_step == self.fail_step:
+            self.trainer.save_checkpoint("after.ckpt")  # every rank: it gathers every stage
+            if self.global_rank == self.fail_rank and self.mode == "kill-after-save":
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.mode == "kill-in-save" and self.global_rank == self.fail_rank:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["raise", "kill", "hang"], required=True)
+    parser.add_argument("--mode", choices=["raise", "kill", "hang", "kill-after-save", "kill-in-save", "save-on-rank0"], required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--step", type=int, default=2)
     parser.add_argument("--schedule", default="2bw")
@@ -81,6 +94,14 @@ def main() -> None:
         ),
         max_steps=args.step + 3,
     )
+    if args.mode == "save-on-rank0":  # the single-process habit, after a fit that went well
+        trainer.fit(FaultyModel(args.mode, args.rank, args.step, args.in_block), loader(8))
+        if trainer.global_rank == 0:
+            trainer.save_checkpoint("whole.ckpt")
+        else:
+            time.sleep(15)  # the worker goes on with something else
+        print("finished without a failure")
+        return
     trainer.fit(FaultyModel(args.mode, args.rank, args.step, args.in_block), loader(8))
     print("finished without a failure")
 
