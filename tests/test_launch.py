@@ -90,6 +90,12 @@ def _one_node(tmp_path: Path, devices: int, data_parallel: int) -> dict[str, tor
     return _weights(out)
 
 
+@pytest.fixture(scope="module")
+def one_node_2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The 2-rank job on one node, shared by the tests that compare with it."""
+    return _one_node(tmp_path_factory.mktemp("one-node"), 2, 1)
+
+
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
@@ -97,7 +103,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 @pytest.mark.parametrize(("per_node", "data_parallel"), [(1, 1), (2, 2)])
 def test_two_torchrun_nodes_on_one_host_train_as_one_node(
-    tmp_path: Path, per_node: int, data_parallel: int
+    tmp_path: Path, per_node: int, data_parallel: int, one_node_2: dict[str, torch.Tensor]
 ) -> None:
     """Two torchrun agents as two "nodes" (``--nnodes=2``, c10d rendezvous): the pipeline's
     stages (with data_parallel=2 and 2 processes each: two 2-stage replicas) span them, and the
@@ -119,12 +125,15 @@ def test_two_torchrun_nodes_on_one_host_train_as_one_node(
     assert all(a.returncode == 0 for a in agents), "\n".join(log[-2000:] for log in logs)
     world = 2 * per_node
     assert sum(log.count(f"of {world}: done at step 6") for log in logs) == world
-    diff = _same(_weights(out), _one_node(tmp_path, world, data_parallel))
+    reference = one_node_2 if world == 2 else _one_node(tmp_path, world, data_parallel)
+    diff = _same(_weights(out), reference)
     print(f"LAUNCH torchrun 2 nodes x {per_node}, data_parallel={data_parallel}: max|dW| vs one node {diff:.1e}")
     assert diff == 0.0
 
 
-def test_an_elastic_restart_resumes_from_the_last_checkpoint(tmp_path: Path) -> None:
+def test_an_elastic_restart_resumes_from_the_last_checkpoint(
+    tmp_path: Path, one_node_2: dict[str, torch.Tensor]
+) -> None:
     """``torchrun --max-restarts=1``: a worker killed in step 5 (SIGKILL) ends the first attempt;
     torchrun restarts every worker, and the fit (``ckpt_path="last"``) resumes from the
     checkpoint of step 3 and ends with the weights of an uninterrupted run."""
@@ -139,6 +148,34 @@ def test_an_elastic_restart_resumes_from_the_last_checkpoint(tmp_path: Path) -> 
     assert proc.returncode == 0, log[-3000:]
     assert "exitcode: -9" in log  # the first attempt lost a worker
     assert "rank 0 of 2: done at step 6" in log
-    diff = _same(_weights(out), _one_node(tmp_path, 2, 1))
+    diff = _same(_weights(out), one_node_2)
     print(f"LAUNCH elastic restart: max|dW| vs an uninterrupted run {diff:.1e}")
+    assert diff == 0.0
+
+
+def test_a_two_task_slurm_job_trains_as_one_node(
+    tmp_path: Path, one_node_2: dict[str, torch.Tensor]
+) -> None:
+    """The environment ``srun`` gives the two tasks of a job on two nodes (one task each):
+    Lightning's SLURMEnvironment takes the ranks from it, the strategy launches nothing, and
+    the weights equal the same job on one node."""
+    out = tmp_path / "slurm.pt"
+    port = _free_port()
+    tasks = []
+    for rank in range(2):
+        env = _job_env()
+        env.update(
+            SLURM_JOB_ID="4242", SLURM_JOB_NAME="pipe", SLURM_NTASKS="2", SLURM_NNODES="2",
+            SLURM_NTASKS_PER_NODE="1", SLURM_PROCID=str(rank), SLURM_LOCALID="0",
+            SLURM_NODEID=str(rank), SLURM_NODELIST="127.0.0.1", MASTER_PORT=str(port),
+        )  # fmt: skip
+        cmd = [sys.executable, str(JOB), "--weights", str(out), "--nodes", "2", "--devices", "1"]
+        tasks.append(
+            subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+    logs = [t.communicate(timeout=300)[0] for t in tasks]
+    assert all(t.returncode == 0 for t in tasks), "\n".join(log[-2000:] for log in logs)
+    assert "rank 1 of 2: done at step 6" in logs[1]
+    diff = _same(_weights(out), one_node_2)
+    print(f"LAUNCH SLURM 2 tasks on 2 nodes: max|dW| vs one node {diff:.1e}")
     assert diff == 0.0
