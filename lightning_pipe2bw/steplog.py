@@ -323,14 +323,14 @@ _QUIET = False
 
 class StepOutputs:
     """The lists of ``module`` (attributes that are lists, or dicts of lists) a batch's steps
-    append to, watched on the last stage (``active``); see the module notes."""
+    append to, watched on the last stage (``active``); see the module notes. On the other
+    stages the step runs up to the body call only, so what it appends there (before the call)
+    is dropped after the batch (:meth:`discard`): those lists get the last stage's items."""
 
     def __init__(self, module: torch.nn.Module, active: bool) -> None:
         self.module = module
         self.active = active
-        self._before: dict[tuple[str, Any], tuple[list[Any], int]] = {}
-        if active:
-            self._before = {key: (lst, len(lst)) for key, lst in _lists(module)}
+        self._before = {key: (lst, len(lst)) for key, lst in _lists(module)}
 
     def collect(self, sizes: Sequence[int]) -> dict[tuple[str, Any], list[Any]]:
         """The items each list got during the batch (on the last stage). A list that got one
@@ -352,6 +352,14 @@ class StepOutputs:
                 lst[start:] = items
             appended[key] = items
         return appended
+
+    def discard(self) -> None:
+        """Drop what the batch's partial steps appended to the module's lists (on a stage other
+        than the last: the step ran there up to the body call)."""
+        for key, lst in _lists(self.module):
+            before = self._before.get(key)
+            if before is not None and before[0] is lst:
+                del lst[before[1] :]
 
     @staticmethod
     def apply(
@@ -420,8 +428,10 @@ class StepRecording:
         self.recorder.__exit__(*exc)
 
     def values(self) -> dict[str, Any]:
-        """What the last stage delivers besides the loss or the outputs."""
+        """What the last stage delivers besides the loss or the outputs (on another stage:
+        nothing, and what its partial steps appended to the module's lists is dropped)."""
         if not self.last_stage:
+            self.outputs.discard()
             return {}
         return {
             "logs": self.recorder.summary(),
