@@ -46,6 +46,7 @@ __all__ = [
     "MetricStates",
     "StepOutputs",
     "StepRecording",
+    "log_arguments",
     "quiet_epoch_sync_advice",
     "replay",
     "scalar_on",
@@ -93,7 +94,6 @@ class LogRecorder:
         self.active = active
         self.records: dict[str, LogRecord] = {}
         self._samples = 0
-        self._signature, self._keywords = _log_signature(type(module))
 
     def begin_microbatch(self, samples: int) -> None:
         self._samples = samples
@@ -113,14 +113,7 @@ class LogRecorder:
     def _record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if not self.active:
             return
-        if not args and self._keywords.issuperset(kwargs):
-            arguments = dict(kwargs)  # what binding gives, without its cost on every call
-        else:
-            bound = self._signature.bind(self.module, name, value, *args, **kwargs)
-            arguments = dict(bound.arguments)
-            for key in ("self", "name", "value"):
-                arguments.pop(key, None)
-            arguments.update(arguments.pop("kwargs", {}))
+        arguments = log_arguments(self.module, name, value, args, kwargs)
         metric = value if isinstance(value, Metric) else None
         if metric is not None:
             # its value on this micro-batch (the forward's); None after update() alone
@@ -168,6 +161,21 @@ class LogRecorder:
 
 
 _SIGNATURES: dict[type, tuple[inspect.Signature, frozenset[str]]] = {}
+
+
+def log_arguments(
+    module: LightningModule, name: str, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """The arguments of a ``module.log(name, value, *args, **kwargs)`` call besides the name and
+    the value, by parameter name."""
+    signature, keywords = _log_signature(type(module))
+    if not args and keywords.issuperset(kwargs):
+        return dict(kwargs)  # what binding gives, without its cost on every call
+    arguments = dict(signature.bind(module, name, value, *args, **kwargs).arguments)
+    for key in ("self", "name", "value"):
+        arguments.pop(key, None)
+    arguments.update(arguments.pop("kwargs", {}))
+    return arguments
 
 
 def _log_signature(cls: type) -> tuple[inspect.Signature, frozenset[str]]:
