@@ -12,7 +12,8 @@ Nothing else in the package imports a private name from ``lightning`` (a layerin
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from lightning.fabric.strategies.registry import _StrategyRegistry as StrategyRegistryType
@@ -54,20 +55,26 @@ __all__ = [
     "StrategyRegistryType",
     "SubprocessScriptLauncher",
     "WorkerOutput",
+    "averaged_model",
     "call_backward_hooks",
+    "current_hook",
     "default_process_group_backend",
     "ends_epoch",
     "found_inf_state",
     "init_dist_connection",
+    "last_batch_of_epoch",
     "launched_processes",
     "metric_batch_value",
     "optimizer_factory",
     "optimizers_to_device",
     "override_clipping",
+    "running_hook",
+    "set_averaged_model",
     "set_metric_batch_value",
     "set_metric_state",
     "set_num_threads_if_needed",
     "skip_sigterm_broadcast",
+    "skips_backward",
     "start_worker_scripts",
     "sync_ddp_if_available",
     "torch_optimizer",
@@ -144,6 +151,14 @@ def skip_sigterm_broadcast(trainer: Trainer) -> None:
 
 def _no_broadcast() -> None:
     pass
+
+
+def last_batch_of_epoch(trainer: Trainer) -> bool:
+    """Whether the training step running now is the last of its epoch (``limit_train_batches``
+    included; the last of a fit that ``max_steps`` ends within an epoch is not)."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    limited = epoch_loop.batch_idx + 1 >= trainer.num_training_batches
+    return bool(epoch_loop.batch_progress.is_last_batch) or limited
 
 
 def ends_epoch(trainer: Trainer) -> bool:
@@ -227,3 +242,36 @@ def optimizer_factory(module: LightningModule) -> Callable[[list[Any]], Optimize
     # the settings its constructor takes (``defaults`` may hold derived ones it does not)
     settings = {k: v for k, v in first.defaults.items() if k in accepted}
     return lambda params: kind(params, **settings)
+
+
+def current_hook(module: LightningModule) -> str | None:
+    """The hook of ``module`` Lightning runs now (what ``self.log`` logs under), or None."""
+    name: str | None = module._current_fx_name
+    return name
+
+
+@contextmanager
+def running_hook(module: LightningModule, name: str | None) -> Iterator[None]:
+    """Let ``module.log`` log as if Lightning ran ``module``'s hook ``name`` now."""
+    previous = module._current_fx_name
+    module._current_fx_name = name
+    try:
+        yield
+    finally:
+        module._current_fx_name = previous
+
+
+def skips_backward(trainer: Trainer) -> bool:
+    """Whether the training loop runs its steps without backward and update now (the epoch in
+    which ``StochasticWeightAveraging`` recomputes batch norm statistics)."""
+    return bool(trainer.fit_loop._skip_backward)
+
+
+def averaged_model(callback: Any) -> Any:
+    """The copy of the model ``StochasticWeightAveraging`` averages into (None before setup)."""
+    return callback._average_model
+
+
+def set_averaged_model(callback: Any, model: Any) -> None:
+    """Give ``StochasticWeightAveraging`` another module to average into."""
+    callback._average_model = model

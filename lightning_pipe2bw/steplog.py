@@ -46,6 +46,7 @@ __all__ = [
     "MetricStates",
     "StepOutputs",
     "StepRecording",
+    "log_arguments",
     "quiet_epoch_sync_advice",
     "replay",
     "scalar_on",
@@ -93,7 +94,6 @@ class LogRecorder:
         self.active = active
         self.records: dict[str, LogRecord] = {}
         self._samples = 0
-        self._signature, self._keywords = _log_signature(type(module))
 
     def begin_microbatch(self, samples: int) -> None:
         self._samples = samples
@@ -113,14 +113,7 @@ class LogRecorder:
     def _record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if not self.active:
             return
-        if not args and self._keywords.issuperset(kwargs):
-            arguments = dict(kwargs)  # what binding gives, without its cost on every call
-        else:
-            bound = self._signature.bind(self.module, name, value, *args, **kwargs)
-            arguments = dict(bound.arguments)
-            for key in ("self", "name", "value"):
-                arguments.pop(key, None)
-            arguments.update(arguments.pop("kwargs", {}))
+        arguments = log_arguments(self.module, name, value, args, kwargs)
         metric = value if isinstance(value, Metric) else None
         if metric is not None:
             # its value on this micro-batch (the forward's); None after update() alone
@@ -168,6 +161,21 @@ class LogRecorder:
 
 
 _SIGNATURES: dict[type, tuple[inspect.Signature, frozenset[str]]] = {}
+
+
+def log_arguments(
+    module: LightningModule, name: str, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """The arguments of a ``module.log(name, value, *args, **kwargs)`` call besides the name and
+    the value, by parameter name."""
+    signature, keywords = _log_signature(type(module))
+    if not args and keywords.issuperset(kwargs):
+        return dict(kwargs)  # what binding gives, without its cost on every call
+    arguments = dict(signature.bind(module, name, value, *args, **kwargs).arguments)
+    for key in ("self", "name", "value"):
+        arguments.pop(key, None)
+    arguments.update(arguments.pop("kwargs", {}))
+    return arguments
 
 
 def _log_signature(cls: type) -> tuple[inspect.Signature, frozenset[str]]:
@@ -323,14 +331,14 @@ _QUIET = False
 
 class StepOutputs:
     """The lists of ``module`` (attributes that are lists, or dicts of lists) a batch's steps
-    append to, watched on the last stage (``active``); see the module notes."""
+    append to, watched on the last stage (``active``); see the module notes. On the other
+    stages the step runs up to the body call only, so what it appends there (before the call)
+    is dropped after the batch (:meth:`discard`): those lists get the last stage's items."""
 
     def __init__(self, module: torch.nn.Module, active: bool) -> None:
         self.module = module
         self.active = active
-        self._before: dict[tuple[str, Any], tuple[list[Any], int]] = {}
-        if active:
-            self._before = {key: (lst, len(lst)) for key, lst in _lists(module)}
+        self._before = {key: (lst, len(lst)) for key, lst in _lists(module)}
 
     def collect(self, sizes: Sequence[int]) -> dict[tuple[str, Any], list[Any]]:
         """The items each list got during the batch (on the last stage). A list that got one
@@ -352,6 +360,14 @@ class StepOutputs:
                 lst[start:] = items
             appended[key] = items
         return appended
+
+    def discard(self) -> None:
+        """Drop what the batch's partial steps appended to the module's lists (on a stage other
+        than the last: the step ran there up to the body call)."""
+        for key, lst in _lists(self.module):
+            before = self._before.get(key)
+            if before is not None and before[0] is lst:
+                del lst[before[1] :]
 
     @staticmethod
     def apply(
@@ -420,8 +436,10 @@ class StepRecording:
         self.recorder.__exit__(*exc)
 
     def values(self) -> dict[str, Any]:
-        """What the last stage delivers besides the loss or the outputs."""
+        """What the last stage delivers besides the loss or the outputs (on another stage:
+        nothing, and what its partial steps appended to the module's lists is dropped)."""
         if not self.last_stage:
+            self.outputs.discard()
             return {}
         return {
             "logs": self.recorder.summary(),

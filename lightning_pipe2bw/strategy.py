@@ -19,7 +19,7 @@ import os
 import pickle
 import signal
 from collections.abc import Callable, Generator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Literal, TypeVar, cast
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -38,19 +39,28 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torch.utils import _pytree as pytree
 from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_pipe2bw import compat
 from lightning_pipe2bw.agreement import agree_on_inf_checks, check_same_setup, make_clipping_global
+from lightning_pipe2bw.averaging import average_stages, averaging_callbacks, whole_averages
 from lightning_pipe2bw.callbacks.summary import use_pipeline_summary
+from lightning_pipe2bw.hooklogs import StageLogs, logs_in_gradient_hooks
 from lightning_pipe2bw.launcher import (
     PipePopenLauncher,
     PipeSpawnLauncher,
     kill_workers,
     signal_workers,
     stop_workers,
+)
+from lightning_pipe2bw.loaders import (
+    FingerprintCheck,
+    batch_fingerprint,
+    describe_loader,
+    last_batch_problem,
+    seed_sampler,
 )
 from lightning_pipe2bw.partition import BodyRef, Partition, find_body
 from lightning_pipe2bw.partition.plans import PlanResult
@@ -63,7 +73,7 @@ from lightning_pipe2bw.pipeline.autoplan import (
 )
 from lightning_pipe2bw.pipeline.checkpoint import CheckpointFormat, layout_to_adopt
 from lightning_pipe2bw.pipeline.checkpoint_io import gather_state_dict, is_sharded_checkpoint
-from lightning_pipe2bw.pipeline.groups import ProcessGroups, choose_backend
+from lightning_pipe2bw.pipeline.groups import ProcessGroups, choose_backend, gather_stages
 from lightning_pipe2bw.pipeline.intake import (
     check_every_parameter_used,
     step_call,
@@ -84,7 +94,7 @@ from lightning_pipe2bw.pipeline.signals import SignalGuard
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
 from lightning_pipe2bw.pipeline.topology import Topology
 from lightning_pipe2bw.runtime import PipelineEngine, StageBody
-from lightning_pipe2bw.runtime.driver import Driver, DueGradient
+from lightning_pipe2bw.runtime.driver import Driver, DueGradient, Report
 from lightning_pipe2bw.runtime.failure import SignalStop, StageFailure
 from lightning_pipe2bw.runtime.microbatch import batch_size_of
 from lightning_pipe2bw.schedule import SCHEDULES, ActivationBudget
@@ -132,6 +142,41 @@ def _names_lost_ranks(where: str) -> Callable[[_Method], _Method]:
     return wrap
 
 
+# the dataloader each pipelined hook reads, for errors
+_LOADERS = {
+    "training_step": "training dataloader",
+    "validation_step": "validation dataloader",
+    "test_step": "test dataloader",
+    "predict_step": "predict dataloader",
+}
+
+
+def _hook_reading(trainer: Trainer) -> str | None:
+    """The pipelined hook that reads the dataloaders Lightning sets up now."""
+    if trainer.training:
+        return "training_step"
+    if trainer.validating or trainer.sanity_checking:
+        return "validation_step"
+    if trainer.testing:
+        return "test_step"
+    return "predict_step" if trainer.predicting else None
+
+
+def _missing_like(value: Any) -> Any:
+    """``value``'s structure with NaN in place of every number and tensor value (None for
+    anything else): what a rank returns for a step whose values have not reached it yet."""
+
+    def blank(leaf: Any) -> Any:
+        if isinstance(leaf, Tensor):
+            dtype = leaf.dtype if leaf.dtype.is_floating_point else torch.get_default_dtype()
+            return torch.full(leaf.shape, math.nan, dtype=dtype)
+        if isinstance(leaf, (int, float)) and not isinstance(leaf, bool):
+            return math.nan
+        return None
+
+    return pytree.tree_map(blank, value)
+
+
 class Pipe2BWStrategy(ParallelStrategy):
     """Pipeline-parallel training: one stage of the model's body per process.
 
@@ -141,7 +186,8 @@ class Pipe2BWStrategy(ParallelStrategy):
             batches, W(t+1) = W(t) - step(grad f(W(t-1)))), ``"1f1b"`` (PipeDream-Flush) or
             ``"gpipe"``; the flush schedules equal single-device training exactly.
         flush_every: with ``"2bw"``, also drain the pipeline every this many batches (it is
-            always drained before validation, before a checkpoint and at the end of fit).
+            always drained before validation, before a checkpoint, at the end of every epoch and
+            at the end of fit).
         microbatches: micro-batches per batch (``m``); each batch is split along dim 0. Defaults to
             the number of stages. Uneven splits are allowed (sizes differ by at most one).
         balance: blocks per stage, e.g. ``[3, 5]``; ``None`` splits the body evenly.
@@ -260,6 +306,17 @@ class Pipe2BWStrategy(ParallelStrategy):
         self._use_check = False  # check_split: the first update's check is still to come
         self._peers: PeerDirectory | None = None  # every rank's host and process (set-up)
         self._control: Any = None  # a gloo group of every rank when the default one is not
+        # the training step running now ends its epoch: 2BW drains after its update
+        self._ends_epoch = False
+        # values logged in the gradient hooks, merged over the stages (None: nothing logs there)
+        self._hook_logs: StageLogs | None = None
+        # the fingerprint of the batch Lightning moved to the device last (see loaders), and
+        # those of the batches run and not yet compared with the last stage's (train, eval)
+        self._fingerprint: str | None = None
+        self._fingerprints = {True: FingerprintCheck(), False: FingerprintCheck()}
+        self._loader_names: dict[str, str] = {}  # by the hook that reads it, for errors
+        # the extra values (besides the loss) of the latest training step this rank has seen
+        self._step_extra: Any = None
         # SIGTERM / SIGINT end every rank within seconds (see pipeline.signals)
         self._signals = SignalGuard(self._describe, self._on_forced_exit)
 
@@ -374,16 +431,36 @@ class Pipe2BWStrategy(ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Make random sampling agree across stages: a ``RandomSampler`` draws from each rank's
-        global RNG, which the stages consume differently (dropout), so it is replaced by a
-        ``DistributedSampler`` with one replica, seeded with the run's seed."""
-        if isinstance(dataloader, DataLoader) and isinstance(dataloader.sampler, RandomSampler):
-            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-            sampler: DistributedSampler[Any] = DistributedSampler(
-                dataloader.dataset, num_replicas=1, rank=0, shuffle=True, seed=seed
+        """Make random sampling agree across stages (``loaders.seed_sampler``: the stages'
+        global RNGs diverge, dropout runs on some stages only), and refuse a training loader
+        whose batch size or last batch is smaller than the micro-batches before any batch runs."""
+        trainer = self._trainer()
+        if trainer is not None and trainer.training:
+            problem = last_batch_problem(
+                dataloader, self.num_microbatches, trainer.limit_train_batches, trainer.max_steps
             )
-            return compat.update_dataloader(dataloader, sampler)
-        return dataloader
+            if problem is not None:
+                raise ValueError(problem)
+        hook = _hook_reading(trainer) if trainer is not None else None
+        if hook is not None:
+            self._loader_names[hook] = f"{_LOADERS[hook]} ({describe_loader(dataloader)})"
+        return seed_sampler(dataloader, int(os.environ.get("PL_GLOBAL_SEED", 0)))
+
+    def _trainer(self) -> Trainer | None:
+        module = self.lightning_module
+        try:
+            return module.trainer if module is not None else None
+        except RuntimeError:  # not attached to a Trainer
+            return None
+
+    @override
+    def batch_to_device(
+        self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0
+    ) -> Any:
+        """Before the batch leaves the host: its fingerprint, which the last stage sends with
+        the step's values and the other stages compare with their own (``loaders``)."""
+        self._fingerprint = batch_fingerprint(batch) if self.num_stages > 1 else None
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     @property
     def process_group_backend(self) -> str | None:
@@ -476,11 +553,15 @@ class Pipe2BWStrategy(ParallelStrategy):
         ref = find_body(
             module, self.options.body, self._step_call(trainer), check=self.options.check_split
         )
-        if (
-            fitting
-            and self.options.balance_mode == "auto"
-            and not isinstance(ref.module, StageBody)
-        ):
+        averaging = fitting and bool(averaging_callbacks(trainer))
+        if averaging and self.options.repartition_every is not None:
+            raise ValueError(
+                "StochasticWeightAveraging keeps an average of each stage's parameters, which "
+                "cannot follow blocks that move between stages: use repartition_every=None with it"
+            )
+        # the whole model's, before it is partitioned (StochasticWeightAveraging's own test)
+        has_batch_norm = StochasticWeightAveraging.pl_module_contains_batch_norm(module)
+        if fitting and self.options.balance_mode == "auto" and not isinstance(ref.module, StageBody):
             self._plan_auto(ref)
         balance = resolve_balance(self.options, ref, self.num_stages, self.plan)
         recompute = self.plan.best.recompute if self.plan is not None else self.options.recompute
@@ -510,6 +591,17 @@ class Pipe2BWStrategy(ParallelStrategy):
         self._agree_across_stages()
         # the guard's second half: every parameter gets a gradient at the first update
         self._use_check = fitting and self.options.check_split
+        self._fingerprints = {True: FingerprintCheck(), False: FingerprintCheck()}
+        self._step_extra = None
+        self._hook_logs = None
+        if fitting and self.num_stages > 1 and logs_in_gradient_hooks(trainer, module):
+            self._hook_logs = self._stage_logs(module)
+        if averaging:
+            params = list(module.parameters())
+            names = self.runtime.parameter_names(params)
+            state = self.runtime.stage_state_dict()
+            buffers = {k: v for k, v in state.items() if k not in set(names)}
+            average_stages(trainer, params, names, buffers, has_batch_norm)
         if any(isinstance(m, Metric) for m in module.modules()):  # the same on every rank
             group = self.groups.metrics() if self.data_parallel > 1 else None
             share_metrics(module, self.topology.is_last, group)
@@ -552,6 +644,21 @@ class Pipe2BWStrategy(ParallelStrategy):
         check_every_parameter_used(
             unused_parameters(due.pairs, names), held, self.groups.pipeline,
             self.num_stages, self.stage,
+)  # fmt: skip
+
+    def _stage_logs(self, module: LightningModule) -> StageLogs:
+        """What merges the values the gradient hooks log over the stages (``hooklogs``)."""
+        runtime, groups = self._runtime, self.groups
+        assert groups is not None
+        tied: dict[str, str] = {}
+        if runtime.tied:
+            body, path = runtime.body, runtime.body_path
+            for param, (block, name) in runtime.tied.copies_elsewhere():
+                tied[runtime.parameter_names([param])[0]] = f"{path}.{body.key_of(block, name)}"
+        topology = self.topology
+        return StageLogs(
+            module, self.stage, tied, lambda calls: gather_stages(calls, topology, groups),
+            self.root_device,
         )  # fmt: skip
 
     def _settings(self, trainer: Trainer) -> dict[str, object]:
@@ -617,15 +724,41 @@ class Pipe2BWStrategy(ParallelStrategy):
                 loss_root=self._loss_root(module),
             )  # fmt: skip
         values.update(recording.values())
-        settle = train and compat.ends_epoch(module.trainer)  # 2BW: the epoch's last values
+        fingerprint, self._fingerprint = self._fingerprint, None
+        fingerprints = self._fingerprints[train]
+        if runtime.is_last:
+            values["batch"] = fingerprint
+        else:
+            fingerprints.ran(fingerprint)
+        settle = train and compat.ends_epoch(module.trainer)
+        self._ends_epoch = train and compat.last_batch_of_epoch(module.trainer)
         reports = runtime.deliver(values, train=train, settle=settle)
         for report in reports:
+            if not runtime.is_last:
+                loader = self._loader_names.get(hook, _LOADERS.get(hook, hook))
+                fingerprints.compare(report.get("batch"), self.stage, loader)
             recording.apply(report, self.root_device)
-        if not reports:  # 2BW's first step, on a rank other than 0
-            return scalar_on(self.root_device, math.nan)
         if train:
-            return scalar_on(self.root_device, reports[-1]["loss"])
+            return self._training_output(reports)
         return apply_to_collection(reports[-1]["output"], Tensor, lambda t: t.to(self.root_device))
+
+    def _training_output(self, reports: list[Report]) -> Any:
+        """What the training step returns to Lightning on this rank: the loss of the newest
+        report, with the step's other values when it returned a dict (NaN where no report has
+        arrived yet: 2BW's first step of an epoch on a rank other than 0)."""
+        device = self.root_device
+        if reports:
+            loss = scalar_on(device, reports[-1]["loss"])
+            extra = self._step_extra = reports[-1].get("extra")
+        else:
+            loss = scalar_on(device, math.nan)
+            if self._step_extra is None:
+                ahead = self._runtime.driver.preview
+                self._step_extra = ahead.get("extra") if ahead is not None else None
+            extra = _missing_like(self._step_extra) if self._step_extra is not None else None
+        if extra is None:
+            return loss
+        return {"loss": loss, **apply_to_collection(extra, Tensor, lambda t: t.to(device))}
 
     def _loss_root(self, module: LightningModule) -> Callable[[Tensor], Tensor] | None:
         """What :meth:`_backward_microbatch` differentiates, as a function of the weighted loss
@@ -653,10 +786,21 @@ class Pipe2BWStrategy(ParallelStrategy):
         # Lightning's closure runs training_step, then zero_grad, then backward; the engine runs
         # the backwards inside the step, so the gradient the step applies is held out of .grad
         # until `backward`, and zero_grad (with its hooks) acts on nothing in between.
+        module = self.lightning_module
+        assert module is not None
+        if compat.skips_backward(module.trainer):
+            return self._forward_only(args, kwargs)
         with self.precision_plugin.train_step_context():
             loss = self._run_pipelined("training_step", args, kwargs, train=True)
         self._due = self._runtime.driver.take_due()
         return loss  # type: ignore[no-any-return]
+
+    def _forward_only(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> STEP_OUTPUT:
+        """A training step without backward or update (``StochasticWeightAveraging``'s epoch
+        that recomputes batch norm statistics with the averaged weights): the batch runs through
+        the live weights in training mode, forward only, outside 2BW's stream."""
+        with self.precision_plugin.train_step_context(), torch.no_grad():
+            return self._run_pipelined("training_step", args, kwargs, train=False)  # type: ignore[no-any-return]
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -684,6 +828,8 @@ class Pipe2BWStrategy(ParallelStrategy):
         due, self._due = self._due, DueGradient()
         self._check_use(due)
         self._runtime.average_gradients(due.install())
+        if self._hook_logs is not None:
+            self._hook_logs.start()  # what the gradient hooks log, merged over the stages
         compat.call_backward_hooks(module.trainer, closure_loss)
         return closure_loss
 
@@ -696,12 +842,33 @@ class Pipe2BWStrategy(ParallelStrategy):
         model: LightningModule | nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        logs = self._hook_logs
+        if logs is None:
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        else:
+            with logs.window():
+                output = super().optimizer_step(
+                    optimizer, self._logging_after(closure, logs), model, **kwargs
+                )
         driver = self._runtime.driver
         driver.finish_update()
-        if driver.flush_due():
+        # 2BW drains at the end of every epoch: the epoch's hooks (weight averaging, epoch-level
+        # schedulers, checkpoints) see the weights after every update of the epoch
+        if driver.flush_due() or self._ends_epoch:
             self.flush()
         return output
+
+    @staticmethod
+    def _logging_after(closure: Callable[[], Any], logs: StageLogs) -> Callable[[], Any]:
+        """``closure`` (the step and backward), after which ``logs`` records what the gradient
+        hooks log (they run next, inside the optimizer's step)."""
+
+        def run() -> Any:
+            out = closure()
+            logs.start()
+            return out
+
+        return run
 
     @_names_lost_ranks("a flush of the pipeline")
     def flush(self) -> None:
@@ -720,9 +887,13 @@ class Pipe2BWStrategy(ParallelStrategy):
         done = torch.zeros((), device=self.root_device)
         module = self.lightning_module
         assert module is not None
-        self.precision_plugin.optimizer_step(
-            runtime.optimizers[0], model=module, closure=lambda: done
-        )
+        logs = self._hook_logs
+        with logs.window() if logs is not None else nullcontext():
+            if logs is not None:
+                logs.start()
+            self.precision_plugin.optimizer_step(
+                runtime.optimizers[0], model=module, closure=lambda: done
+            )
         runtime.driver.finish_update()
         due.clear()
         log.debug("pipe2bw: flushed the pipeline")
@@ -972,6 +1143,9 @@ class Pipe2BWStrategy(ParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
+        module = self.lightning_module
+        if module is not None and self.runtime is not None:
+            whole_averages(checkpoint, module.trainer, self.global_rank, self.world_size)
         checkpoints = self._format()
         if checkpoints.sharded:
             checkpoints.save_sharded(checkpoint, filepath)

@@ -501,17 +501,19 @@ def test_batch_not_divisible_by_microbatches(pools: Any, schedule: str, microbat
 
 def test_batch_smaller_than_microbatches(pools: Any) -> None:
     """64 samples in batches of 3 end with a batch of 1, which 2 micro-batches cannot split;
-    every rank stops there with the same error, after the 21 full batches trained."""
+    the loader's length and batch size tell it, so every rank stops with the same error before
+    the first batch (not after the 21 full batches trained)."""
     results = pools(2).run(
         _on_rank_fit, "regression", {"microbatches": 2}, batch_size=3, steps=-1, timeout=TIMEOUT
     )
     for r in results:
         assert r["error"] == "ValueError"
-        assert r["message"] == (
-            "a batch of 1 samples cannot be split into microbatches=2; use a batch size of at "
-            "least 2 or fewer micro-batches"
-        )
-        assert r["steps"] == 21
+        assert r["message"].startswith(
+            "the training dataloader (a DataLoader over TensorDataset with SequentialSampler) ends "
+            "with a batch of 1 samples (64 samples in batches of 3), fewer than microbatches=2"
+        ), r["message"]
+        assert "Pass drop_last=True to the DataLoader" in r["message"]
+        assert r["steps"] == 0
 
 
 # ----------------------------------------------------------------------------- the user's step (1 rank)

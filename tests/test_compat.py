@@ -71,6 +71,16 @@ def test_private_attributes_on_real_objects() -> None:
         "trainer_results",
         "extra",
     ], fields
+    assert compat.skips_backward(trainer) is False, "Trainer.fit_loop._skip_backward is gone"
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    swa = StochasticWeightAveraging(swa_lrs=0.1)
+    assert compat.averaged_model(swa) is None, "StochasticWeightAveraging._average_model is gone"
+    module = _Tiny()
+    assert compat.current_hook(module) is None
+    with compat.running_hook(module, "on_before_optimizer_step"):
+        assert module._current_fx_name == "on_before_optimizer_step"
+    assert compat.current_hook(module) is None
     scaler = torch.amp.GradScaler("cpu")
     opt = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)
     opt.param_groups[0]["params"][0].grad = torch.ones(1)

@@ -538,10 +538,30 @@ def test_merge_outputs_uneven_per_sample_and_other_leaves() -> None:
     per_sample, scalar, number, text, odd = merge_outputs(outputs, sizes)
     assert torch.equal(per_sample, torch.cat([torch.full((4, 2), 1.0), torch.full((3, 2), 2.0)]))
     assert float(scalar) == pytest.approx((4 * 1.0 + 3 * 4.0) / 7)
-    assert number == pytest.approx((4 * 2 + 3 * 9) / 7)
+    assert number == 2 + 9  # an integer is a count: summed, as one device counts the batch
     assert text == ["a", "b"]  # not mergeable: one per micro-batch
     assert isinstance(odd, list) and len(odd) == 2  # dim 0 is not the micro-batch size
     assert torch.equal(odd[1], torch.ones(5))
+
+
+def test_split_and_merge_per_sample_python_values() -> None:
+    """A string per sample (``default_collate`` gives a list of them) is split with the tensors
+    and concatenated back; integer counts are summed, float means size-weighted."""
+    names = [f"img{i}.png" for i in range(7)]
+    batch = (torch.arange(7.0).reshape(7, 1), names, ("a", "b"), ["const"])
+    parts, sizes = split_batch(batch, 2)
+    assert sizes == [4, 3]
+    assert [p[1] for p in parts] == [names[:4], names[4:]]
+    assert all(p[2] == ("a", "b") and p[3] == ["const"] for p in parts)  # not one per sample
+    outputs = [
+        {"names": p[1], "ids": tuple(range(k)), "correct": torch.tensor(k - 1), "acc": 0.5 * k}
+        for p, k in zip(parts, sizes, strict=True)
+    ]
+    merged = merge_outputs(outputs, sizes)
+    assert merged["names"] == names
+    assert merged["ids"] == (0, 1, 2, 3, 0, 1, 2)
+    assert merged["correct"].dtype == torch.int64 and int(merged["correct"]) == 3 + 2
+    assert merged["acc"] == pytest.approx((4 * 2.0 + 3 * 1.5) / 7)
 
 
 def test_merge_outputs_single_and_empty() -> None:

@@ -25,7 +25,13 @@ from torch import Tensor
 
 from lightning_pipe2bw.pipeline.topology import Topology
 
-__all__ = ["ProcessGroups", "average_over_replicas", "broadcast_from_last", "choose_backend"]
+__all__ = [
+    "ProcessGroups",
+    "average_over_replicas",
+    "broadcast_from_last",
+    "choose_backend",
+    "gather_stages",
+]
 
 
 def choose_backend(devices: Sequence[torch.device], asked: str | None, default: str) -> str:
@@ -156,3 +162,13 @@ def broadcast_from_last(obj: Any, topology: Topology, groups: ProcessGroups) -> 
     box = [obj]
     dist.broadcast_object_list(box, src=topology.last_rank, group=groups.pipeline)
     return box[0]
+
+
+def gather_stages(obj: Any, topology: Topology, groups: ProcessGroups) -> list[Any]:
+    """Every stage's ``obj`` of this rank's pipeline, on every stage of it, in stage order
+    (collective along the pipeline)."""
+    if topology.num_stages == 1:
+        return [obj]
+    box: list[Any] = [None] * topology.num_stages
+    dist.all_gather_object(box, (topology.stage, obj), group=groups.pipeline)
+    return [value for _, value in sorted(box, key=lambda item: item[0])]

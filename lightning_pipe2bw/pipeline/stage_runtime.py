@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -127,7 +127,11 @@ class StageRuntime:
             # on the loss's device, in float64, so that the step does not wait for the device
             # here (the value reaches the host when another rank needs it)
             losses = [step_loss(r, i).detach().double() for i, r in enumerate(results)]
-            return {"loss": sum(w * loss for w, loss in zip(weights, losses, strict=True))}
+            report: Report = {"loss": sum(w * loss for w, loss in zip(weights, losses, strict=True))}
+            extra = _extra_values(results, sizes)
+            if extra is not None:
+                report["extra"] = extra
+            return report
         merged = merge_outputs(results, sizes)
         return {"output": apply_to_collection(merged, Tensor, lambda t: t.detach().cpu())}
 
@@ -236,3 +240,15 @@ class StageRuntime:
         except Exception as err:  # a neighbour that is gone already; the failure stands
             log.debug("pipe2bw: could not send the failure notice: %s", err)
         return True
+
+
+def _extra_values(results: list[Any], sizes: list[int]) -> dict[str, Any] | None:
+    """The values a training step returned besides the loss (a dict with more keys), merged over
+    the micro-batches as one device computes them on the batch, detached; None without any."""
+    extras = [
+        {k: v for k, v in r.items() if k != "loss"} for r in results if isinstance(r, Mapping)
+    ]
+    if len(extras) != len(results) or not any(extras):
+        return None
+    merged = merge_outputs(extras, sizes)
+    return apply_to_collection(merged, Tensor, lambda t: t.detach())  # type: ignore[no-any-return]

@@ -86,5 +86,10 @@ class TiedCopies:
         primary's stage only)."""
         return all(c.primary or c.param is not param for c in self.copies)
 
+    def copies_elsewhere(self) -> list[tuple[Tensor, tuple[int, str]]]:
+        """This stage's copies whose primary use is on another stage: (the copy, the primary's
+        (block, name)), so that a value named after the copy can be told for the primary's."""
+        return [(c.param, c.tie.primary) for c in self.copies if not c.primary]
+
     def describe(self) -> list[str]:
         return [c.tie.describe() for c in self.copies]

@@ -113,6 +113,12 @@ class Driver(Protocol):
         ...
 
     @property
+    def preview(self) -> Report | None:
+        """A step's report this rank received before it is due (2BW's first step: what the
+        steps return, before the first report is delivered); None if none."""
+        ...
+
+    @property
     def weight_buffers(self) -> int:
         """How many copies of the stage's weights exist (2BW: up to 2)."""
         ...
@@ -228,6 +234,10 @@ class FlushDriver:
     def close(self) -> None:
         if self.channel is not None:
             self.channel.drain()  # the source waits until its sends are done
+
+    @property
+    def preview(self) -> Report | None:
+        return None  # every report arrives in its own step
 
     @property
     def weight_buffers(self) -> int:

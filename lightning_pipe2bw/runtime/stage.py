@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
+import operator
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,6 +22,7 @@ from lightning_pipe2bw.runtime.stash import ActivationStash
 __all__ = [
     "BodyCall",
     "BodyInput",
+    "RemoteBlock",
     "StageBody",
     "add_block_index",
     "call_input",
@@ -69,12 +73,53 @@ def call_input(block: nn.Module, call: Any) -> Iterator[None]:
         block.__dict__["call_input"] = previous
 
 
+class RemoteBlock(nn.Module):
+    """What indexing a :class:`StageBody` gives for a block another stage holds: a module
+    without parameters or buffers, so that parameter groups built by indexing the body
+    (``self.body[-1].parameters()``) are simply empty on the stages that do not hold the block.
+    It is not registered anywhere (no state-dict entry); calling it, or reading an attribute the
+    real block would have, raises an error naming the stage that holds it."""
+
+    def __init__(self, index: int, stage: int, here: int, indices: list[int]) -> None:
+        super().__init__()
+        self.index, self.stage, self.here, self.here_blocks = index, stage, here, indices
+
+    def _where(self) -> str:
+        return (
+            f"block {self.index} of the pipeline body lives on stage {self.stage}; this rank runs "
+            f"stage {self.here} and holds blocks {self.here_blocks} only"
+        )
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"{self._where()}, so it cannot run it here")
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            raise AttributeError(
+                f"{self._where()}: its attribute {name!r} is not here. Indexing the body gives "
+                "the stage's own blocks and, for the others, an empty module (its parameters() "
+                "are empty), which is what building optimizer parameter groups needs"
+            ) from None
+
+    def extra_repr(self) -> str:
+        return f"index={self.index}, stage={self.stage}"
+
+
 class StageBody(nn.Module):
     """This rank's share of the body.
 
     Blocks keep their index in the original ``nn.Sequential`` as their name, so the stage's
     ``state_dict`` keys are exactly the original model's keys for the owned blocks, and gathering
     every stage's dict gives the unpartitioned model's dict.
+
+    Indexed like the ``nn.Sequential`` it replaces (``len``, ``body[i]``, ``body[a:b]``,
+    iteration), by the original block indices: an owned block is itself, a block of another stage
+    a :class:`RemoteBlock` without parameters. So ``self.body[-1].parameters()`` in
+    ``configure_optimizers`` (a head's learning rate) gives the head's parameters on the stage
+    that holds it and nothing elsewhere: every stage builds the same parameter groups over its
+    own parameters.
 
     Calling the module (as the user's step does with ``self.body(x)``) is routed to the pipeline
     engine, which decides what the call means on this stage: capture the input and stop (first
@@ -148,6 +193,34 @@ class StageBody(nn.Module):
     def _body_keys(self, state: dict[str, Any], prefix: str, *args: Any) -> None:
         assert self.owner is not None
         add_block_index(state, prefix, self.owner)
+
+    # ------------------------------------------------------------------ indexing (nn.Sequential)
+    def __len__(self) -> int:
+        """The number of blocks of the whole body (every stage's)."""
+        return sum(self.balance) if self.balance else max(self.indices, default=-1) + 1
+
+    def _item(self, index: int) -> nn.Module:
+        if index in self.indices:
+            return self.block(index)
+        ends = itertools.accumulate(self.balance)
+        stage = next((s for s, end in enumerate(ends) if index < end), self.num_stages - 1)
+        return RemoteBlock(index, stage, self.stage, list(self.indices))
+
+    def __getitem__(self, idx: int | slice) -> nn.Module:
+        """Block ``idx`` of the whole body (see the class notes); a slice is an
+        ``nn.Sequential`` of those blocks under their original names, as slicing the
+        ``nn.Sequential`` gives."""
+        n = len(self)
+        if isinstance(idx, slice):
+            return nn.Sequential(OrderedDict((str(i), self._item(i)) for i in range(n)[idx]))
+        index = operator.index(idx)
+        if not -n <= index < n:
+            raise IndexError(f"index {index} is out of range (the pipeline body has {n} blocks)")
+        return self._item(index % n)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        """Every block of the whole body in order (a :class:`RemoteBlock` for another stage's)."""
+        return (self._item(i) for i in range(len(self)))
 
     # ------------------------------------------------------------------ blocks (repartitioning)
     def block(self, index: int) -> nn.Module:

@@ -71,6 +71,10 @@ class TwoBWDriver:
         self.versions, self.optimizer = self._wrap(optimizer)
         self.stream = self._new_stream()
         self._due = DueGradient()
+        # on a rank other than the last stage's: the first report of the fit, received in its
+        # own step (once), and delivered in the next one like every other report
+        self._ahead: Report | None = None
+        self._first: Report | None = None
 
     def _wrap(self, optimizer: Optimizer) -> tuple[WeightVersions, TwoBWOptimizer]:
         """Weight versions over the stage's parameters, and the wrapper that keeps them and
@@ -259,7 +263,9 @@ class TwoBWDriver:
 
         With ``settle`` (the last step of an epoch, or of fit) the other ranks also wait for
         batch t's report, so that their epoch's values, metric states and step outputs are
-        complete when the epoch ends (one wait per epoch).
+        complete when the epoch ends (one wait per epoch). At the first step of a fit they wait
+        for it too (once) and keep it for the next step (:attr:`preview`): what a step returns
+        (a dict's keys) is then known on every rank from the first step on.
         """
         channel = self.channel
         if channel is None:  # one stage
@@ -267,11 +273,22 @@ class TwoBWDriver:
         if channel.is_source:
             channel.post(values)
             return [values]
-        reports = [channel.receive()] if channel.backlog else []  # batch t-1's values
+        reports: list[Report] = []
+        if self._ahead is not None:  # batch t-1's values, received in call t-1
+            reports.append(self._ahead)
+            self._ahead = None
+        elif channel.backlog:
+            reports.append(channel.receive())  # batch t-1's values
         channel.expect()  # batch t's, posted by the last stage during this call
         if settle:
             reports.append(channel.receive())
+        elif self._first is None and not reports:
+            self._ahead = self._first = channel.receive()
         return reports
+
+    @property
+    def preview(self) -> Report | None:
+        return self._first
 
     def close(self) -> None:
         if self.channel is not None:
