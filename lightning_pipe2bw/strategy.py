@@ -247,7 +247,7 @@ class Pipe2BWStrategy(ParallelStrategy):
             set-up, a model that is not an ``nn.Sequential`` (a Hugging Face model, a
             ``PipeModel``) is run whole and split on the first micro-batch and their outputs
             must agree; at the first update, every trainable parameter must have received a
-            gradient on some stage (as DDP checks). ``False`` turns both off. See
+            gradient (as DDP checks; each stage checks its own). ``False`` turns both off. See
             ``docs/models.md``.
 
     The options are checked at once (:class:`~lightning_pipe2bw.pipeline.options.PipeOptions`,
@@ -632,19 +632,19 @@ class Pipe2BWStrategy(ParallelStrategy):
         return self._peers.lost(error, where, exit_codes)
 
     def _check_use(self, due: DueGradient) -> None:
-        """At the first update that applies a gradient: every trainable parameter got one on
-        some stage (collective over the pipeline; see ``pipeline.intake``)."""
+        """At the first update that applies a gradient: every trainable parameter of this stage
+        got one (``pipeline.intake``); copies of a weight tied to another stage are left out (the
+        copy in use may be the other's)."""
         if not self._use_check or not due.pairs:
             return
         self._use_check = False
         module = self.lightning_module
-        assert module is not None and self.groups is not None
+        assert module is not None
+        tied = self._runtime.tied
+        shared = {id(c.param) for c in tied.copies} if tied else set()
         names = {id(p): _model_name(n, module) for n, p in module.named_parameters()}
-        held = [names.get(id(p), "?") for p in due.params if p.requires_grad]
-        check_every_parameter_used(
-            unused_parameters(due.pairs, names), held, self.groups.pipeline,
-            self.num_stages, self.stage,
-)  # fmt: skip
+        pairs = [(p, g) for p, g in due.pairs if id(p) not in shared]
+        check_every_parameter_used(unused_parameters(pairs, names), self.stage)
 
     def _stage_logs(self, module: LightningModule) -> StageLogs:
         """What merges the values the gradient hooks log over the stages (``hooklogs``)."""

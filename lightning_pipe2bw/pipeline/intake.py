@@ -6,7 +6,7 @@ trains silently wrong.
   model that is not an ``nn.Sequential`` is learnt from one forward (``partition.observe``) and
   the split is checked against the whole model (``partition.split``).
 - :func:`check_every_parameter_used`: at the first update, every trainable parameter must have
-  received a gradient on some stage, as DDP checks (collective over the pipeline).
+  received a gradient, as DDP checks (each stage checks its own, without a collective).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_pipe2bw.partition.observe import TURN_OFF, SplitError
@@ -105,32 +104,21 @@ def unused_parameters(pairs: Sequence[tuple[Tensor, Tensor | None]], names: Mapp
     return [names.get(id(p), "?") for p, grad in pairs if p.requires_grad and grad is None]
 
 
-def check_every_parameter_used(
-    unused: list[str], held: list[str], group: Any, num_stages: int, stage: int
-) -> None:
-    """Raise :class:`SplitError` on every stage of the pipeline when a trainable parameter got
-    no gradient on any stage at the first update (collective over ``group``: every stage
-    calls it at the same update). ``held``: the names of the parameters this stage holds
-    (a tied weight held by two stages counts as used when one of them uses it)."""
-    mine = (stage, sorted(unused), sorted(held))
-    gathered: list[Any] = [None] * num_stages
-    if num_stages > 1:
-        dist.all_gather_object(gathered, mine, group=group)
-    else:
-        gathered = [mine]
-    used = {name for _, idle, names in gathered for name in set(names) - set(idle)}
-    where = {name: s for s, idle, _ in gathered for name in idle if name not in used}
-    if not where:
+def check_every_parameter_used(unused: list[str], stage: int) -> None:
+    """Raise :class:`SplitError` when a trainable parameter of this stage got no gradient at
+    the first update. Each stage checks its own parameters, without waiting on another (a
+    parameter shared with another stage, whose copy there may be the one in use, is left out
+    by the caller); a stage that raises takes the failure path, which stops the others with its
+    error."""
+    if not unused:
         return
-    listed = sorted(where)
+    listed = sorted(unused)
     shown = listed if len(listed) <= 8 else [*listed[:8], f"... {len(listed) - 8} more"]
-    stages = sorted(set(where.values()))
     raise SplitError(
-        f"{len(listed)} trainable parameter(s) got no gradient on any stage at the first update: "
-        f"{shown} (held by stage {', '.join(map(str, stages))}). Either the split runs the "
-        "module that holds them on a stage where the forward never reaches it (the model runs "
-        "them at another point than pipe2bw placed them: describe it with PipeModel(model, "
-        "blocks=..., pre=[...], post=[...]), docs/models.md), or the model never uses them "
-        "(freeze them with requires_grad_(False)). To train on regardless, turn the check "
-        f"off with {TURN_OFF}"
+        f"{len(listed)} trainable parameter(s) of stage {stage} got no gradient at the first "
+        f"update: {shown}. Either the split runs the module that holds them on a stage where the "
+        "forward never reaches it (the model runs them at another point than pipe2bw placed "
+        "them: describe it with PipeModel(model, blocks=..., pre=[...], post=[...]), "
+        "docs/models.md), or the model never uses them (freeze them with "
+        f"requires_grad_(False)). To train on regardless, turn the check off with {TURN_OFF}"
     )
