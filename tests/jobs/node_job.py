@@ -8,8 +8,8 @@ SLURM-like environment), writing the trained weights from global rank 0.
 when it is there (``ckpt_path="last"``: the one line an elastic restart needs). ``--kill-at``
 sends SIGKILL to global rank 1 in that step of the first attempt only (torchrun's
 ``TORCHELASTIC_RESTART_COUNT`` is 0), so that ``torchrun --max-restarts=1`` restarts the run.
-``--sigusr1-at`` sends SIGUSR1 to this process group in that step (SLURM's warning before the
-end of a job's time), once.
+``--sigusr1-at`` sends SIGUSR1 to every rank in that step (SLURM's warning before the end of a
+job's time, ``--signal=USR1@T``), once.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Job(RegressionModel):
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if step == self.kill_at and first_attempt and self.global_rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
-        if step == self.sigusr1_at and self.global_rank == 0:
+        if step == self.sigusr1_at:  # as SLURM's --signal=USR1@T: every task gets it
             self.sigusr1_at = None
             os.kill(os.getpid(), signal.SIGUSR1)
         return super().training_step(batch, batch_idx)
