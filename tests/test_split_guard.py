@@ -104,6 +104,30 @@ class _Odd(nn.Module):
         return self.norm(x) if self.kind == "twice" else self.shared(x)
 
 
+def test_a_module_without_parameters_may_run_anywhere() -> None:
+    """A dropout (or rotary table) without parameters is on every stage: one instance used
+    before the layers, between them and after them, or by every layer, is no problem."""
+
+    class _Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.drop = nn.Dropout(0.0)
+            self.embed = nn.Linear(4, 4)
+            self.layers = nn.ModuleList([_UsesShared(self.drop) for _ in range(3)])
+            self.head = nn.Linear(4, 4)
+
+        def forward(self, x: Tensor) -> Tensor:
+            x = self.drop(self.embed(x))
+            for i, layer in enumerate(self.layers):
+                x = layer(x)
+                x = self.drop(x) if i == 0 else x
+            return self.head(self.drop(x))  # type: ignore[no-any-return]
+
+    model = _Shared()
+    seen = observe(model, "layers", lambda: model(torch.randn(2, 4)))
+    assert seen.before == ["drop", "embed"] and seen.after == ["head"], (seen.before, seen.after)
+
+
 @pytest.mark.parametrize(
     ("kind", "says"),
     [

@@ -63,8 +63,10 @@ def observe(model: nn.Module, blocks: str, call: Callable[[], Any]) -> Observati
     for each part that is not the layer list ``blocks`` nor a module the layer list sits in,
     whether it ran before the first layer or after the last. Raises :class:`SplitError` where
     the forward does something a split cannot carry: no call of the layers, layers out of order
-    or twice, a layer that calls modules outside it (a shared module), a part that runs both
-    before and after the layers, or between two of them."""
+    or twice, a layer that calls a module with parameters outside it (a shared module), a part
+    with parameters that runs both before and after the layers, or between two of them. A
+    module without parameters (a dropout, a rotary table) stays on every stage, so it may run
+    anywhere."""
     layers = model.get_submodule(blocks)
     index = {id(layer): i for i, layer in enumerate(layers.children())}
     # the modules the list sits in (the model, the base model, an encoder): their forward spans
@@ -87,10 +89,11 @@ def observe(model: nn.Module, blocks: str, call: Callable[[], Any]) -> Observati
         trace.current = None
         trace.layer_tuple = len(output) if isinstance(output, tuple) else 0
 
-    def before_part(path: str) -> Callable[..., None]:
+    def before_part(path: str, holds: bool) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
             if trace.current is not None:
-                if not path.startswith(f"{blocks}.{_child_name(layers, trace.current)}."):
+                inside = path.startswith(f"{blocks}.{_child_name(layers, trace.current)}.")
+                if not inside and holds:  # a module without parameters is on every stage
                     trace.strays.append((trace.current, path))
                 return
             trace.phases.setdefault(path, set()).add(trace.phase())
@@ -104,7 +107,8 @@ def observe(model: nn.Module, blocks: str, call: Callable[[], Any]) -> Observati
             handles.append(module.register_forward_pre_hook(before_layer(index[id(module)])))
             handles.append(module.register_forward_hook(after_layer))
         else:
-            handles.append(module.register_forward_pre_hook(before_part(path)))
+            holds = any(True for _ in module.parameters())
+            handles.append(module.register_forward_pre_hook(before_part(path, holds)))
     try:
         output = call()
     finally:
@@ -184,9 +188,9 @@ def _sort(
             if holds:
                 seen.idle.append(path)
             continue
-        if when == {"before"}:
-            seen.before.append(path)
-        elif when == {"after"}:
+        if when == {"before"} or (not holds and "before" in when):
+            seen.before.append(path)  # without parameters a part stays on every stage too
+        elif when == {"after"} or not holds:
             seen.after.append(path)
         elif path not in phases and any(True for _ in child.children()):
             _sort(model, path, blocks, containers, phases, seen)  # a holder: look inside
