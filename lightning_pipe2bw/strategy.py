@@ -77,7 +77,6 @@ from lightning_pipe2bw.pipeline.groups import ProcessGroups, choose_backend, gat
 from lightning_pipe2bw.pipeline.intake import (
     check_every_parameter_used,
     step_call,
-    unused_parameters,
 )
 from lightning_pipe2bw.pipeline.migrate import hand_back, relayout
 from lightning_pipe2bw.pipeline.options import (
@@ -638,13 +637,14 @@ class Pipe2BWStrategy(ParallelStrategy):
         if not self._use_check or not due.pairs:
             return
         self._use_check = False
-        module = self.lightning_module
-        assert module is not None
-        tied = self._runtime.tied
-        shared = {id(c.param) for c in tied.copies} if tied else set()
-        names = {id(p): _model_name(n, module) for n, p in module.named_parameters()}
-        pairs = [(p, g) for p, g in due.pairs if id(p) not in shared]
-        check_every_parameter_used(unused_parameters(pairs, names), self.stage)
+        runtime = self._runtime
+        shared = {id(c.param) for c in runtime.tied.copies} if runtime.tied else set()
+        unused = [
+            p
+            for p, grad in due.pairs
+            if p.requires_grad and grad is None and id(p) not in shared
+        ]
+        check_every_parameter_used(runtime.parameter_names(unused), self.stage)
 
     def _stage_logs(self, module: LightningModule) -> StageLogs:
         """What merges the values the gradient hooks log over the stages (``hooklogs``)."""
@@ -1211,17 +1211,6 @@ class Pipe2BWStrategy(ParallelStrategy):
             )
         for name, description, init in entries:
             strategy_registry.register(name, cls, description=description, override=True, **init)
-
-
-def _model_name(name: str, module: nn.Module) -> str:
-    """A parameter's name as the user knows it: a model's body (``takes_any_call``) holds the
-    model's modules under their own paths behind a block index, which is dropped."""
-    for path, sub in module.named_modules():
-        if isinstance(sub, StageBody) and sub.takes_any_call and name.startswith(path + "."):
-            block, _, rest = name[len(path) + 1 :].partition(".")
-            if block.isdigit():
-                return f"{path}.{rest}"
-    return name
 
 
 def _elastic_store(timeout: timedelta | None) -> dict[str, Any]:

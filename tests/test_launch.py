@@ -96,6 +96,20 @@ def one_node_2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tens
     return _one_node(tmp_path_factory.mktemp("one-node"), 2, 1)
 
 
+def _run_together(
+    commands: list[tuple[list[str], dict[str, str]]], cwd: Path
+) -> list[str]:
+    """Start every (command, environment) at once, as the nodes or tasks of one job; their
+    combined outputs, after each has exited with 0."""
+    procs = [
+        subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for cmd, env in commands
+    ]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-2000:] for log in logs)
+    return logs
+
+
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
@@ -119,12 +133,7 @@ def test_two_torchrun_nodes_on_one_host_train_as_one_node(
         "--weights", str(out), "--nodes", "2", "--devices", str(per_node),
         "--data-parallel", str(data_parallel),
     ]  # fmt: skip
-    agents = [
-        subprocess.Popen(cmd, cwd=tmp_path, env=_job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for _ in range(2)
-    ]
-    logs = [a.communicate(timeout=300)[0] for a in agents]
-    assert all(a.returncode == 0 for a in agents), "\n".join(log[-2000:] for log in logs)
+    logs = _run_together([(cmd, _job_env()), (cmd, _job_env())], tmp_path)
     world = 2 * per_node
     assert sum(log.count(f"of {world}: done at step 6") for log in logs) == world
     reference = one_node_2 if world == 2 else _one_node(tmp_path, world, data_parallel)
@@ -163,6 +172,7 @@ def test_a_two_task_slurm_job_trains_as_one_node(
     the weights equal the same job on one node."""
     out = tmp_path / "slurm.pt"
     port = _free_port()
+    cmd = [sys.executable, str(JOB), "--weights", str(out), "--nodes", "2", "--devices", "1"]
     tasks = []
     for rank in range(2):
         env = _job_env()
@@ -171,12 +181,8 @@ def test_a_two_task_slurm_job_trains_as_one_node(
             SLURM_NTASKS_PER_NODE="1", SLURM_PROCID=str(rank), SLURM_LOCALID="0",
             SLURM_NODEID=str(rank), SLURM_NODELIST="127.0.0.1", MASTER_PORT=str(port),
         )  # fmt: skip
-        cmd = [sys.executable, str(JOB), "--weights", str(out), "--nodes", "2", "--devices", "1"]
-        tasks.append(
-            subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        )
-    logs = [t.communicate(timeout=300)[0] for t in tasks]
-    assert all(t.returncode == 0 for t in tasks), "\n".join(log[-2000:] for log in logs)
+        tasks.append((cmd, env))
+    logs = _run_together(tasks, tmp_path)
     assert "rank 1 of 2: done at step 6" in logs[1]
     diff = _same(_weights(out), one_node_2)
     print(f"LAUNCH SLURM 2 tasks on 2 nodes: max|dW| vs one node {diff:.1e}")

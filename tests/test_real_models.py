@@ -262,17 +262,21 @@ def _images(n: int = 5) -> list[tuple[Tensor, Tensor]]:
     return [(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(n)]
 
 
+def image_loader(n: int = 5) -> torch.utils.data.DataLoader[Any]:
+    """:func:`_images` as a loader of batches of 8."""
+    xs, ys = zip(*_images(n), strict=True)
+    return torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=8
+    )
+
+
 def _fit_described(schedule: str, post: tuple[str, ...] = ("norm", "head")) -> dict[str, Any]:
     torch.set_num_threads(1)
     module = _DescribedModule(post)
     strategy = Pipe2BWStrategy(schedule=schedule, microbatches=M)
     trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=STEPS)
-    xs, ys = zip(*_images(), strict=True)
-    data = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=8
-    )
     try:
-        trainer.fit(module, data)
+        trainer.fit(module, image_loader())
     except ValueError as err:
         return {"error": str(err)}
     state = strategy.full_state_dict()

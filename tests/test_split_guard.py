@@ -21,7 +21,7 @@ import hf_models
 import torch
 import torch.distributed as dist
 from models import quiet_trainer
-from test_real_models import M, _DescribedModule, _images
+from test_real_models import M, _DescribedModule, image_loader
 from torch import Tensor, nn
 
 from lightning_pipe2bw import Pipe2BWStrategy, PipeModel
@@ -206,12 +206,8 @@ def _described(check: bool) -> dict[str, Any]:
     module = _WrongHead()
     strategy = Pipe2BWStrategy(schedule="1f1b", microbatches=M, check_split=check)
     trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=2)
-    xs, ys = zip(*_images(2), strict=True)
-    data = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=8
-    )
     try:
-        trainer.fit(module, data)
+        trainer.fit(module, image_loader(2))
     except SplitError as err:
         return {"error": str(err)}
     return {"error": None}

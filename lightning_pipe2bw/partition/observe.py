@@ -43,7 +43,7 @@ class Observation:
 
 @dataclass
 class _Trace:
-    layers: nn.Module
+    count: int  # the layers in the list
     started: int = 0
     finished: int = 0
     current: int | None = None  # the layer running now
@@ -55,7 +55,7 @@ class _Trace:
     def phase(self) -> str:
         if self.started == 0:
             return "before"
-        return "after" if self.finished >= len(list(self.layers.children())) else "between"
+        return "after" if self.finished >= self.count else "between"
 
 
 def observe(model: nn.Module, blocks: str, call: Callable[[], Any]) -> Observation:
@@ -69,11 +69,12 @@ def observe(model: nn.Module, blocks: str, call: Callable[[], Any]) -> Observati
     anywhere."""
     layers = model.get_submodule(blocks)
     index = {id(layer): i for i, layer in enumerate(layers.children())}
+    names = list(layers._modules)  # the layers' names in the list, by index
     # the modules the list sits in (the model, the base model, an encoder): their forward spans
     # the layers' calls, so they are containers, not parts
     heads = blocks.split(".")
     containers = {""} | {".".join(heads[:k]) for k in range(1, len(heads) + 1)}
-    trace = _Trace(layers)
+    trace = _Trace(len(index))
     handles = []
 
     def before_layer(i: int) -> Callable[..., None]:
@@ -92,7 +93,7 @@ def observe(model: nn.Module, blocks: str, call: Callable[[], Any]) -> Observati
     def before_part(path: str, holds: bool) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
             if trace.current is not None:
-                inside = path.startswith(f"{blocks}.{_child_name(layers, trace.current)}.")
+                inside = path.startswith(f"{blocks}.{names[trace.current]}.")
                 if not inside and holds:  # a module without parameters is on every stage
                     trace.strays.append((trace.current, path))
                 return
@@ -103,7 +104,7 @@ def observe(model: nn.Module, blocks: str, call: Callable[[], Any]) -> Observati
     for path, module in model.named_modules():
         if path in containers:
             continue
-        if id(module) in index and path == f"{blocks}.{_child_name(layers, index[id(module)])}":
+        if id(module) in index and path == f"{blocks}.{names[index[id(module)]]}":
             handles.append(module.register_forward_pre_hook(before_layer(index[id(module)])))
             handles.append(module.register_forward_hook(after_layer))
         else:
@@ -117,15 +118,11 @@ def observe(model: nn.Module, blocks: str, call: Callable[[], Any]) -> Observati
     return _conclude(model, blocks, containers, trace, output)
 
 
-def _child_name(layers: nn.Module, i: int) -> str:
-    return list(layers._modules)[i]
-
-
 def _conclude(
     model: nn.Module, blocks: str, containers: set[str], trace: _Trace, output: Any
 ) -> Observation:
     name = type(model).__name__
-    n = len(list(trace.layers.children()))
+    n = trace.count
     if trace.started == 0:
         raise SplitError(
             f"{name}.forward did not call its layers {blocks!r} on the first micro-batch: the "

@@ -11,21 +11,19 @@ trains silently wrong.
 
 from __future__ import annotations
 
-import logging
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map_only
 
 from lightning_pipe2bw.partition.observe import TURN_OFF, SplitError
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, split_batch
 from lightning_pipe2bw.runtime.stage import BodyInput
 
-__all__ = ["SplitError", "check_every_parameter_used", "step_call", "unused_parameters"]
-
-log = logging.getLogger(__name__)
+__all__ = ["SplitError", "check_every_parameter_used", "step_call"]
 
 
 class _Stopped(BaseException):
@@ -58,7 +56,10 @@ def step_call(
             with torch.random.fork_rng(devices=devices), torch.no_grad():
                 batch = next(iter(loader))
                 n = max(1, min(microbatches, batch_size_of(batch)))
-                sample = _to(split_batch(batch, n)[0][0], _device_of(model))
+                sample = split_batch(batch, n)[0][0]
+                device = _device_of(model)
+                if device is not None:
+                    sample = tree_map_only(Tensor, lambda t: t.to(device), sample)
                 step(sample, 0)
         except _Stopped as stopped:
             return stopped.call
@@ -88,20 +89,6 @@ def _cannot(model: nn.Module, why: str) -> None:
 
 def _device_of(model: nn.Module) -> torch.device | None:
     return next((p.device for p in model.parameters()), None)
-
-
-def _to(batch: Any, device: torch.device | None) -> Any:
-    if device is None:
-        return batch
-    leaves, spec = torch.utils._pytree.tree_flatten(batch)
-    moved = [x.to(device) if isinstance(x, Tensor) else x for x in leaves]
-    return torch.utils._pytree.tree_unflatten(moved, spec)
-
-
-def unused_parameters(pairs: Sequence[tuple[Tensor, Tensor | None]], names: Mapping[int, str]) -> list[str]:
-    """The names of the trainable parameters among ``pairs`` (parameter, its gradient) that
-    have no gradient."""
-    return [names.get(id(p), "?") for p, grad in pairs if p.requires_grad and grad is None]
 
 
 def check_every_parameter_used(unused: list[str], stage: int) -> None:
