@@ -89,6 +89,7 @@ from lightning_pipe2bw.pipeline.options import (
 )
 from lightning_pipe2bw.pipeline.peers import PeerDirectory
 from lightning_pipe2bw.pipeline.repartition import Repartition, Repartitioner
+from lightning_pipe2bw.pipeline.requeue import RequeueRelay
 from lightning_pipe2bw.pipeline.signals import SignalGuard
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
 from lightning_pipe2bw.pipeline.topology import Topology
@@ -318,6 +319,8 @@ class Pipe2BWStrategy(ParallelStrategy):
         self._step_extra: Any = None
         # SIGTERM / SIGINT end every rank within seconds (see pipeline.signals)
         self._signals = SignalGuard(self._describe, self._on_forced_exit)
+        # SLURM's requeue warning answered at a step boundary (see pipeline.requeue)
+        self._requeue = RequeueRelay(self._describe)
 
     @classmethod
     def from_options(cls, options: PipeOptions, **kwargs: Any) -> Pipe2BWStrategy:
@@ -728,6 +731,12 @@ class Pipe2BWStrategy(ParallelStrategy):
         fingerprints = self._fingerprints[train]
         if runtime.is_last:
             values["batch"] = fingerprint
+            if train and self._requeue.active:
+                assert self.groups is not None
+                lag = runtime.driver.report_lag
+                due = self._requeue.decide(self.groups.stage, self.data_parallel, self.root_device, lag)
+                if due is not None:
+                    values["requeue"] = due
         else:
             fingerprints.ran(fingerprint)
         settle = train and compat.ends_epoch(module.trainer)
@@ -738,6 +747,7 @@ class Pipe2BWStrategy(ParallelStrategy):
                 loader = self._loader_names.get(hook, _LOADERS.get(hook, hook))
                 fingerprints.compare(report.get("batch"), self.stage, loader)
             recording.apply(report, self.root_device)
+            self._requeue.note(report)
         if train:
             return self._training_output(reports)
         return apply_to_collection(reports[-1]["output"], Tensor, lambda t: t.to(self.root_device))
@@ -905,6 +915,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         module, runtime = self.lightning_module, self.runtime
         if module is None or runtime is None:
             return
+        self._requeue.start_batch()  # SLURM's requeue warning, once every rank knows of it
         step = module.trainer.global_step
         if self.plan_check is not None and self.plan_check.result is None:
             line = self.plan_check.step(step, batch_size_of(batch) * self.data_parallel)
@@ -960,24 +971,31 @@ class Pipe2BWStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ hooks
     @override
     def on_train_start(self) -> None:
-        self._signals.install()  # after Lightning registered its own handlers
+        self._install_signals()  # after Lightning registered its own handlers
 
     @override
     def on_validation_start(self) -> None:
-        self._signals.install()
+        self._install_signals()
         self.flush()
 
     @override
     def on_test_start(self) -> None:
-        self._signals.install()
+        self._install_signals()
 
     @override
     def on_predict_start(self) -> None:
+        self._install_signals()
+
+    def _install_signals(self) -> None:
         self._signals.install()
+        module = self.lightning_module
+        fitting = module is not None and module.trainer.state.fn == TrainerFn.FITTING
+        self._requeue.install(self.cluster_environment, fitting)
 
     @override
     def teardown(self) -> None:
         self._signals.uninstall()
+        self._requeue.uninstall()
         runtime = self.runtime
         # spawned workers end here; the launching process gets the gathered weights instead
         if runtime is not None and not self._failed:
@@ -1008,6 +1026,7 @@ class Pipe2BWStrategy(ParallelStrategy):
             line = self.plan_check.finish()
             if line is not None and self.global_rank == 0:
                 rank_zero_info(line)
+        self._requeue.answer()  # a requeue warning delivered in the fit's last steps
         self.flush()
         if self.runtime is not None:
             self.runtime.close()

@@ -164,6 +164,24 @@ def test_an_elastic_restart_resumes_from_the_last_checkpoint(
     assert diff == 0.0
 
 
+def _slurm_tasks(
+    args: list[str], port: int, tmp_path: Path, per_node: int = 1, **extra: str
+) -> list[tuple[list[str], dict[str, str]]]:
+    """The commands and environments ``srun`` gives the tasks of a job on two nodes."""
+    cmd = [sys.executable, str(JOB), *args, "--nodes", "2", "--devices", str(per_node)]
+    tasks = []
+    for rank in range(2 * per_node):
+        env = _job_env()
+        env.update(
+            SLURM_JOB_ID="4242", SLURM_JOB_NAME="pipe", SLURM_NTASKS=str(2 * per_node),
+            SLURM_NNODES="2", SLURM_NTASKS_PER_NODE=str(per_node), SLURM_PROCID=str(rank),
+            SLURM_LOCALID=str(rank % per_node), SLURM_NODEID=str(rank // per_node),
+            SLURM_NODELIST="127.0.0.1", MASTER_PORT=str(port), **extra,
+        )  # fmt: skip
+        tasks.append((cmd, env))
+    return tasks
+
+
 def test_a_two_task_slurm_job_trains_as_one_node(
     tmp_path: Path, one_node_2: dict[str, torch.Tensor]
 ) -> None:
@@ -171,19 +189,55 @@ def test_a_two_task_slurm_job_trains_as_one_node(
     Lightning's SLURMEnvironment takes the ranks from it, the strategy launches nothing, and
     the weights equal the same job on one node."""
     out = tmp_path / "slurm.pt"
-    port = _free_port()
-    cmd = [sys.executable, str(JOB), "--weights", str(out), "--nodes", "2", "--devices", "1"]
-    tasks = []
-    for rank in range(2):
-        env = _job_env()
-        env.update(
-            SLURM_JOB_ID="4242", SLURM_JOB_NAME="pipe", SLURM_NTASKS="2", SLURM_NNODES="2",
-            SLURM_NTASKS_PER_NODE="1", SLURM_PROCID=str(rank), SLURM_LOCALID="0",
-            SLURM_NODEID=str(rank), SLURM_NODELIST="127.0.0.1", MASTER_PORT=str(port),
-        )  # fmt: skip
-        tasks.append((cmd, env))
-    logs = _run_together(tasks, tmp_path)
+    logs = _run_together(_slurm_tasks(["--weights", str(out)], _free_port(), tmp_path), tmp_path)
     assert "rank 1 of 2: done at step 6" in logs[1]
     diff = _same(_weights(out), one_node_2)
     print(f"LAUNCH SLURM 2 tasks on 2 nodes: max|dW| vs one node {diff:.1e}")
     assert diff == 0.0
+
+
+@pytest.mark.parametrize(
+    ("schedule", "at", "ranks", "data_parallel"),
+    [("1f1b", 2, None, 1), ("2bw", 1, 3, 2)],
+    ids=["1f1b-every-task", "2bw-data-parallel-one-task"],
+)
+def test_the_slurm_requeue_warning_checkpoints_at_a_step_boundary_and_the_requeued_job_resumes(
+    tmp_path: Path,
+    one_node_2: dict[str, torch.Tensor],
+    schedule: str,
+    at: int,
+    ranks: int | None,
+    data_parallel: int,
+) -> None:
+    """SLURM's warning before a job's time ends (``--signal=USR1@T``: SIGUSR1, to every task
+    or, here too, to one that holds a first stage): every rank writes Lightning's HPC
+    checkpoint at one step boundary, global rank 0 asks ``scontrol`` for the requeue, and the
+    fit goes on. The requeued job resumes from that checkpoint and ends with the weights of the
+    first (before, the save began wherever the signal landed and the ranks waited on each other
+    until the timeout). With data_parallel=2 the replicas' last stages agree on the step."""
+    bin_dir = tmp_path / "bin"  # scontrol, as on a cluster: here it notes its arguments
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol.log"
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    path = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+    first, second = tmp_path / "first.pt", tmp_path / "requeued.pt"
+    warn = ["--sigusr1-at", str(at)] + ([] if ranks is None else ["--sigusr1-rank", str(ranks)])
+    common = ["--schedule", schedule, "--data-parallel", str(data_parallel)]
+    args = ["--weights", str(first), *common, *warn]
+    logs = _run_together(_slurm_tasks(args, _free_port(), tmp_path, data_parallel, PATH=path), tmp_path)
+    assert f"rank 1 of {2 * data_parallel}: done at step 6" in logs[1], logs[1][-2000:]
+    saved = tmp_path / "hpc_ckpt_1.ckpt"
+    assert saved.exists() and not (tmp_path / "hpc_ckpt_2.ckpt").exists(), sorted(tmp_path.iterdir())
+    assert calls.read_text().split("\n") == ["requeue 4242", ""]  # from global rank 0, once
+    step = torch.load(saved, weights_only=False, map_location="cpu")["global_step"]
+    assert step == 3, step  # the start of the second epoch (batch 3 of the fit)
+    # the requeued job: Lightning finds the HPC checkpoint in default_root_dir and resumes
+    args = ["--weights", str(second), *common]
+    logs = _run_together(_slurm_tasks(args, _free_port(), tmp_path, data_parallel, PATH=path), tmp_path)
+    assert "Restored all states from the checkpoint" in "".join(logs), logs[0][-2000:]
+    diff = _same(_weights(second), _weights(first))
+    print(f"LAUNCH SLURM requeue ({schedule}): the requeued job vs the first max|dW| {diff:.1e}")
+    assert diff == 0.0
+    if schedule == "1f1b":  # and the save left the first run as it was
+        assert _same(_weights(first), one_node_2) == 0.0

@@ -119,6 +119,12 @@ class Driver(Protocol):
         ...
 
     @property
+    def report_lag(self) -> int:
+        """How many calls after its own every rank has a step's report (0: in the same call;
+        2BW: 1, the last stage's own report aside)."""
+        ...
+
+    @property
     def weight_buffers(self) -> int:
         """How many copies of the stage's weights exist (2BW: up to 2)."""
         ...
@@ -238,6 +244,10 @@ class FlushDriver:
     @property
     def preview(self) -> Report | None:
         return None  # every report arrives in its own step
+
+    @property
+    def report_lag(self) -> int:
+        return 0
 
     @property
     def weight_buffers(self) -> int:

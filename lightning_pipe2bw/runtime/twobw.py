@@ -295,6 +295,10 @@ class TwoBWDriver:
             self.channel.drain()  # the last step's values, owed to the other ranks
 
     @property
+    def report_lag(self) -> int:
+        return 1  # the other ranks log batch t's values in call t+1 (call t when settling)
+
+    @property
     def weight_buffers(self) -> int:
         return self.versions.num_buffers
 
