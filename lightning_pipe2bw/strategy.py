@@ -89,10 +89,10 @@ from lightning_pipe2bw.pipeline.options import (
 )
 from lightning_pipe2bw.pipeline.peers import PeerDirectory
 from lightning_pipe2bw.pipeline.repartition import Repartition, Repartitioner
-from lightning_pipe2bw.pipeline.requeue import RequeueRelay
 from lightning_pipe2bw.pipeline.signals import SignalGuard
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
 from lightning_pipe2bw.pipeline.topology import Topology
+from lightning_pipe2bw.requeue import RequeueRelay
 from lightning_pipe2bw.runtime import PipelineEngine, StageBody
 from lightning_pipe2bw.runtime.driver import Driver, DueGradient, Report
 from lightning_pipe2bw.runtime.failure import SignalStop, StageFailure
@@ -183,8 +183,10 @@ class Pipe2BWStrategy(ParallelStrategy):
     Args:
         schedule: the pipeline schedule, one of ``lightning_pipe2bw.schedule.SCHEDULES``:
             ``"2bw"`` (PipeDream-2BW, the default: double-buffered weights, no flush between
-            batches, W(t+1) = W(t) - step(grad f(W(t-1)))), ``"1f1b"`` (PipeDream-Flush) or
-            ``"gpipe"``; the flush schedules equal single-device training exactly.
+            batches, W(t+1) = W(t) - step(grad f(W(t-1)))), ``"1f1b"`` (PipeDream-Flush),
+            ``"gpipe"``, ``"pipedream"`` (weight stashing) or ``"zb-h1"`` (zero bubble: 1F1B
+            with each backward cut into the inputs' and the weights' gradients, the latter
+            deferred); the flush schedules equal single-device training exactly.
         flush_every: with ``"2bw"``, also drain the pipeline every this many batches (it is
             always drained before validation, before a checkpoint, at the end of every epoch and
             at the end of fit).

@@ -1,10 +1,11 @@
 """``early_input_grad``: in a flush schedule each stage after the first computes its last
-micro-batch's input gradient on its own and sends it before the weights' gradients. Runs with
-and without it must train to bitwise equal weights and log bitwise equal losses; the send must
-really go first; the backward is cut in two passes (``SplitBackward``) where the graph allows,
-and takes one more input pass where it does not (a weight applied to its own result); stages
-whose backward must run once (module backward hooks, recomputation) do not split, and their
-hooks run once per micro-batch."""
+micro-batch's input gradient on its own and sends it before the weights' gradients (the pass
+``schedule.early_input_grads`` turns that B into I, SEND_B, W). Runs with and without it must
+train to bitwise equal weights and log bitwise equal losses; the send must run between the I and
+the W; the backward is cut in two passes (``SplitBackward``) where the graph allows, and the
+call's last I takes one more input pass where it does not (a weight applied to its own result);
+stages whose backward must run once (module backward hooks, recomputation) run it whole in the
+I, and their hooks run once per micro-batch."""
 
 from __future__ import annotations
 
@@ -46,16 +47,18 @@ def _fit(
     trainer.fit(model, make_loader("regression" if model_name == "nested" else model_name, 8))
     engine = strategy.engine
     assert engine is not None
-    # every gradient sent: whether it left before the backward that computes it ended
+    # every gradient sent, as it ran: whether it left before its micro-batch's weights'
+    # gradients (I, SEND_B, W) or after its whole backward (B, SEND_B)
     early_sends: list[int] = []  # the micro-batches, step after step
     late_sends: list[int] = []
-    ends = {}
+    last_backward: dict[int, ActionKind] = {}
     for entry in engine.stats.timeline:
         kind, i = entry.action.kind, entry.action.microbatch
-        if kind is ActionKind.BACKWARD:
-            ends[i] = entry.end
+        if kind in (ActionKind.BACKWARD, ActionKind.INPUT_GRAD):
+            last_backward[i] = kind
         elif kind is ActionKind.SEND_B:
-            (early_sends if entry.start < ends[i] else late_sends).append(i)
+            split = last_backward.pop(i) is ActionKind.INPUT_GRAD
+            (early_sends if split else late_sends).append(i)
     state = strategy.full_state_dict()  # collective
     return {
         "stage": strategy.stage,
@@ -140,15 +143,13 @@ def test_early_input_grad_is_exact_and_goes_first(
         elif schedule == "1f1b":  # the last micro-batch's gradient of each step leaves first
             assert result["early_sends"] == [m - 1] * STEPS, result
             assert len(result["late_sends"]) == (m - 1) * STEPS, result
-        elif model == "nested" and result["stage"] == p - 1:  # as in 1f1b
-            assert result["early_sends"] == [m - 1] * STEPS, result
-            assert len(result["late_sends"]) == (m - 1) * STEPS, result
         else:  # gpipe: the first and the last gradient of each step leave first
             assert result["early_sends"] == [0, m - 1] * STEPS, result
             assert len(result["late_sends"]) == (m - 2) * STEPS, result
     for result in with_it:
-        # cut in two passes, except where the graph does not allow it: there only the last
-        # backward of a step goes first, after one more pass for its inputs' gradient
+        # cut in two passes, except where the graph does not allow it: there only the last I
+        # of a step sends first, after one more pass for its inputs' gradient (GPipe's first I
+        # runs the whole backward)
         sent = 0 if result["stage"] == 0 else STEPS * (2 if schedule == "gpipe" else 1)
         cut = model != "nested" or result["stage"] < p - 1
         assert (result["split"], result["repeated"]) == ((sent, 0) if cut else (0, STEPS)), result
@@ -158,17 +159,19 @@ def test_early_input_grad_is_exact_and_goes_first(
 
 
 def test_stages_whose_backward_must_run_once_do_not_split(pools: Any) -> None:
-    # block 6 is on the last stage (balance 4 + 4); stage 0 has no input gradient to send
+    # block 6 is on the last stage (balance 4 + 4); stage 0 has no input gradient to send.
+    # The list still says I, SEND_B, W; the I runs the whole backward (nothing cut, no pass
+    # repeated) and the W finds nothing left
     hooked = pools(2).run(_fit, "1f1b", 2, True, "regression", hook_block=6)
     last = next(r for r in hooked if r["stage"] == 1)
-    assert last["early_sends"] == [] and len(last["late_sends"]) == STEPS * 2
+    assert (last["split"], last["repeated"]) == (0, 0), last
     assert last["hook_calls"] == STEPS * 2  # once per micro-batch
     # a LightningModule with its own backward: the last stage cannot reproduce it
     own = pools(2).run(_fit, "1f1b", 2, True, "regression", own_backward=True)
     last = next(r for r in own if r["stage"] == 1)
-    assert last["early_sends"] == [] and len(last["late_sends"]) == STEPS * 2
+    assert (last["split"], last["repeated"]) == (0, 0), last
     recomputed = pools(2).run(_fit, "1f1b", 2, True, "regression", recompute=True)
-    assert all(r["early_sends"] == [] for r in recomputed)
+    assert all((r["split"], r["repeated"]) == (0, 0) for r in recomputed)
     plain = pools(2).run(_fit, "1f1b", 2, False, "regression", recompute=True)
     _assert_same_training(recomputed, plain)
 

@@ -34,6 +34,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "lightning_pipe2bw.hooklogs",
             "lightning_pipe2bw.loaders",
             "lightning_pipe2bw.averaging",
+            "lightning_pipe2bw.requeue",
             "lightning_pipe2bw.callbacks",
             "lightning_pipe2bw.config",
             "lightning_pipe2bw.cli",

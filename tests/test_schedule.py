@@ -170,15 +170,22 @@ def test_generated_schedules_are_valid(name: str, pm: tuple[int, int]) -> None:
     for s, stage in enumerate(schedule.stages):
         assert all(a.stage == s for a in stage)
         assert sorted(a.microbatch for a in stage if a.kind is F) == list(range(m))
-        assert sorted(a.microbatch for a in stage if a.kind is B) == list(range(m))
+        # one backward per micro-batch: a B, or (zero bubble) an I then a W
+        for kind in (
+            (B,)
+            if any(a.kind is B for a in stage)
+            else (ActionKind.INPUT_GRAD, ActionKind.WEIGHT_GRAD)
+        ):
+            assert sorted(a.microbatch for a in stage if a.kind is kind) == list(range(m))
     validate(schedule)
     with_comm = add_communication(schedule)
     validate(with_comm)
     simulate(with_comm)  # no DeadlockError
-    # One receive/send per compute action per neighbour.
+    # One receive/send per forward and per backward (B or I) per neighbour; W needs none.
     for s, stage in enumerate(with_comm.stages):
         per_compute = (s > 0) + (s < p - 1)
-        assert len(stage) == 2 * m * (1 + per_compute)
+        weights = sum(1 for a in stage if a.kind is ActionKind.WEIGHT_GRAD)
+        assert len(stage) == 2 * m * (1 + per_compute) + weights
         assert all(a.stage == s for a in stage)
 
 
@@ -194,6 +201,10 @@ EXPECTED: dict[str, tuple[Callable[[int, int], float], Callable[[int, int, int],
     # the finite 2BW schedule is 1F1B across two batches (2m micro-batches), flushed at the end
     "2bw": (lambda p, m: flush_bubble(p, 2 * m), lambda p, s, m: p - s),
     "pipedream": (lambda p, m: flush_bubble(p, 2 * m), lambda p, s, m: min(p - s, 2 * m)),
+    # F = I = W = 1: 3m + p - 1 units at m >= p (a third of 1F1B's bubble); below, the last
+    # micro-batch's forward and input-gradient chain (2m + 2p - 1); 1F1B's first-stage peak
+    # on every stage
+    "zb-h1": (lambda p, m: 1 - 3 * m / (3 * m + p - 1 + max(0, p - m)), lambda p, s, m: min(p, m)),
 }
 
 
@@ -274,8 +285,11 @@ def test_timeline_consistent_for_random_costs(
                 assert end >= sends[(s - 1, ActionKind.SEND_F, a.microbatch)] + costs.comm - 1e-9
             if a.kind is ActionKind.RECV_B:
                 assert end >= sends[(s + 1, ActionKind.SEND_B, a.microbatch)] + costs.comm - 1e-9
-    # One micro-batch must cross the whole pipeline forward and back.
-    fwd, bwd = costs.per_stage("forward", p), costs.per_stage("backward", p)
+    # One micro-batch must cross the whole pipeline forward and back (zero bubble: its
+    # gradient travels back through the I, half of each B)
+    split = any(a.kind is ActionKind.INPUT_GRAD for row in schedule.stages for a in row)
+    fwd = costs.per_stage("forward", p)
+    bwd = costs.per_stage("input_grad" if split else "backward", p)
     assert result.step_time >= sum(fwd) + sum(bwd) + 2 * (p - 1) * costs.comm - 1e-9
 
 

@@ -36,6 +36,7 @@ from lightning_pipe2bw.schedule import (
 )
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
+IG, W = ActionKind.INPUT_GRAD, ActionKind.WEIGHT_GRAD
 PROPS = settings(max_examples=60, deadline=None, database=None)
 MUTANTS = settings(max_examples=20, deadline=None, database=None)
 
@@ -82,21 +83,29 @@ def build(name: str, p: int, m: int, batches: int) -> Schedule:
 # ----------------------------------------------------------------------------- checks
 
 
+def split(schedule: Schedule) -> bool:
+    """Whether the schedule runs its backwards as I then W (zero-bubble) rather than B."""
+    return any(a.kind is IG for actions in schedule.stages for a in actions)
+
+
 def check_counts(schedule: Schedule) -> None:
-    """Exactly one F (and, if training, one B) per micro-batch on every stage, F before B."""
+    """Exactly one F (and, if training, one B, or one I and one W) per micro-batch on every
+    stage, F before B (F before I before W)."""
     n = schedule.num_microbatches
+    backward = (IG, W) if split(schedule) else (B,)
     for s, actions in enumerate(schedule.stages):
         assert all(a.stage == s and a.is_compute for a in actions), f"stage {s}: {actions}"
         counts = Counter((a.kind, a.microbatch) for a in actions)
         expected = Counter({(F, k): 1 for k in range(n)})
         if schedule.training:
-            expected.update({(B, k): 1 for k in range(n)})
+            expected.update({(kind, k): 1 for k in range(n) for kind in backward})
         lost = sorted(f"{s}{kind.value}{k}" for kind, k in expected - counts)
         extra = sorted(f"{s}{kind.value}{k}" for kind, k in counts - expected)
         assert not lost and not extra, f"stage {s}: lost {lost}, extra {extra}"
         slot = {(a.kind, a.microbatch): i for i, a in enumerate(actions)}
         for k in range(n if schedule.training else 0):
-            assert slot[(F, k)] < slot[(B, k)], f"stage {s}: B{k} before F{k}"
+            order = [slot[(F, k)]] + [slot[(kind, k)] for kind in backward]
+            assert order == sorted(order), f"stage {s}: {backward[0].value}{k} before F{k}"
 
 
 def check_timeline(schedule: Schedule, result: SimResult, costs: Costs) -> None:
@@ -105,6 +114,11 @@ def check_timeline(schedule: Schedule, result: SimResult, costs: Costs) -> None:
     every stage's compute plus the pipeline fill before it and the drain after it."""
     p, n = schedule.num_stages, schedule.num_microbatches
     fwd, bwd = costs.per_stage("forward", p), costs.per_stage("backward", p)
+    cost_of = {
+        F: fwd, B: bwd, IG: costs.per_stage("input_grad", p), W: costs.per_stage("weight_grad", p)
+    }
+    # the backward that sends the gradient on: B, or I in a zero-bubble schedule
+    B_ = IG if split(schedule) else B
     tol = 1e-9 * (1.0 + result.step_time)
     span: dict[tuple[int, ActionKind, int], tuple[float, float]] = {}
     for s, row in enumerate(result.timeline):
@@ -112,9 +126,12 @@ def check_timeline(schedule: Schedule, result: SimResult, costs: Costs) -> None:
             if action.is_compute:
                 assert (s, action.kind, action.microbatch) not in span, f"{action} ran twice"
                 span[(s, action.kind, action.microbatch)] = (start, end)
-                cost = fwd[s] if action.kind is F else bwd[s]
+                cost = cost_of[action.kind][s]
                 assert end - start == pytest.approx(cost), f"{action} took {end - start}"
-    kinds = (F, B) if schedule.training else (F,)
+    if not schedule.training:
+        kinds: tuple[ActionKind, ...] = (F,)
+    else:
+        kinds = (F, IG, W) if split(schedule) else (F, B)
     assert set(span) == {(s, kind, k) for s in range(p) for kind in kinds for k in range(n)}
     for s in range(p):
         for k in range(n):
@@ -125,18 +142,28 @@ def check_timeline(schedule: Schedule, result: SimResult, costs: Costs) -> None:
             if not schedule.training:
                 continue
             _, forward_end = span[(s, F, k)]
-            start, _ = span[(s, B, k)]
-            assert start >= forward_end - tol, f"{s}B{k} starts before {s}F{k} ends"
+            start, _ = span[(s, B_, k)]
+            assert start >= forward_end - tol, f"{s}{B_.value}{k} starts before {s}F{k} ends"
             if s < p - 1:
-                _, downstream = span[(s + 1, B, k)]
-                assert start >= downstream + costs.comm - tol, f"{s}B{k} before {s + 1}B{k}"
+                _, downstream = span[(s + 1, B_, k)]
+                assert start >= downstream + costs.comm - tol, (
+                    f"{s}{B_.value}{k} before {s + 1}{B_.value}{k}"
+                )
+            if B_ is IG:
+                _, input_end = span[(s, IG, k)]
+                assert span[(s, W, k)][0] >= input_end - tol, f"{s}W{k} before {s}I{k} ends"
     train = schedule.training
     busy = [n * (fwd[s] + (bwd[s] if train else 0.0)) for s in range(p)]
     assert result.busy == pytest.approx(busy)
     assert result.step_time >= max(busy) - tol
     for s in range(p):
         fill = sum(fwd[:s]) + s * costs.comm
-        if train:  # the last B on s must still travel back to stage 0
+        if train and B_ is IG:  # the last I on s must still travel back to stage 0; the Ws
+            last_input = max(span[(s, IG, k)][1] for k in range(n))  # need not come last
+            drain = sum(cost_of[IG][:s]) + s * costs.comm
+            assert result.step_time >= last_input + drain - tol, f"stage {s}"
+            drain = 0.0
+        elif train:  # the last B on s must still travel back to stage 0
             drain = sum(bwd[:s]) + s * costs.comm
         else:  # the last F on s must still reach the last stage
             drain = sum(fwd[s + 1 :]) + (p - 1 - s) * costs.comm
@@ -146,9 +173,12 @@ def check_timeline(schedule: Schedule, result: SimResult, costs: Costs) -> None:
 def expected_peak(name: str, p: int, s: int, n: int) -> int:
     """Documented in-flight micro-batches on stage s of a finite schedule over n micro-batches:
     GPipe keeps all n; the 1F1B family min(p - s, n) (min(p - s - 1, n) warm-up forwards + one);
-    2BW's m >= p makes that p - s. Forward-only keeps none."""
+    2BW's m >= p makes that p - s. ZB-H1 holds back s Ws on stage s: min(p, n) on every stage
+    (1F1B's peak, on its first stage). Forward-only keeps none."""
     if name == "forward":
         return 0
+    if name == "zb-h1":
+        return min(p, n)
     return n if name == "gpipe" else min(p - s, n)
 
 
@@ -159,7 +189,7 @@ def check_peaks(name: str, schedule: Schedule, result: SimResult) -> None:
         held = peak = 0
         for a in actions:
             if schedule.training:
-                held += {F: 1, B: -1}.get(a.kind, 0)
+                held += {F: 1, B: -1, W: -1}.get(a.kind, 0)
             peak = max(peak, held)
         assert peak == result.peak_activations[s], f"stage {s}: simulator disagrees ({peak})"
     expected = tuple(expected_peak(name, p, s, n) for s in range(p))
@@ -393,14 +423,17 @@ def replace_stage(schedule: Schedule, s: int, actions: list[Action]) -> Schedule
 
 
 def drop_backward(schedule: Schedule, s: int, k: int) -> Schedule:
-    actions = [a for a in schedule.stages[s] if (a.kind, a.microbatch) != (B, k)]
+    """Drop B(k) on stage s (a zero-bubble schedule: its W(k), the weights' gradients)."""
+    kind = W if split(schedule) else B
+    actions = [a for a in schedule.stages[s] if (a.kind, a.microbatch) != (kind, k)]
     return replace_stage(schedule, s, actions)
 
 
 def backward_first(schedule: Schedule, s: int) -> Schedule:
-    """Move B0 on stage s right before F0 (the order of the Fs and of the Bs is kept)."""
+    """Move B0 (I0) on stage s right before F0 (the order of the Fs and of the Bs is kept)."""
     actions = list(schedule.stages[s])
-    j = next(j for j, a in enumerate(actions) if (a.kind, a.microbatch) == (B, 0))
+    kind = IG if split(schedule) else B
+    j = next(j for j, a in enumerate(actions) if (a.kind, a.microbatch) == (kind, 0))
     b0 = actions.pop(j)
     actions.insert(next(i for i, a in enumerate(actions) if (a.kind, a.microbatch) == (F, 0)), b0)
     return replace_stage(schedule, s, actions)
@@ -442,9 +475,11 @@ def test_dropped_backward_is_caught(name: str, p: int, m: int, data: st.DataObje
     s = data.draw(st.integers(0, p - 1), label="stage")
     k = data.draw(st.integers(0, schedule.num_microbatches - 1), label="microbatch")
     broken = drop_backward(schedule, s, k)
-    with pytest.raises(AssertionError, match=rf"lost \['{s}B{k}'\], extra \[\]"):
+    kind = "W" if split(schedule) else "B"
+    with pytest.raises(AssertionError, match=rf"lost \['{s}{kind}{k}'\], extra \[\]"):
         check_counts(broken)
-    with pytest.raises(ScheduleError, match=f"micro-batch {k} has no {s}B{k}"):
+    message = f"no {s}W{k} computes the weights'" if kind == "W" else f"{k} has no {s}B{k}"
+    with pytest.raises(ScheduleError, match=message):
         validate(broken)
 
 
@@ -454,10 +489,11 @@ def test_dropped_backward_is_caught(name: str, p: int, m: int, data: st.DataObje
 def test_backward_before_forward_is_caught(name: str, p: int, m: int, costs: float) -> None:
     assume(accepts(name, p, m))
     broken = backward_first(build(name, p, m, 2), p - 1)  # the last stage needs no gradient in
-    with pytest.raises(AssertionError, match="B0 before"):
+    kind = "I" if split(broken) else "B"
+    with pytest.raises(AssertionError, match=f"{kind}0 before"):
         check_counts(broken)
     cost = Costs(forward=costs, backward=costs)
-    with pytest.raises(AssertionError, match=f"{p - 1}B0 starts before {p - 1}F0 ends"):
+    with pytest.raises(AssertionError, match=f"{p - 1}{kind}0 starts before {p - 1}F0 ends"):
         check_timeline(broken, simulate(broken, cost), cost)
     with pytest.raises(ScheduleError, match="backward runs before its forward"):
         validate(broken)

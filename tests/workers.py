@@ -74,6 +74,7 @@ def fit(
         "stage": strategy.stage,
         "versions": strategy.version_log,
         "engine_versions": strategy.engine.stats.max_weight_versions if strategy.engine else 0,
+        "split_backwards": strategy.engine.stats.split_backwards if strategy.engine else 0,
         "weight_buffers": strategy.driver.weight_buffers if strategy.driver else 0,
         "microbatches": strategy.num_microbatches,
         "peak_activation_bytes": (

@@ -40,11 +40,13 @@ __all__ = [
 # in time.perf_counter() seconds of the rank that ran it. Plain data, so it pickles cheaply.
 TimedAction = tuple[str, int, float, float]
 
-_COMPUTE = frozenset({"F", "B"})
+_COMPUTE = frozenset({"F", "B", "I", "W"})
 _RECV = frozenset({"RECV_F", "RECV_B"})
 _NAMES = {
     "F": "forward",
     "B": "backward",
+    "I": "input gradient",
+    "W": "weight gradient",
     "SEND_F": "send activations",
     "RECV_F": "recv activations",
     "SEND_B": "send gradients",
@@ -56,6 +58,8 @@ _NAMES = {
 _COLORS = {
     "F": "#4c72b0",
     "B": "#dd8452",
+    "I": "#c44e52",
+    "W": "#e5ae38",
     "SEND_F": "#7f7f7f",
     "SEND_B": "#7f7f7f",
     "RECV_F": "#c7c7c7",
@@ -378,9 +382,12 @@ def timeline_png(
         for kind, label in (
             ("F", "forward"),
             ("B", "backward"),
+            ("I", "input gradient"),
+            ("W", "weight gradient"),
             ("SEND_F", "send"),
             ("RECV_F", "recv"),
         )
+        if kind not in "IW" or any(k == kind for lane in lanes for k, *_ in lane.actions)
     ]
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.savefig(out, dpi=110)

@@ -25,6 +25,7 @@ from lightning_pipe2bw.schedule import (
     Schedule,
     add_communication,
     add_offload_schedule,
+    early_input_grads,
     get_schedule,
 )
 
@@ -163,8 +164,8 @@ class FlushDriver:
     ) -> None:
         """``channel``: carries the last stage's values of each step to the other ranks of the
         pipeline (None with one stage). ``early_input_grad``: the last backward of a batch (GPipe:
-        also the first) sends its input gradient before it computes the weights' (see
-        ``PipelineEngine.execute``)."""
+        also the first) sends its input gradient before it computes the weights' (the pass
+        ``schedule.early_input_grads``)."""
         self.engine = engine
         self.early_input_grad = early_input_grad
         self.schedule_name = schedule
@@ -179,6 +180,8 @@ class FlushDriver:
         m = num_microbatches
         if m not in self._schedules:
             sched = add_communication(get_schedule(self.schedule_name, self.engine.num_stages, m))
+            if self.early_input_grad:
+                sched = early_input_grads(sched)
             if self.evicting:
                 sched = add_offload_schedule(sched, self.evicting)
             self._schedules[m] = sched
@@ -205,7 +208,6 @@ class FlushDriver:
             loss_weights=loss_weights,
             backward=backward,
             loss_root=loss_root,
-            early_input_grad=self.early_input_grad,
         )
         self._due = DueGradient.take(params)
         return results

@@ -77,6 +77,30 @@ class _Slot:
     loading: bool = False  # its evicted activations are on their way back from the partner
     params: Mapping[str, Tensor] | None = None  # the weight version it computes with
     upstream_batch: Any = None  # the previous stage's micro-batch signature, to compare
+    # what the micro-batch's W has left to do after its I: the split's weights' pass, the
+    # whole backward (_WHOLE), or nothing (None)
+    weights_left: Any = None
+    sent: bool = False  # its inputs' gradient has left (SEND_B)
+    done: bool = False  # its weights' gradients are in (B or W)
+
+
+_WHOLE = "whole"  # a W that runs the micro-batch's whole backward
+
+
+@dataclass
+class _Call:
+    """One :meth:`PipelineEngine.execute` call: what its handlers share."""
+
+    actions: Sequence[Action]
+    microbatches: Mapping[int, Any]
+    step: StepFn
+    train: bool
+    loss_weights: Mapping[int, float]
+    backward: Callable[[Tensor], None] | None
+    weights_for: Callable[[int], Mapping[str, Tensor]] | None
+    loss_root: Callable[[Tensor], Tensor] | None
+    last_input: int  # the index of the call's last I (-1: none)
+    results: dict[int, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -98,9 +122,9 @@ class EngineStats:
     # distinct weight buffers the stage's parameters and in-flight micro-batches reference,
     # checked after every action: 1 for flush schedules, <= 2 for 2BW, <= p - s for stashing
     max_weight_versions: int = 0
-    # early input gradients (``early_input_grad``): backwards cut into an inputs' pass and a
-    # weights' pass (SplitBackward), and those whose graph did not allow it, where the inputs'
-    # gradient took one more pass before the whole backward
+    # I actions: backwards cut into an inputs' pass and a weights' pass (SplitBackward), and
+    # those whose graph did not allow it, where the inputs' gradient took one more pass before
+    # the whole backward (the call's last I)
     split_backwards: int = 0
     repeated_input_passes: int = 0
     # the most recent actions only, so that long runs keep bounded memory
@@ -203,12 +227,11 @@ class PipelineEngine:
         backward: Callable[[Tensor], None] | None = None,
         observer: Callable[[Action], None] | None = None,
         loss_root: Callable[[Tensor], Tensor] | None = None,
-        early_input_grad: bool = False,
     ) -> list[Any]:
         """Execute ``schedule.stages[self.stage]`` (a flush schedule: every micro-batch starts
         and finishes here) and return the last stage's step outputs, one per micro-batch (an
         empty list on other stages). ``schedule`` must already carry communication actions.
-        ``early_input_grad`` and ``loss_root``: see :meth:`execute`."""
+        ``loss_root``: see :meth:`execute`."""
         results = self.execute(
             schedule.stages[self.stage],
             dict(enumerate(microbatches)),
@@ -218,7 +241,6 @@ class PipelineEngine:
             backward=backward,
             observer=observer,
             loss_root=loss_root,
-            early_input_grad=early_input_grad,
         )
         if self.slots:
             raise RuntimeError(
@@ -240,125 +262,42 @@ class PipelineEngine:
         weights_for: Callable[[int], Mapping[str, Tensor]] | None = None,
         observer: Callable[[Action], None] | None = None,
         loss_root: Callable[[Tensor], Tensor] | None = None,
-        early_input_grad: bool = False,
     ) -> dict[int, Any]:
-        """Execute ``actions`` (compute and communication) in order. Micro-batches may start in
-        one call and finish in a later one (PipeDream-2BW): their state stays in ``self.slots``.
+        """Execute ``actions`` (compute and communication) in order, one handler per action
+        kind. Micro-batches may start in one call and finish in a later one (PipeDream-2BW):
+        their state stays in ``self.slots``.
 
         ``weights_for(microbatch)`` gives the weight tensors a micro-batch computes with (its
         weight version), or None for the module's own parameters; ``observer(action)`` is called
-        after every action (a driver counting weight versions). Returns the last stage's step
-        outputs of the micro-batches whose forward ran in this call.
-
-        ``early_input_grad`` (flush schedules): the call's last backward, and in a call that runs
-        all its forwards first (GPipe) also its first, sends the gradient of the stage's inputs
-        before it computes the weights' gradients when the send follows it (see
-        :meth:`_early_input_grads`, :meth:`_send_input_grad_first`); ``loss_root(weighted
-        loss)`` is the tensor that ``backward`` differentiates on the last stage (None: the last
-        stage does not do this).
+        after every action (a driver counting weight versions). ``loss_root(weighted loss)`` is
+        the tensor that ``backward`` differentiates on the last stage, which an ``I`` action
+        differentiates itself (None: the last stage runs its backward whole, see
+        :meth:`_input_grad`). Returns the last stage's step outputs of the micro-batches whose
+        forward ran in this call.
         """
-        slots = self.slots
-        results: dict[int, Any] = {}
-        timeline = self.stats.timeline
+        call = _Call(
+            actions, microbatches, step, train, loss_weights, backward, weights_for, loss_root,
+            last_input=max(
+                (n for n, a in enumerate(actions) if a.kind is ActionKind.INPUT_GRAD), default=-1
+            ),
+        )  # fmt: skip
+        slots, timeline, stats = self.slots, self.stats.timeline, self.stats
+        handlers = self._handlers
         action: Action | None = None
-        early = self._early_input_grads(actions) if train and early_input_grad else frozenset()
-        last_early = max(early, default=-1)
-        sent_early: ActionTiming | None = None  # the send that ran inside the backward before it
         try:
             self.transport.settle()
             for n, action in enumerate(actions):
                 start = time.perf_counter()
-                # a SEND_B that already ran inside its backward (it logged its start then)
-                ran_early = sent_early if sent_early is not None and sent_early.action is action else None
-                if self.debug and ran_early is None:
+                if self.debug:
                     _debug_log.info(
                         "rank %d stage %d start %s (micro-batch %d) t=%.6f",
                         self._rank, self.stage, action, action.microbatch, start,
                     )  # fmt: skip
-                i = action.microbatch
-                slot = slots.setdefault(i, _Slot())
-                kind = action.kind
-                if kind is ActionKind.RECV_F:
-                    slot.inputs, slot.upstream_batch = self.transport.recv(
-                        self._peer(self.prev_rank), self.wait_limits[0]
-                    )
-                elif kind is ActionKind.FORWARD:
-                    if train and self.link is not None and not self.link.holder:
-                        self.link.settle()  # earlier evictions have left before new saves
-                    if not self.is_first:
-                        self._check_same_batch(slot, microbatches[i], i)
-                    slot.weight = loss_weights.get(i, 0.0)
-                    slot.params = weights_for(i) if weights_for is not None else None
-                    if train:
-                        weights = [*self.body.parameters(), *(slot.params or {}).values()]
-                        with self.body.forwarding(i, self.stash), self.stash.recording(i, weights):
-                            self._forward(slot, microbatches[i], step, i)
-                        slot.saved_bytes = self.stash.saved_bytes(i)
-                    else:
-                        self._forward(slot, microbatches[i], step, i)
-                    if self.is_last:
-                        results[i] = slot.result
-                    self.inflight += 1
-                    self.stats.peak_inflight = max(self.stats.peak_inflight, self.inflight)
-                    if not train:
-                        slot.inputs = None
-                        if self.is_last:
-                            del slots[i]
-                            self.inflight -= 1
-                elif kind is ActionKind.SEND_F:
-                    # the transport sends detached copies but records requires_grad for the peer
-                    # the micro-batch's shapes travel along (in the cached header: free when they
-                    # do not change), so that every stage checks it split the same batch
-                    signature = batch_signature(microbatches[i]) if i in microbatches else None
-                    self._post_next_receive(actions, n)
-                    self.transport.send((slot.outputs, signature), self._peer(self.next_rank))
-                    if not train:
-                        del slots[i]
-                        self.inflight -= 1
-                elif kind is ActionKind.RECV_B:
-                    self.stash.prefetch(i)  # swapped activations start coming back
-                    slot.grads_in = self.transport.recv(
-                        self._peer(self.next_rank), self.wait_limits[1]
-                    )
-                elif kind is ActionKind.BACKWARD:
-                    assert backward is not None, "training needs a backward function"
-                    self.stash.prefetch(i)
-                    if slot.loading:
-                        self.stash.restore(i, self._link().loaded(i))
-                        slot.loading = False
-                    split: SplitBackward | None = None
-                    if n in early:
-                        sent_early, split = self._send_input_grad_first(
-                            slot, i, loss_root, actions, n, repeat=n == last_early
-                        )
-                    sent = n in early and sent_early is not None
-                    self._backward(slot, i, slot.weight, backward, sent, split)
-                    self.stash.release(i)
-                    self.inflight -= 1
-                    if self.is_first:
-                        del slots[i]
-                elif kind is ActionKind.EVICT:
-                    # what the engine holds anyway: sending it would free nothing
-                    keep = (slot.inputs, slot.outputs, microbatches.get(i))
-                    share = self.evict_share(self.stash.saved_bytes(i))
-                    self._link().evict(i, self.stash.evict(i, share, keep))
-                elif kind is ActionKind.LOAD:
-                    self._link().load(i, self.stash.away_size(i))
-                    slot.loading = True
-                elif kind is ActionKind.RETURN:
-                    self._link().give_back(i)
-                elif kind is ActionKind.SEND_B:
-                    if ran_early is not None:
-                        start = ran_early.start
-                    else:
-                        self._post_next_receive(actions, n)
-                        self.transport.send(slot.grads_out, self._peer(self.prev_rank))
-                    del slots[i]
-                else:  # pragma: no cover - the schedule validator rejects other kinds
+                handler = handlers.get(action.kind)
+                if handler is None:  # pragma: no cover - the schedule validator rejects others
                     raise ValueError(f"the engine cannot run action {action}")
+                handler(call, n, action, slots.setdefault(action.microbatch, _Slot()))
                 end = time.perf_counter()
-                if ran_early is not None:
-                    end = ran_early.end
                 if self.debug:
                     _debug_log.info(
                         "rank %d stage %d end %s (micro-batch %d) t=%.6f (%.3f ms)",
@@ -367,13 +306,13 @@ class PipelineEngine:
                     )  # fmt: skip
                 self._sample_memory()
                 if action.is_compute:
-                    self.stats.busy_s += end - start
-                    if kind is ActionKind.BACKWARD:
-                        self.stats.backward_s += end - start
+                    stats.busy_s += end - start
+                    if action.kind is not ActionKind.FORWARD:
+                        stats.backward_s += end - start
                     elif train:
-                        self.stats.forward_s += end - start
-                    self.stats.max_weight_versions = max(
-                        self.stats.max_weight_versions, self.weight_versions_referenced()
+                        stats.forward_s += end - start
+                    stats.max_weight_versions = max(
+                        stats.max_weight_versions, self.weight_versions_referenced()
                     )
                 if observer is not None:
                     observer(action)
@@ -392,7 +331,186 @@ class PipelineEngine:
             raise
         finally:
             self.body.set_call(None)
-        return results
+        return call.results
+
+    @property
+    def _handlers(self) -> dict[ActionKind, Callable[[_Call, int, Action, _Slot], None]]:
+        return {
+            ActionKind.RECV_F: self._recv_f,
+            ActionKind.FORWARD: self._forward_action,
+            ActionKind.SEND_F: self._send_f,
+            ActionKind.RECV_B: self._recv_b,
+            ActionKind.BACKWARD: self._backward_action,
+            ActionKind.INPUT_GRAD: self._input_grad,
+            ActionKind.SEND_B: self._send_b,
+            ActionKind.WEIGHT_GRAD: self._weight_grad,
+            ActionKind.EVICT: self._evict,
+            ActionKind.LOAD: self._load,
+            ActionKind.RETURN: self._return,
+        }
+
+    # ------------------------------------------------------------------ one handler per kind
+    def _recv_f(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
+        slot.inputs, slot.upstream_batch = self.transport.recv(
+            self._peer(self.prev_rank), self.wait_limits[0]
+        )
+
+    def _forward_action(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
+        i, train = action.microbatch, call.train
+        if train and self.link is not None and not self.link.holder:
+            self.link.settle()  # earlier evictions have left before new saves
+        if not self.is_first:
+            self._check_same_batch(slot, call.microbatches[i], i)
+        slot.weight = call.loss_weights.get(i, 0.0)
+        slot.params = call.weights_for(i) if call.weights_for is not None else None
+        if train:
+            weights = [*self.body.parameters(), *(slot.params or {}).values()]
+            with self.body.forwarding(i, self.stash), self.stash.recording(i, weights):
+                self._forward(slot, call.microbatches[i], call.step, i)
+            slot.saved_bytes = self.stash.saved_bytes(i)
+        else:
+            self._forward(slot, call.microbatches[i], call.step, i)
+        if self.is_last:
+            call.results[i] = slot.result
+        self.inflight += 1
+        self.stats.peak_inflight = max(self.stats.peak_inflight, self.inflight)
+        if not train:
+            slot.inputs = None
+            if self.is_last:
+                del self.slots[i]
+                self.inflight -= 1
+
+    def _send_f(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
+        # the transport sends detached copies but records requires_grad for the peer; the
+        # micro-batch's shapes travel along (in the cached header: free when they do not
+        # change), so that every stage checks it split the same batch
+        i = action.microbatch
+        signature = batch_signature(call.microbatches[i]) if i in call.microbatches else None
+        self._post_next_receive(call.actions, n)
+        self.transport.send((slot.outputs, signature), self._peer(self.next_rank))
+        if not call.train:
+            del self.slots[i]
+            self.inflight -= 1
+
+    def _recv_b(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
+        self.stash.prefetch(action.microbatch)  # swapped activations start coming back
+        slot.grads_in = self.transport.recv(self._peer(self.next_rank), self.wait_limits[1])
+
+    def _ready_for_backward(self, i: int, slot: _Slot) -> None:
+        self.stash.prefetch(i)
+        if slot.loading:
+            self.stash.restore(i, self._link().loaded(i))
+            slot.loading = False
+
+    def _backward_action(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
+        """B: the whole backward of the micro-batch."""
+        assert call.backward is not None, "training needs a backward function"
+        i = action.microbatch
+        self._ready_for_backward(i, slot)
+        self._backward(slot, i, call.backward, input_grads=not self.is_first)
+        self._backward_done(i, slot)
+
+    def _input_grad(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
+        """I: the gradient of the stage's inputs, for the ``SEND_B`` that follows; the weights'
+        gradients are left to the micro-batch's ``W``.
+
+        Where the graph allows (:class:`SplitBackward`: no weights' node that two input-path
+        nodes reach, as a layer applied to its own output does), the backward is cut into two
+        passes that together do the work of one. Elsewhere the call's last ``I`` takes one more
+        pass over the input-gradient path and its ``W`` runs the whole backward (the stage's
+        idle tail absorbs the extra pass), and any other ``I`` runs the whole backward itself
+        (its ``W`` has nothing left to do). Both are exact: every node runs on the same tensors
+        with the same incoming gradient as in one backward, and the weights' gradients
+        accumulate as one backward accumulates them. The first stage, which sends no gradient,
+        leaves the whole backward to ``W``.
+
+        A stage does not cut where a backward pass has effects beyond its gradients
+        (activations that are recomputed, swapped or evicted, module backward hooks, custom
+        ``autograd.Function`` nodes such as a reentrant checkpoint) or, on the last stage,
+        where the engine cannot reproduce the backward (``loss_root`` None: a LightningModule
+        or a precision plugin that overrides ``backward``): ``I`` runs it whole."""
+        assert call.backward is not None, "training needs a backward function"
+        i = action.microbatch
+        self._ready_for_backward(i, slot)
+        if self.is_first:
+            slot.weights_left = _WHOLE
+            return
+        leaves = _grad_leaves(slot.inputs)
+        if self.is_last:
+            if call.loss_root is None:
+                roots: list[Tensor] = []
+                seeds: list[Tensor | None] = []
+            else:
+                roots = [call.loss_root(_loss_of(slot.result, i) * slot.weight)]
+                seeds = [None]
+        else:
+            roots, received = _received_grads(slot)
+            seeds = list(received)
+        split = None
+        if leaves and roots and self._can_split_backward(i, roots):
+            split = SplitBackward.plan(roots, seeds, leaves)
+            if split is not None:
+                grads = split.inputs_pass()
+                self.stats.split_backwards += 1
+                slot.weights_left = split
+            elif n == call.last_input:
+                grads = list(
+                    torch.autograd.grad(roots, leaves, seeds, retain_graph=True, allow_unused=True)
+                )
+                self.stats.repeated_input_passes += 1
+                slot.weights_left = _WHOLE
+            else:
+                grads = None
+            if grads is not None:
+                slot.grads_out = _filled(grads, leaves)
+                return
+        del roots, seeds
+        self._backward(slot, i, call.backward, input_grads=True)  # whole, here
+        slot.weights_left = None
+
+    def _weight_grad(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
+        """W: the weights' gradients of a micro-batch whose ``I`` ran (what it left to do)."""
+        assert call.backward is not None, "training needs a backward function"
+        i, left = action.microbatch, slot.weights_left
+        if isinstance(left, SplitBackward):
+            left.weights_pass()
+        elif left is _WHOLE:
+            self._backward(slot, i, call.backward, input_grads=False)
+        slot.weights_left = None
+        self._backward_done(i, slot)
+
+    def _send_b(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
+        self._post_next_receive(call.actions, n)
+        self.transport.send(slot.grads_out, self._peer(self.prev_rank))
+        slot.grads_out, slot.sent = None, True
+        if slot.done:
+            del self.slots[action.microbatch]
+
+    def _evict(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
+        i = action.microbatch
+        # what the engine holds anyway: sending it would free nothing
+        keep = (slot.inputs, slot.outputs, call.microbatches.get(i))
+        share = self.evict_share(self.stash.saved_bytes(i))
+        self._link().evict(i, self.stash.evict(i, share, keep))
+
+    def _load(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
+        self._link().load(action.microbatch, self.stash.away_size(action.microbatch))
+        slot.loading = True
+
+    def _return(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
+        self._link().give_back(action.microbatch)
+
+    def _backward_done(self, i: int, slot: _Slot) -> None:
+        """The micro-batch's weights' gradients are in: release its activations; its slot goes
+        once its inputs' gradient has left too (the first stage sends none)."""
+        if self.is_last:
+            slot.result = _detach_all(slot.result)
+        slot.inputs = slot.outputs = slot.grads_in = slot.params = None
+        self.stash.release(i)
+        self.inflight -= 1
+        slot.done = True
+        if self.is_first or slot.sent:
+            del self.slots[i]
 
     def _lost_peer(self, action: Action, error: BaseException) -> StageFailure:
         """The error for a receive or send that failed because the peer's process is gone or
@@ -519,132 +637,19 @@ class PipelineEngine:
             )
 
     def _backward(
-        self,
-        slot: _Slot,
-        index: int,
-        weight: float,
-        backward: Callable[[Tensor], None],
-        input_grads_sent: bool = False,
-        split: SplitBackward | None = None,
+        self, slot: _Slot, index: int, backward: Callable[[Tensor], None], input_grads: bool
     ) -> None:
-        """The backward of micro-batch ``index``; ``split``: the rest of a backward whose inputs'
-        gradients were computed (and sent) already, see :meth:`_send_input_grad_first`."""
-        if split is not None:
-            split.weights_pass()
-        elif self.is_last:
-            backward(_loss_of(slot.result, index) * weight)
+        """The whole backward of micro-batch ``index`` (the weights' gradients accumulate into
+        ``.grad``); with ``input_grads``, keep the gradient of the stage's inputs to send."""
+        if self.is_last:
+            backward(_loss_of(slot.result, index) * slot.weight)
         else:
             outs, grads = _received_grads(slot)
             if outs:
                 torch.autograd.backward(outs, grads)
-        if self.is_last:
-            slot.result = _detach_all(slot.result)
-        if not self.is_first and not input_grads_sent:
+        if input_grads and not self.is_first:
             leaves = _grad_leaves(slot.inputs)
             slot.grads_out = _filled([x.grad for x in leaves], leaves)
-        slot.inputs = slot.outputs = slot.grads_in = slot.params = None
-
-    # ------------------------------------------------------------------ early input gradient
-    def _early_input_grads(self, actions: Sequence[Action]) -> frozenset[int]:
-        """The indices of the backwards that send their inputs' gradient first, among those the
-        send of that gradient directly follows (none on the first stage, which sends none).
-
-        The call's last backward: the previous stage waits for its gradient at the end of the
-        step (the flush). Where every forward of the call comes before its first backward
-        (GPipe), also the first: the previous stage, its forwards done, waits for that gradient
-        to start its backwards. Between them, the previous stage has the earlier gradients to
-        work on, and cutting a backward in two costs a little (an engine call per node with
-        weights), so they run whole. In 1F1B the previous stage's first backward is not what
-        the step waits for: the chain runs through the last stage's forwards and backwards."""
-        if self.is_first:
-            return frozenset()
-
-        def sends_next(n: int) -> bool:
-            after = actions[n + 1] if n + 1 < len(actions) else None
-            return (
-                after is not None
-                and after.kind is ActionKind.SEND_B
-                and after.microbatch == actions[n].microbatch
-            )
-
-        backwards = [n for n, a in enumerate(actions) if a.kind is ActionKind.BACKWARD]
-        if not backwards:
-            return frozenset()
-        forwards = [n for n, a in enumerate(actions) if a.kind is ActionKind.FORWARD]
-        first_too = max(forwards, default=-1) < backwards[0]
-        candidates = {backwards[0], backwards[-1]} if first_too else {backwards[-1]}
-        return frozenset(n for n in candidates if sends_next(n))
-
-    def _send_input_grad_first(
-        self,
-        slot: _Slot,
-        index: int,
-        loss_root: Callable[[Tensor], Tensor] | None,
-        actions: Sequence[Action],
-        n: int,
-        repeat: bool,
-    ) -> tuple[ActionTiming | None, SplitBackward | None]:
-        """Compute the gradient of the stage's inputs alone and send it (the ``SEND_B`` at
-        ``actions[n + 1]``); the weights' gradients follow. Returns the send's timing (None
-        where the stage cannot split its backward: nothing sent) and the split whose weights'
-        pass is left to run (None: the whole backward is left to run).
-
-        In a flush schedule the previous stage waits for this gradient with nothing else to do
-        (see :meth:`_early_input_grads`), while this stage would compute its weights' gradients
-        first: about half of a backward on the critical path of every step. Here that half runs
-        while the previous stage computes. Where the graph allows (:class:`SplitBackward`: no
-        weights' node that two input-path nodes reach, as a layer applied to its own output
-        does), the backward is cut into two passes that together do the work of one; elsewhere,
-        with ``repeat`` (the call's last early backward), the inputs' gradient takes one more
-        pass over the input-gradient path and the whole backward follows (this stage's idle
-        tail absorbs the extra pass; without ``repeat`` nothing goes first). Both are exact:
-        every node runs on the same tensors with the same incoming gradient as in one backward,
-        and the weights' gradients accumulate as one backward accumulates them.
-
-        A stage does not split where a backward pass has effects beyond its gradients:
-        activations that are recomputed, swapped or evicted, module backward hooks, custom
-        ``autograd.Function`` nodes (a reentrant checkpoint is one), or, on the last stage, a
-        backward the engine cannot reproduce (``loss_root`` None: a LightningModule or a
-        precision plugin that overrides ``backward``)."""
-        leaves = _grad_leaves(slot.inputs)
-        if self.is_last:
-            if loss_root is None:
-                return None, None
-            roots: list[Tensor] = [loss_root(_loss_of(slot.result, index) * slot.weight)]
-            seeds: list[Tensor | None] = [None]
-        else:
-            roots, received = _received_grads(slot)
-            seeds = list(received)
-        if not leaves or not roots or not self._can_split_backward(index, roots):
-            return None, None
-        split = SplitBackward.plan(roots, seeds, leaves)
-        if split is not None:
-            grads = split.inputs_pass()
-            self.stats.split_backwards += 1
-        elif not repeat:
-            return None, None
-        else:
-            grads = list(
-                torch.autograd.grad(roots, leaves, seeds, retain_graph=True, allow_unused=True)
-            )
-            self.stats.repeated_input_passes += 1
-        slot.grads_out = _filled(grads, leaves)
-        del roots, grads
-        send = actions[n + 1]
-        self._post_next_receive(actions, n + 1)
-        start = time.perf_counter()
-        if self.debug:
-            _debug_log.info(
-                "rank %d stage %d start %s (micro-batch %d) t=%.6f, early: inside %s",
-                self._rank, self.stage, send, index, start, actions[n],
-            )  # fmt: skip
-        try:
-            self.transport.send(slot.grads_out, self._peer(self.prev_rank))
-        except (StageFailure, TypeError, ValueError):
-            raise
-        except Exception as err:  # as the SEND_B action itself would report it
-            raise self._lost_peer(send, err) from err
-        return ActionTiming(send, start, time.perf_counter()), split
 
     def _can_split_backward(self, index: int, roots: Sequence[Tensor]) -> bool:
         body = self.body

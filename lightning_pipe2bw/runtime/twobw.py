@@ -16,7 +16,6 @@ from lightning_pipe2bw.runtime.engine import PipelineEngine, StepFn
 from lightning_pipe2bw.runtime.versions import TwoBWOptimizer, WeightVersions, unwrap_optimizer
 from lightning_pipe2bw.schedule import (
     Action,
-    ActionKind,
     OneFOneBStream,
     add_offload,
     with_communication,
@@ -121,7 +120,7 @@ class TwoBWDriver:
         """Called by the engine after every action: a batch's last backward on this stage
         frees its weight version for an update in place (1F1B runs a batch's backwards in
         micro-batch order)."""
-        if action.kind is ActionKind.BACKWARD and (action.microbatch + 1) % self.m == 0:
+        if action.ends_backward and (action.microbatch + 1) % self.m == 0:
             self.versions.finish(self.batch_of(action.microbatch))
         if self.version_log is not None:
             self.version_log.append(len(self.versions.live_versions()))
@@ -394,7 +393,7 @@ class PipeDreamDriver(TwoBWDriver):
         return OneFOneBStream(self.engine.stage, self.engine.num_stages)
 
     def observe(self, action: Action) -> None:
-        if action.kind is ActionKind.BACKWARD and (action.microbatch + 1) % self.m == 0:
+        if action.ends_backward and (action.microbatch + 1) % self.m == 0:
             batch = self.batch_of(action.microbatch)
             grads = self.take_gradient(batch)
             for param, grad in zip(self.versions.params, grads, strict=True):

@@ -34,9 +34,11 @@ from .offload import (
     offload_stages,
     stashed_microbatches,
 )
+from .passes import early_input_grads, split_backward
 from .simulate import Costs, DeadlockError, SimResult, simulate
 from .stream import OneFOneBStream
 from .validate import ScheduleError, validate
+from .zerobubble import zb_h1
 
 __all__ = [
     "SCHEDULES",
@@ -53,6 +55,7 @@ __all__ = [
     "add_offload",
     "add_offload_schedule",
     "check_sizes",
+    "early_input_grads",
     "evict_share",
     "format_actions",
     "format_grid",
@@ -67,9 +70,11 @@ __all__ = [
     "partner",
     "pipedream",
     "simulate",
+    "split_backward",
     "stashed_microbatches",
     "two_bw",
     "two_bw_version",
     "validate",
     "with_communication",
+    "zb_h1",
 ]

@@ -22,7 +22,11 @@ class ActionKind(str, Enum):
     """What a stage does in one schedule slot."""
 
     FORWARD = "F"
-    BACKWARD = "B"
+    BACKWARD = "B"  # the whole backward: the inputs' gradient and the weights'
+    # a backward in two actions (zero-bubble schedules): the gradient of the stage's inputs
+    # (what SEND_B sends), then, later, the weights' gradients (accumulated into .grad)
+    INPUT_GRAD = "I"
+    WEIGHT_GRAD = "W"
     SEND_F = "SEND_F"  # activations, stage s -> s+1
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"  # gradients, stage s -> s-1
@@ -33,7 +37,13 @@ class ActionKind(str, Enum):
     LOAD = "LOAD"  # on s before B(i): receive i's activations back from the partner
 
 
-_COMPUTE = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD})
+_COMPUTE = frozenset(
+    {ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.INPUT_GRAD, ActionKind.WEIGHT_GRAD}
+)
+# the action that starts a micro-batch's backward (its gradient arrives before it, and the
+# inputs' gradient leaves after it) and the one that ends it (its activations are released)
+_STARTS_BACKWARD = frozenset({ActionKind.BACKWARD, ActionKind.INPUT_GRAD})
+_ENDS_BACKWARD = frozenset({ActionKind.BACKWARD, ActionKind.WEIGHT_GRAD})
 _OFFLOAD = frozenset({ActionKind.EVICT, ActionKind.RETURN, ActionKind.LOAD})
 
 
@@ -79,8 +89,20 @@ class Action:
 
     @property
     def is_compute(self) -> bool:
-        """True for forward and backward actions."""
+        """True for forward and backward actions (B, I, W)."""
         return self.kind in _COMPUTE
+
+    @property
+    def starts_backward(self) -> bool:
+        """True for B and I: the action that needs the gradient from the next stage and
+        produces the one for the previous stage."""
+        return self.kind in _STARTS_BACKWARD
+
+    @property
+    def ends_backward(self) -> bool:
+        """True for B and W: after it, the micro-batch's weights' gradients are accumulated and
+        its activations are released."""
+        return self.kind in _ENDS_BACKWARD
 
     @property
     def is_comm(self) -> bool:
@@ -107,7 +129,7 @@ def parse_action(text: str) -> Action:
         raise ValueError(
             f"malformed action {text!r}; expected <stage><kind><microbatch>[v<version>] with "
             f"kind one of {', '.join(k.value for k in ActionKind)}, e.g. '2F0', '1SEND_B3', "
-            "'1F5v2', '0EVICT3'"
+            "'1F5v2', '0EVICT3', '1I2', '1W2'"
         )
     stage, kind, microbatch, version = match.groups()
     return Action(

@@ -16,19 +16,23 @@ def with_communication(action: Action, num_stages: int) -> list[Action]:
     if action.kind is ActionKind.FORWARD:
         before = [] if first else [Action(s, ActionKind.RECV_F, i, v)]
         after = [] if last else [Action(s, ActionKind.SEND_F, i, v)]
-    else:
+    elif action.starts_backward:  # B, or I (its W needs no communication)
         before = [] if last else [Action(s, ActionKind.RECV_B, i, v)]
         after = [] if first else [Action(s, ActionKind.SEND_B, i, v)]
+    else:
+        before = after = []
     return [*before, action, *after]
 
 
 def add_communication(schedule: Schedule) -> Schedule:
-    """Return ``schedule`` with sends/receives added around every F and B.
+    """Return ``schedule`` with sends/receives added around every F and B (or I).
 
     * ``RECV_F(i)`` right before ``F(i)`` on stages s > 0 (activation from s - 1),
     * ``SEND_F(i)`` right after ``F(i)`` on stages s < p - 1 (activation to s + 1),
-    * ``RECV_B(i)`` right before ``B(i)`` on stages s < p - 1 (gradient from s + 1),
-    * ``SEND_B(i)`` right after ``B(i)`` on stages s > 0 (gradient to s - 1).
+    * ``RECV_B(i)`` right before ``B(i)`` or ``I(i)`` on stages s < p - 1 (gradient from s + 1),
+    * ``SEND_B(i)`` right after ``B(i)`` or ``I(i)`` on stages s > 0 (gradient to s - 1).
+
+    ``W(i)`` (the weights' gradients) needs no communication.
 
     Comm actions copy the compute action's ``version``. The runtime posts sends without
     waiting and blocks at each receive, so placing a receive right before its consumer is

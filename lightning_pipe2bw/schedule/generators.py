@@ -204,12 +204,19 @@ def pipedream(num_stages: int, num_microbatches: int, num_batches: int = 2) -> S
     return Schedule("pipedream", num_stages, n, tuple(stages))
 
 
+def _zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
+    from .zerobubble import zb_h1
+
+    return zb_h1(num_stages, num_microbatches)
+
+
 # Registering a new schedule is one entry here.
 SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "2bw": two_bw,
     "pipedream": pipedream,
+    "zb-h1": _zb_h1,
 }
 
 

@@ -61,6 +61,8 @@ def stashed_microbatches(schedule: str, stage: int, num_stages: int, num_microba
     """How many micro-batches' saved activations stage ``stage`` holds at its peak."""
     if schedule == "gpipe":
         return num_microbatches
+    if schedule == "zb-h1":  # stage s holds back s weights' passes: 1F1B's peak on every stage
+        return min(num_stages, num_microbatches)
     return min(num_stages - stage, num_microbatches)
 
 
@@ -195,7 +197,7 @@ def add_offload(
     placed: list[Action] = []
     for a in out:
         k = a.microbatch
-        if a.kind is ActionKind.RECV_B or (a.kind is _B and k not in recv_b):
+        if a.kind is ActionKind.RECV_B or (a.starts_backward and k not in recv_b):
             placed.append(Action(stage, before_b, k, version.get((_B, k), a.version)))
         placed.append(a)
         if evicts and (a.kind is ActionKind.SEND_F or (a.kind is _F and k not in sent_f)):

@@ -27,15 +27,23 @@ def _check_cost(label: str, value: float) -> None:
 
 @dataclass(frozen=True)
 class Costs:
-    """Durations: per-stage sequences or one scalar for all stages; ``comm`` is transfer latency."""
+    """Durations: per-stage sequences or one scalar for all stages; ``comm`` is transfer latency.
+
+    ``backward`` is a whole backward (B); a backward in two actions costs ``input_grad`` (I) and
+    ``weight_grad`` (W), half of ``backward`` each where they are not given.
+    """
 
     forward: Sequence[float] | float = 1.0
     backward: Sequence[float] | float = 2.0
     comm: float = 0.0
+    input_grad: Sequence[float] | float | None = None
+    weight_grad: Sequence[float] | float | None = None
 
     def __post_init__(self) -> None:
-        for label in ("forward", "backward"):
+        for label in ("forward", "backward", "input_grad", "weight_grad"):
             value = getattr(self, label)
+            if value is None:
+                continue
             if isinstance(value, (int, float)):
                 _check_cost(label, value)
             else:
@@ -46,8 +54,10 @@ class Costs:
         _check_cost("comm", self.comm)
 
     def per_stage(self, label: str, num_stages: int) -> tuple[float, ...]:
-        """The ``forward`` or ``backward`` cost of every stage."""
-        value: Sequence[float] | float = getattr(self, label)
+        """The ``forward``, ``backward``, ``input_grad`` or ``weight_grad`` cost of every stage."""
+        value: Sequence[float] | float | None = getattr(self, label)
+        if value is None:  # a half of the whole backward
+            return tuple(b / 2 for b in self.per_stage("backward", num_stages))
         if isinstance(value, (int, float)):
             return (float(value),) * num_stages
         if len(value) != num_stages:
@@ -66,7 +76,8 @@ class SimResult:
     busy: tuple[float, ...]
     bubble_fraction: tuple[float, ...]
     mean_bubble_fraction: float
-    peak_activations: tuple[int, ...]  # micro-batches whose F ran and whose B has not finished
+    # micro-batches whose F ran and whose backward (B, or W) has not finished
+    peak_activations: tuple[int, ...]
     timeline: tuple[tuple[tuple[Action, float, float], ...], ...]
 
 
@@ -152,6 +163,8 @@ def simulate(
     compute = {
         ActionKind.FORWARD: costs.per_stage("forward", p),
         ActionKind.BACKWARD: costs.per_stage("backward", p),
+        ActionKind.INPUT_GRAD: costs.per_stage("input_grad", p),
+        ActionKind.WEIGHT_GRAD: costs.per_stage("weight_grad", p),
     }
     if not schedule.has_comm:
         schedule = add_communication(schedule)
@@ -183,7 +196,7 @@ def simulate(
                 if kind is ActionKind.FORWARD and schedule.training:
                     in_flight[s] += 1
                     peak[s] = max(peak[s], in_flight[s])
-                elif kind is ActionKind.BACKWARD:
+                elif action.ends_backward:
                     in_flight[s] -= 1
             else:
                 if action.is_offload and partner(s, p) == s:

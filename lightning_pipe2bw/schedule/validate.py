@@ -12,6 +12,7 @@ from .simulate import DeadlockError, simulate
 __all__ = ["ScheduleError", "format_grid", "validate"]
 
 _F, _B = ActionKind.FORWARD, ActionKind.BACKWARD
+_I, _W = ActionKind.INPUT_GRAD, ActionKind.WEIGHT_GRAD
 _EVICT, _RETURN, _LOAD = ActionKind.EVICT, ActionKind.RETURN, ActionKind.LOAD
 _MAX_LISTED = 40  # problems spelled out in the message; ScheduleError.problems has them all
 
@@ -85,32 +86,78 @@ def _check_stage(schedule: Schedule, s: int, has_comm: bool) -> list[_Problem]:
         first[key] = i
 
     for mb in range(m):
-        f, b = first.get((_F, mb)), first.get((_B, mb))
-        if not schedule.training and b is not None:
-            msg = (
-                f"{_where(s, b, actions[b])}: backward in a forward-only (training=False) schedule"
-            )
-            out.append(
-                _Problem(f"{msg}; remove it or build the schedule with training=True", (s, b))
-            )
-        for kind, slot in ((_F, f), (_B, b)):
-            if slot is None and (kind is _F or schedule.training):
-                missing = Action(s, kind, mb)
-                out.append(_Problem(f"stage {s}: micro-batch {mb} has no {missing}; add one"))
-        if f is not None and b is not None:
-            fwd, bwd = actions[f], actions[b]
-            if b < f:
-                msg = f"{_where(s, b, bwd)}: backward runs before its forward {fwd} (slot {f})"
-                out.append(_Problem(f"{msg}; move it after the forward", (s, b)))
-            if fwd.version != bwd.version:
-                msg = (
-                    f"{_where(s, b, bwd)}: runs with weight version {bwd.version} but its "
-                    f"forward {fwd} used {fwd.version}"
-                )
-                out.append(_Problem(f"{msg}; a backward must use its forward's version", (s, b)))
+        out += _check_backward(schedule, s, mb, first)
         if has_comm:
             out += _check_comm_order(schedule, s, mb, first)
         out += _check_offload_order(schedule, s, mb, first)
+    return out
+
+
+def _backward_slot(first: dict[tuple[ActionKind, int], int], mb: int) -> int | None:
+    """The slot of the action that starts micro-batch ``mb``'s backward: its B, or its I."""
+    b = first.get((_B, mb))
+    return b if b is not None else first.get((_I, mb))
+
+
+def _check_backward(
+    schedule: Schedule, s: int, mb: int, first: dict[tuple[ActionKind, int], int]
+) -> list[_Problem]:
+    """One F per micro-batch and, in a training schedule, one backward: a B, or an I and then
+    a W (never both forms); each after the F, with the F's weight version."""
+    actions, out = schedule.stages[s], []
+    f = first.get((_F, mb))
+    slots = {kind: first.get((kind, mb)) for kind in (_B, _I, _W)}
+    present = [(kind, slot) for kind, slot in slots.items() if slot is not None]
+    if f is None:
+        out.append(_Problem(f"stage {s}: micro-batch {mb} has no {Action(s, _F, mb)}; add one"))
+    if not schedule.training:
+        for _, slot in present:
+            where = _where(s, slot, actions[slot])
+            msg = f"{where}: backward in a forward-only (training=False) schedule"
+            out.append(
+                _Problem(f"{msg}; remove it or build the schedule with training=True", (s, slot))
+            )
+        return out
+    b, i, w = slots[_B], slots[_I], slots[_W]
+    if b is not None and (i is not None or w is not None):
+        other = i if i is not None else w
+        assert other is not None
+        msg = (
+            f"{_where(s, other, actions[other])}: micro-batch {mb} also has a whole backward "
+            f"{actions[b]} (slot {b})"
+        )
+        out.append(_Problem(f"{msg}; run its backward as one B, or as an I then a W", (s, other)))
+    elif b is None and i is None and w is None:
+        missing = f"{Action(s, _B, mb)} (or {Action(s, _I, mb)} and {Action(s, _W, mb)})"
+        out.append(_Problem(f"stage {s}: micro-batch {mb} has no {missing}; add one"))
+    elif b is None and (i is None) != (w is None):
+        if i is None:
+            assert w is not None
+            need = Action(s, _I, mb, actions[w].version)
+            msg = f"{_where(s, w, actions[w])}: no {need} computes the inputs' gradient"
+            out.append(_Problem(f"{msg}; insert one before it, or make this a B", (s, w)))
+        else:
+            need = Action(s, _W, mb, actions[i].version)
+            msg = f"{_where(s, i, actions[i])}: no {need} computes the weights' gradients"
+            out.append(
+                _Problem(f"{msg}; insert one after it (before the step ends), or make this a B", (s, i))
+            )
+    if i is not None and w is not None and w < i:
+        msg = f"{_where(s, w, actions[w])}: runs before its {actions[i]} (slot {i})"
+        out.append(_Problem(f"{msg}; a W follows its I", (s, w)))
+    if f is not None:
+        fwd = actions[f]
+        for _, slot in present:
+            bwd = actions[slot]
+            if slot < f:
+                msg = f"{_where(s, slot, bwd)}: backward runs before its forward {fwd} (slot {f})"
+                out.append(_Problem(f"{msg}; move it after the forward", (s, slot)))
+            if fwd.version != bwd.version:
+                msg = (
+                    f"{_where(s, slot, bwd)}: runs with weight version {bwd.version} but its "
+                    f"forward {fwd} used {fwd.version}"
+                )
+                out.append(_Problem(f"{msg}; a backward must use its forward's version", (s, slot)))
     return out
 
 
@@ -148,7 +195,7 @@ def _check_offload_order(
     and a LOAD(i) together or neither."""
     actions, out = schedule.stages[s], []
     e, load = first.get((_EVICT, mb)), first.get((_LOAD, mb))
-    f, b = first.get((_F, mb)), first.get((_B, mb))
+    f, b = first.get((_F, mb)), _backward_slot(first, mb)
     if e is not None:
         evict = actions[e]
         if f is not None and e < f:
@@ -177,10 +224,11 @@ def _check_offload_order(
 def _check_comm_order(
     schedule: Schedule, s: int, mb: int, first: dict[tuple[ActionKind, int], int]
 ) -> list[_Problem]:
-    """Each F/B on a stage with a peer needs its receive right before and send after it."""
+    """Each F and each backward (its B or I) on a stage with a peer needs its receive before and
+    its send after it."""
     actions, out = schedule.stages[s], []
     for comm_kind, compute_kind, before in _RULES:
-        x = first.get((compute_kind, mb))
+        x = first.get((_F, mb)) if compute_kind is _F else _backward_slot(first, mb)
         if x is None or not 0 <= s + _PEER[comm_kind] < schedule.num_stages:
             continue
         compute, c = actions[x], first.get((comm_kind, mb))
@@ -281,8 +329,10 @@ def _message(schedule: Schedule, problems: list[_Problem], note: str) -> str:
 def validate(schedule: Schedule) -> None:
     """Raise :class:`ScheduleError` listing every problem in ``schedule``; return if valid.
 
-    Checks stage fields, micro-batch ranges, exactly one F and one B per micro-batch per stage
-    with F before B and the same weight version (one F and no B if ``training=False``), and, for
+    Checks stage fields, micro-batch ranges, exactly one F and one backward per micro-batch per
+    stage (a B, or an I followed by its W: every W runs within the schedule, so before the
+    optimizer step that follows it) after the F and with its weight version (one F and no
+    backward if ``training=False``), and, for
     schedules with communication, send/receive placement, pairing and FIFO order across
     neighbours. Activation offload (:mod:`~lightning_pipe2bw.schedule.offload`): EVICT and LOAD
     only on the earlier stage of a pair (s < p - 1 - s), RETURN only on the later one, F(i)
