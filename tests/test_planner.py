@@ -148,6 +148,7 @@ def test_versions_and_in_flight_per_schedule() -> None:
     assert memory("1f1b", 1) == 1000 * 2 + 100 * 3  # d - s in flight
     assert memory("2bw", 1) == 1000 * 3 + 100 * 3  # two versions
     assert memory("pipedream", 1) == 1000 * 4 + 100 * 3  # d - s versions
+    assert memory("zb-h1", 3) == 1000 * 2 + 100 * 4  # min(m, d) in flight on every stage
 
 
 def test_placement_crosses_nodes_between_pipeline_neighbours() -> None:
@@ -182,6 +183,8 @@ def test_flush_schedules_pay_the_bubble_and_2bw_does_not() -> None:
         assert flush.bubble_fraction == pytest.approx(3 / 11)
     assert two.step_time == pytest.approx(8 * two.time_per_microbatch)
     assert two.bubble_fraction == 0
+    zb = predict(p, cluster(n=4), 8, schedule="zb-h1", **kwargs)  # type: ignore[arg-type]
+    assert zb.step_time == pytest.approx((8 + 3 / 3) * zb.time_per_microbatch)  # a third
 
 
 # ----------------------------------------------------------------------------- partitioning
@@ -275,7 +278,7 @@ def test_partition_is_exact_against_brute_force() -> None:
 # ----------------------------------------------------------------------------- the search
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "2bw"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "2bw", "zb-h1"])
 @pytest.mark.parametrize("seed", range(3))
 def test_search_finds_the_best_configuration(schedule: str, seed: int) -> None:
     """plan() against predict() on every (d, b, recompute, balance) of a small case."""
@@ -418,11 +421,12 @@ def test_explain_lists_every_plan_and_stage() -> None:
 # ----------------------------------------------------------------------------- simulator check
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "2bw", "pipedream"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "2bw", "pipedream", "zb-h1"])
 @pytest.mark.parametrize(("depth", "microbatches"), [(2, 8), (4, 8), (4, 16), (8, 32)])
 def test_formula_agrees_with_the_simulator(schedule: str, depth: int, microbatches: int) -> None:
     """Near-balanced stages with transfers: the step time of the formula ((m + d - 1) t for the
-    flush schedules, m t per batch for 2BW) is within 5% of the simulated schedule."""
+    flush schedules, (m + (d - 1) / 3) t for ZB-H1, m t per batch for 2BW) is within 5% of the
+    simulated schedule."""
     rng = random.Random(depth * 100 + microbatches)
     p = profile([rng.uniform(0.9, 1.1) * 1e-3 for _ in range(32)], output=4000, input_bytes=4000)
     c = cluster(n=depth, per_node=4, intra=4e7, inter=1e7)  # transfers: 10% to 40% of a block

@@ -18,8 +18,9 @@ __all__ = [
 ]
 
 _Terms = tuple[float, float, float, float, float, float]
-PLANNER_SCHEDULES = ("gpipe", "1f1b", "2bw", "pipedream")
-FLUSH_SCHEDULES = frozenset({"gpipe", "1f1b"})  # pay the pipeline fill and drain every step
+PLANNER_SCHEDULES = ("gpipe", "1f1b", "2bw", "pipedream", "zb-h1")
+# pay the pipeline fill and drain every step
+FLUSH_SCHEDULES = frozenset({"gpipe", "1f1b", "zb-h1"})
 
 
 def check_schedule(schedule: object) -> str:
@@ -226,23 +227,28 @@ class CostModel:
                 )
                 self.ar_inv[s] = 2 * (w - 1) / w / bw
         opt = optimizer_bytes_per_param_byte
-        versions = {"2bw": [2] * d, "gpipe": [1] * d, "1f1b": [1] * d}.get(
+        versions = {"2bw": [2] * d, "gpipe": [1] * d, "1f1b": [1] * d, "zb-h1": [1] * d}.get(
             schedule, [d - s for s in range(d)]
         )
         self.param_factor = [v + 1 + opt for v in versions]  # weights, gradient, optimizer
-        self.in_flight = [
-            m if schedule == "gpipe" else min(m, d - s) if schedule == "1f1b" else d - s
-            for s in range(d)
-        ]
+        in_flight = {
+            "gpipe": lambda s: m,
+            "1f1b": lambda s: min(m, d - s),
+            "zb-h1": lambda s: min(m, d),
+        }
+        self.in_flight = [in_flight.get(schedule, lambda s: d - s)(s) for s in range(d)]
 
     @property
     def flush(self) -> bool:
         return self.schedule in FLUSH_SCHEDULES
 
     @property
-    def slots(self) -> int:
-        """Micro-batch times per step: flush schedules pay the fill and drain, m + d - 1;
-        2BW and PipeDream m."""
+    def slots(self) -> float:
+        """Micro-batch times per step: flush schedules pay the fill and drain, m + d - 1 (ZB-H1
+        a third of it, m + (d - 1) / 3, with the weights' passes in the bubble); 2BW and
+        PipeDream m."""
+        if self.schedule == "zb-h1":
+            return self.m + (self.d - 1) / 3
         return self.m + self.d - 1 if self.flush else self.m
 
     def step_time(self, time_per_microbatch: float) -> float:
