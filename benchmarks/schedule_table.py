@@ -1,22 +1,26 @@
 """Each schedule's bubble and peak activations at paper scale, from the simulator.
 
-For p = 4 to 64 stages and m = p to 8p micro-batches, every registered flush schedule (``gpipe``,
-``1f1b``, ``zb-h1``) is simulated (``lightning_pipe2bw.schedule.simulate``, no communication
-cost) with two cost sets:
+For p = 4 to 64 ranks and m = p to 8p micro-batches, every flush schedule (``gpipe``, ``1f1b``,
+``zb-h1``, and with two stages per rank ``interleaved-1f1b`` and ``zb-v``, whose stages are half
+as long) is simulated (``lightning_pipe2bw.schedule.simulate``, no communication cost) with two
+cost sets:
 
 * F : I : W = 1 : 1 : 1 (a whole backward B = I + W = 2), the zero-bubble paper's setting;
-* the ratios measured here on one pre-LayerNorm GPT block (``recipes.gpt``: width 256, 4 heads,
+* the ratios measured here (ZB-V's order, made by list scheduling, is made for them) on one
+  pre-LayerNorm GPT block (``recipes.gpt``: width 256, 4 heads,
   sequence 128, micro-batch 8, fp32, one CPU thread): a forward, the backward cut into its inputs'
   pass and its weights' pass (``SplitBackward``), medians of ``--repeats`` runs.
 
-It prints a markdown table (bubble fraction, the closed form where one exists, and the largest
-per-stage peak of micro-batches held between F and the end of their backward) and writes
+It prints a markdown table (bubble fraction, the closed form where one exists, and the peak of
+micro-batches a rank holds between F and the end of their backward, in whole-stage units: a
+half stage's counts one half) and writes
 ``benchmarks/results/schedule_table.json``. Run from the repository root::
 
     python benchmarks/schedule_table.py          # about a minute
 
 Closed forms at F : B = 1 : 2: GPipe and 1F1B (p - 1)/(m + p - 1); ZB-H1 (p - 1)/(3m + p - 1),
-a third of 1F1B's bubble time. Nothing here is asserted by tests (``tests/test_schedule.py`` and
+a third of 1F1B's bubble time; interleaved 1F1B with k stages per rank (p - 1)/(k m + p - 1),
+a k-th of 1F1B's. Nothing here is asserted by tests (``tests/test_schedule.py`` and
 ``tests/test_zero_bubble.py`` check the same figures at small sizes).
 """
 
@@ -33,9 +37,16 @@ import torch
 
 from lightning_pipe2bw.recipes.gpt.model import Block
 from lightning_pipe2bw.runtime.splitgrad import SplitBackward
-from lightning_pipe2bw.schedule import Costs, get_schedule, simulate
+from lightning_pipe2bw.schedule import (
+    VIRTUAL_SCHEDULES,
+    Costs,
+    Schedule,
+    get_schedule,
+    simulate,
+    zb_v,
+)
 
-SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
 STAGES = (4, 8, 16, 32, 64)
 FACTORS = (1, 2, 4, 8)
 OUT = Path(__file__).resolve().parent / "results" / "schedule_table.json"
@@ -47,7 +58,20 @@ def closed_form(name: str, p: int, m: int) -> float | None:
         return (p - 1) / (m + p - 1)
     if name == "zb-h1":
         return (p - 1) / (3 * m + p - 1)
+    if name == "interleaved-1f1b":
+        return (p - 1) / (2 * m + p - 1)
     return None
+
+
+def build(
+    name: str, p: int, m: int, ratios: tuple[float, float, float] = (1.0, 1.0, 1.0)
+) -> tuple[Schedule, int]:
+    """The schedule on p ranks and its stages per rank (ZB-V's order is made for ``ratios``)."""
+    if name == "zb-v":
+        return zb_v(p, m, ratios), 2
+    if name in VIRTUAL_SCHEDULES:
+        return VIRTUAL_SCHEDULES[name](p, m), 2
+    return get_schedule(name, p, m), 1
 
 
 def measure_ratios(repeats: int) -> dict[str, float]:
@@ -75,62 +99,89 @@ def measure_ratios(repeats: int) -> dict[str, float]:
 
 def table(ratios: dict[str, float]) -> list[dict[str, Any]]:
     f = ratios["F"]
-    cost_sets = {
-        "1:1:1": Costs(forward=1.0, backward=2.0, input_grad=1.0, weight_grad=1.0),
-        "measured": Costs(
-            forward=1.0,
-            backward=(ratios["I"] + ratios["W"]) / f,
-            input_grad=ratios["I"] / f,
-            weight_grad=ratios["W"] / f,
-        ),
-    }
+
+    def cost_sets(k: int) -> dict[str, Costs]:  # a stage of k per rank is a k-th as long
+        return {
+            "1:1:1": Costs(forward=1 / k, backward=2 / k, input_grad=1 / k, weight_grad=1 / k),
+            "measured": Costs(
+                forward=1 / k,
+                backward=(ratios["I"] + ratios["W"]) / f / k,
+                input_grad=ratios["I"] / f / k,
+                weight_grad=ratios["W"] / f / k,
+            ),
+        }
+
     rows = []
     for p in STAGES:
         for factor in FACTORS:
             m = factor * p
             for name in SCHEDULES:
-                schedule = get_schedule(name, p, m)
                 row: dict[str, Any] = {"schedule": name, "p": p, "m": m,
                                        "closed_form": closed_form(name, p, m)}  # fmt: skip
-                for label, costs in cost_sets.items():
+                for label, costs in cost_sets(2 if name in VIRTUAL_SCHEDULES else 1).items():
+                    measured = (1.0, ratios["I"] / f, ratios["W"] / f)
+                    schedule, k = build(name, p, m, measured if label == "measured" else (1, 1, 1))
                     result = simulate(schedule, costs)
+                    peaks = [n / k for n in result.peak_activations]
                     row[label] = {
                         "bubble": result.mean_bubble_fraction,
-                        "peak": max(result.peak_activations),
-                        "peak_first": result.peak_activations[0],
-                        "peak_last": result.peak_activations[-1],
+                        "peak": max(peaks),
+                        "peak_first": peaks[0],
+                        "peak_last": peaks[-1],
                     }
                 rows.append(row)
     return rows
 
 
 def markdown(rows: list[dict[str, Any]], ratios: dict[str, float]) -> str:
-    """One row per (p, m): each schedule's bubble fraction at 1:1:1 (closed form in brackets)
-    and at the measured ratios, and its peak activations (largest stage; stage 0 / last)."""
+    """Bubble fractions at 1:1:1 (the closed form in brackets) and at the measured ratios, then
+    the peaks (rank 0 / last rank, whole-stage micro-batches), one row per (p, m)."""
     by = {(r["p"], r["m"], r["schedule"]): r for r in rows}
+    names = {"gpipe": "GPipe", "1f1b": "1F1B", "zb-h1": "ZB-H1",
+             "interleaved-1f1b": "interleaved 1F1B", "zb-v": "ZB-V"}  # fmt: skip
+    head = [names[n] for n in SCHEDULES if n != "gpipe"]
     lines = [
         f"measured on one GPT block (this CPU): F {ratios['F']:.2f} ms, I {ratios['I']:.2f} ms, "
         f"W {ratios['W']:.2f} ms (F : I : W = 1 : {ratios['I'] / ratios['F']:.2f} : "
-        f"{ratios['W'] / ratios['F']:.2f})",
+        f"{ratios['W'] / ratios['F']:.2f}); GPipe's bubble is 1F1B's",
         "",
-        "| p | m | bubble, 1:1:1: GPipe = 1F1B | ZB-H1 | bubble, measured: 1F1B | ZB-H1 "
-        "| peak micro-batches (stage 0 / last): GPipe | 1F1B | ZB-H1 |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "bubble fraction, F : I : W = 1 : 1 : 1 (closed form)",
+        "",
+        "| p | m | " + " | ".join(head) + " |",
+        "| --- | --- |" + " --- |" * len(head),
+    ]
+
+    def cell(r: dict[str, Any], label: str, closed: bool) -> str:
+        text = f"{r[label]['bubble']:.3f}"
+        if closed and r["closed_form"] is not None:
+            text += f" ({r['closed_form']:.3f})"
+        return text
+
+    def peak(r: dict[str, Any]) -> str:
+        first, last = r["1:1:1"]["peak_first"], r["1:1:1"]["peak_last"]
+        return f"{first:g} / {last:g}"
+
+    for label, closed in (("1:1:1", True), ("measured", False)):
+        if label == "measured":
+            lines += ["", "bubble fraction, the measured ratios", ""]
+            lines += ["| p | m | " + " | ".join(head) + " |", "| --- | --- |" + " --- |" * len(head)]
+        for p in STAGES:
+            for factor in FACTORS:
+                m = factor * p
+                cells = [cell(by[(p, m, n)], label, closed) for n in SCHEDULES if n != "gpipe"]
+                lines.append(f"| {p} | {m} | " + " | ".join(cells) + " |")
+    every = [names[n] for n in SCHEDULES]
+    lines += [
+        "",
+        "peak activations (micro-batches of a whole stage, rank 0 / last rank)",
+        "",
+        "| p | m | " + " | ".join(every) + " |",
+        "| --- | --- |" + " --- |" * len(every),
     ]
     for p in STAGES:
         for factor in FACTORS:
             m = factor * p
-            one, zb, gp = by[(p, m, "1f1b")], by[(p, m, "zb-h1")], by[(p, m, "gpipe")]
-
-            def peak(r: dict[str, Any]) -> str:
-                return f"{r['1:1:1']['peak_first']} / {r['1:1:1']['peak_last']}"
-
-            lines.append(
-                f"| {p} | {m} | {one['1:1:1']['bubble']:.3f} ({one['closed_form']:.3f}) "
-                f"| {zb['1:1:1']['bubble']:.3f} ({zb['closed_form']:.3f}) "
-                f"| {one['measured']['bubble']:.3f} | {zb['measured']['bubble']:.3f} "
-                f"| {peak(gp)} | {peak(one)} | {peak(zb)} |"
-            )
+            lines.append(f"| {p} | {m} | " + " | ".join(peak(by[(p, m, n)]) for n in SCHEDULES) + " |")
     return "\n".join(lines)
 
 

@@ -38,10 +38,12 @@ from .passes import early_input_grads, split_backward
 from .simulate import Costs, DeadlockError, SimResult, simulate
 from .stream import OneFOneBStream
 from .validate import ScheduleError, validate
+from .virtual import VIRTUAL_SCHEDULES, interleaved_1f1b, looped_placement, v_placement, zb_v
 from .zerobubble import zb_h1
 
 __all__ = [
     "SCHEDULES",
+    "VIRTUAL_SCHEDULES",
     "Action",
     "ActionKind",
     "ActivationBudget",
@@ -62,6 +64,8 @@ __all__ = [
     "forward_only",
     "get_schedule",
     "gpipe",
+    "interleaved_1f1b",
+    "looped_placement",
     "offload_stages",
     "one_f_one_b",
     "parse_action",
@@ -74,7 +78,9 @@ __all__ = [
     "stashed_microbatches",
     "two_bw",
     "two_bw_version",
+    "v_placement",
     "validate",
     "with_communication",
     "zb_h1",
+    "zb_v",
 ]

@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .action import Action, ActionKind
 from .generators import Schedule
 
 __all__ = ["add_communication", "with_communication"]
 
 
-def with_communication(action: Action, num_stages: int) -> list[Action]:
-    """The communication a compute action needs, around it (the rule of :func:`add_communication`)."""
+def with_communication(
+    action: Action, num_stages: int, crosses: Callable[[int, int], bool] | None = None
+) -> list[Action]:
+    """The communication a compute action needs, around it (the rule of :func:`add_communication`).
+    ``crosses(stage, neighbour)``: whether data between them travels between ranks (default:
+    every existing neighbour is on another rank)."""
     s = action.stage
     i, v = action.microbatch, action.version
-    first, last = s == 0, s == num_stages - 1
+    if crosses is None:
+        first, last = s == 0, s == num_stages - 1
+    else:
+        first, last = not crosses(s, s - 1), not crosses(s, s + 1)
     if action.kind is ActionKind.FORWARD:
         before = [] if first else [Action(s, ActionKind.RECV_F, i, v)]
         after = [] if last else [Action(s, ActionKind.SEND_F, i, v)]
@@ -26,6 +35,9 @@ def with_communication(action: Action, num_stages: int) -> list[Action]:
 
 def add_communication(schedule: Schedule) -> Schedule:
     """Return ``schedule`` with sends/receives added around every F and B (or I).
+
+    With virtual stages, only data between stages on different ranks travels: a stage hands its
+    activations to the next one on its own rank, and the gradient back, with no action.
 
     * ``RECV_F(i)`` right before ``F(i)`` on stages s > 0 (activation from s - 1),
     * ``SEND_F(i)`` right after ``F(i)`` on stages s < p - 1 (activation to s + 1),
@@ -48,7 +60,8 @@ def add_communication(schedule: Schedule) -> Schedule:
             "to add_communication"
         )
     p = schedule.num_stages
+    crosses = None if schedule.placement is None else schedule.crosses
     return schedule.with_stages(
-        [comm for action in actions for comm in with_communication(action, p)]
-        for s, actions in enumerate(schedule.stages)
+        [comm for action in actions for comm in with_communication(action, p, crosses)]
+        for actions in schedule.stages
     )

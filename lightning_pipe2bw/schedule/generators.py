@@ -37,10 +37,15 @@ def check_sizes(num_stages: int, num_microbatches: int) -> None:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Per-stage action lists: ``stages[s]`` is what stage ``s`` executes, in order.
+    """Per-rank action lists: ``stages[r]`` is what rank ``r`` executes, in order.
 
-    ``training`` schedules run one F and one B per micro-batch on every stage; ``training=False``
-    marks a forward-only (evaluation/prediction) schedule with no B at all.
+    With one stage per rank (``placement`` None) rank s runs stage s. With virtual stages,
+    ``placement[v]`` is the rank that holds stage v (looped: v % p; a V: v and 2p - 1 - v on
+    rank v), and a rank's list interleaves the actions of its stages (``action.stage`` is the
+    stage). ``num_stages`` counts stages, :attr:`num_ranks` lists.
+
+    ``training`` schedules run one F and one backward (B, or I then W) per micro-batch on every
+    stage; ``training=False`` marks a forward-only (evaluation/prediction) schedule.
     """
 
     name: str
@@ -48,16 +53,53 @@ class Schedule:
     num_microbatches: int
     stages: tuple[tuple[Action, ...], ...]
     training: bool = True
+    placement: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         check_sizes(self.num_stages, self.num_microbatches)
         # Normalise lists to tuples so schedules stay hashable and immutable.
         object.__setattr__(self, "stages", tuple(tuple(actions) for actions in self.stages))
-        if len(self.stages) != self.num_stages:
+        if self.placement is None:
+            if len(self.stages) != self.num_stages:
+                raise ValueError(
+                    f"schedule {self.name!r} has {len(self.stages)} action lists but "
+                    f"num_stages={self.num_stages}; give exactly one action list per stage"
+                )
+            return
+        placement = tuple(self.placement)
+        object.__setattr__(self, "placement", placement)
+        ranks = len(self.stages)
+        if len(placement) != self.num_stages or sorted(set(placement)) != list(range(ranks)):
             raise ValueError(
-                f"schedule {self.name!r} has {len(self.stages)} action lists but "
-                f"num_stages={self.num_stages}; give exactly one action list per stage"
+                f"schedule {self.name!r}: placement {list(placement)} must give a rank in "
+                f"0..{ranks - 1} to each of its {self.num_stages} stages, every rank (action "
+                "list) holding at least one"
             )
+
+    @property
+    def num_ranks(self) -> int:
+        """How many ranks (action lists) run the schedule."""
+        return len(self.stages)
+
+    def rank_of(self, stage: int) -> int:
+        """The rank (action list) that holds ``stage`` (a stage out of range stays itself: no
+        rank holds it)."""
+        if self.placement is None or not 0 <= stage < self.num_stages:
+            return stage
+        return self.placement[stage]
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages rank ``rank`` holds, in order."""
+        if self.placement is None:
+            return (rank,)
+        return tuple(v for v, r in enumerate(self.placement) if r == rank)
+
+    def crosses(self, stage: int, other: int) -> bool:
+        """Whether data from ``stage`` to ``other`` (a neighbour) travels between ranks: False
+        when ``other`` does not exist or sits on the same rank (a local hand-over)."""
+        if not 0 <= other < self.num_stages:
+            return False
+        return self.rank_of(stage) != self.rank_of(other)
 
     @property
     def has_comm(self) -> bool:
@@ -78,15 +120,17 @@ class Schedule:
         return replace(self, stages=tuple(tuple(actions) for actions in stages))
 
     def __str__(self) -> str:
+        ranks = "" if self.placement is None else f" on {self.num_ranks} ranks"
         header = (
-            f"schedule {self.name!r}: {self.num_stages} stages, "
+            f"schedule {self.name!r}: {self.num_stages} stages{ranks}, "
             f"{self.num_microbatches} micro-batches{'' if self.training else ', forward-only'}"
         )
         return f"{header}\n{format_grid(self)}"
 
 
 def format_grid(schedule: Schedule, mark: Collection[tuple[int, int]] | None = None) -> str:
-    """Stage-by-slot table of compact actions; cells ``(stage, slot)`` in ``mark`` get [brackets].
+    """Stage-by-slot (rank-by-slot with virtual stages) table of compact actions; cells
+    ``(stage, slot)`` in ``mark`` get [brackets].
 
     Columns are action slots (the position in the stage's list), not wall-clock time.
     """
@@ -97,7 +141,8 @@ def format_grid(schedule: Schedule, mark: Collection[tuple[int, int]] | None = N
     ]
     num_slots = max((len(row) for row in cells), default=0)
     width = max((len(cell) for row in cells for cell in row), default=1)
-    labels = [f"stage {s}" for s in range(schedule.num_stages)]
+    lane = "stage" if schedule.placement is None else "rank"
+    labels = [f"{lane} {s}" for s in range(schedule.num_ranks)]
     label_width = 1 + max(len(label) for label in [*labels, "slot"])  # room for a "[" mark
     header = "slot".ljust(label_width) + "".join(f" {i}".ljust(width) for i in range(num_slots))
     lines = [header.rstrip()]

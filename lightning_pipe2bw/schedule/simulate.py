@@ -112,26 +112,40 @@ _SENDER = {
 
 
 def _channels(
-    stage: int, kind: ActionKind, num_stages: int
+    schedule: Schedule, lane: int, action: Action
 ) -> tuple[_Channel | None, _Channel | None]:
-    """(the channel a communication action receives on, the channel it then sends on); None
-    where it does not. RETURN does both: it waits for the EVICT, then sends the data back."""
-    q = partner(stage, num_stages)
+    """(the channel a communication action on list ``lane`` receives on, the channel it then
+    sends on); None where it does not. RETURN does both: it waits for the EVICT, then sends the
+    data back. Channels join action lists (ranks); with one stage per rank, stages."""
+    kind, stage = action.kind, action.stage
+    q = partner(lane, schedule.num_ranks)
     if kind is ActionKind.SEND_F:
-        return None, (stage, stage + 1, "F")
+        return None, (lane, schedule.rank_of(stage + 1), "F")
     if kind is ActionKind.SEND_B:
-        return None, (stage, stage - 1, "B")
+        return None, (lane, schedule.rank_of(stage - 1), "B")
     if kind is ActionKind.RECV_F:
-        return (stage - 1, stage, "F"), None
+        return (schedule.rank_of(stage - 1), lane, "F"), None
     if kind is ActionKind.RECV_B:
-        return (stage + 1, stage, "B"), None
+        return (schedule.rank_of(stage + 1), lane, "B"), None
     if kind is ActionKind.EVICT:
-        return None, (stage, q, "E")
+        return None, (lane, q, "E")
     if kind is ActionKind.RETURN:
-        return (q, stage, "E"), (stage, q, "R")
+        return (q, lane, "E"), (lane, q, "R")
     if kind is ActionKind.LOAD:
-        return (q, stage, "R"), None
+        return (q, lane, "R"), None
     raise ValueError(f"{kind.value} is not a communication action")
+
+
+def _delivers(send: Action, receive: Action) -> bool:
+    """Whether ``send``'s data is what ``receive`` waits for (same micro-batch, and the stage
+    next to it in the direction the data travels; offload moves a stage's own data)."""
+    if send.microbatch != receive.microbatch:
+        return False
+    if send.kind is ActionKind.SEND_F:
+        return send.stage + 1 == receive.stage
+    if send.kind is ActionKind.SEND_B:
+        return send.stage - 1 == receive.stage
+    return True
 
 
 def simulate(
@@ -159,16 +173,17 @@ def simulate(
     delays = dict(delays or {})
     for (ds, di), seconds in delays.items():
         _check_cost(f"delays[({ds}, {di})]", seconds)
-    p = schedule.num_stages
+    v = schedule.num_stages  # costs are per stage; a rank with several adds theirs
     compute = {
-        ActionKind.FORWARD: costs.per_stage("forward", p),
-        ActionKind.BACKWARD: costs.per_stage("backward", p),
-        ActionKind.INPUT_GRAD: costs.per_stage("input_grad", p),
-        ActionKind.WEIGHT_GRAD: costs.per_stage("weight_grad", p),
+        ActionKind.FORWARD: costs.per_stage("forward", v),
+        ActionKind.BACKWARD: costs.per_stage("backward", v),
+        ActionKind.INPUT_GRAD: costs.per_stage("input_grad", v),
+        ActionKind.WEIGHT_GRAD: costs.per_stage("weight_grad", v),
     }
     if not schedule.has_comm:
         schedule = add_communication(schedule)
     stages = schedule.stages
+    p = schedule.num_ranks
 
     clock, slot, busy = [0.0] * p, [0] * p, [0.0] * p
     in_flight, peak = [0] * p, [0] * p
@@ -190,7 +205,7 @@ def simulate(
             busy[s] += extra
             end = t
             if kind in compute:
-                end = t + compute[kind][s]
+                end = t + compute[kind][action.stage]
                 busy[s] += end - t
                 # Forward-only schedules keep no activations for a backward.
                 if kind is ActionKind.FORWARD and schedule.training:
@@ -205,7 +220,7 @@ def simulate(
                         f"the middle stage of p={p} (its own partner); remove it (validate() "
                         "lists all problems)"
                     )
-                recv, send_on = _channels(s, kind, p)
+                recv, send_on = _channels(schedule, s, action)
                 if recv is not None:
                     k = received.get(recv, 0)
                     queue = sent.get(recv, [])
@@ -213,7 +228,7 @@ def simulate(
                         waiting[recv] = s
                         break
                     arrival, send = queue[k]
-                    if send.microbatch != action.microbatch:
+                    if not _delivers(send, action):
                         raise ValueError(
                             f"stage {s}, slot {i}: {action} would receive the data of {send} "
                             f"because channels are FIFO; make the receive order on stage {s} "
@@ -252,32 +267,34 @@ def _raise_deadlock(
     sent: dict[_Channel, list[tuple[float, Action]]],
     received: dict[_Channel, int],
 ) -> NoReturn:
-    stages, p = schedule.stages, schedule.num_stages
+    stages, p = schedule.stages, schedule.num_ranks
     stuck: list[tuple[int, int]] = []
     reasons: list[str] = []
+    lane = "stage" if schedule.placement is None else "rank"
     for s in range(p):
         if slot[s] >= len(stages[s]):
             continue
         action = stages[s][slot[s]]
-        channel = _channels(s, action.kind, p)[0]
+        channel = _channels(schedule, s, action)[0]
         assert channel is not None, f"{action} cannot block"  # only receives block
         src, _, carries = channel
         n_sent = len(sent.get(channel, []))
         if not 0 <= src < p:
-            peer = f"stage {src} does not exist"
+            peer = f"{lane} {src} does not exist"
         elif slot[src] >= len(stages[src]):
-            peer = f"stage {src} finished after {n_sent} send(s) on this channel"
+            peer = f"{lane} {src} finished after {n_sent} send(s) on this channel"
         else:
             peer = (
-                f"stage {src} is stuck at slot {slot[src]} on {stages[src][slot[src]]} "
+                f"{lane} {src} is stuck at slot {slot[src]} on {stages[src][slot[src]]} "
                 f"after {n_sent} send(s) on this channel"
             )
+        sender = {ActionKind.RECV_F: action.stage - 1, ActionKind.RECV_B: action.stage + 1}
         stuck.append((s, slot[s]))
         reasons.append(
-            f"stage {s} is stuck at slot {slot[s]} on {action}: waits for "
-            f"{src}{_SENDER[carries].value}{action.microbatch} "
+            f"{lane} {s} is stuck at slot {slot[s]} on {action}: waits for "
+            f"{sender.get(action.kind, src)}{_SENDER[carries].value}{action.microbatch} "
             f"(send #{received.get(channel, 0) + 1} "
-            f"from stage {src} to stage {s}); {peer}"
+            f"from {lane} {src} to {lane} {s}); {peer}"
         )
     message = "\n".join(
         [

@@ -1,0 +1,179 @@
+"""Several stages per rank, as schedules: looped and V placements, interleaved 1F1B and ZB-V as
+golden literals and hypothesis properties, and the validator's and the simulator's rules for
+them (a stage hands over to the next one on its rank without communication; channels join
+ranks, carrying several stages' data in FIFO order)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_pipe2bw.schedule import (
+    Action,
+    ActionKind,
+    Costs,
+    Schedule,
+    ScheduleError,
+    add_communication,
+    interleaved_1f1b,
+    looped_placement,
+    one_f_one_b,
+    parse_actions,
+    parse_stages,
+    simulate,
+    v_placement,
+    validate,
+    zb_v,
+)
+
+PROPS = settings(max_examples=40, deadline=None, database=None)
+F, B = ActionKind.FORWARD, ActionKind.BACKWARD
+IG, W = ActionKind.INPUT_GRAD, ActionKind.WEIGHT_GRAD
+
+INTERLEAVED_2x4 = parse_stages("""
+    0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3
+    1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3
+""")
+ZB_V_2x4 = parse_stages("""
+    0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 0I0 3W1 0I1 0F3 0W0 3F2 3I2 0W1 3W2 0I2 0W2 3F3 3I3 3W3 0I3 0W3
+    1F0 2F0 1F1 2F1 2I0 1I0 2W0 2I1 1I1 1F2 1W0 2F2 2W1 1F3 2I2 1I2 1W1 2F3 2W2 1W2 2I3 1I3 2W3 1W3
+""")
+
+
+def test_placements() -> None:
+    assert looped_placement(3, 2) == (0, 1, 2, 0, 1, 2)
+    assert v_placement(3) == (0, 1, 2, 2, 1, 0)
+
+
+def test_golden_literals() -> None:
+    assert interleaved_1f1b(2, 4).stages == INTERLEAVED_2x4
+    assert zb_v(2, 4).stages == ZB_V_2x4
+    with_comm = add_communication(zb_v(2, 4))
+    # stages 1 and 2 share rank 1: F1 hands over to F2 and I2 to I1 with no message
+    assert "1SEND_F0" not in str(with_comm) and "2SEND_B0" not in str(with_comm)
+    assert with_comm.stages[1][:4] == tuple(parse_actions("1RECV_F0 1F0 2F0 2SEND_F0"))
+
+
+def test_one_chunk_is_1f1b() -> None:
+    for p, m in [(1, 3), (3, 3), (4, 8)]:
+        assert interleaved_1f1b(p, m, 1).stages == one_f_one_b(p, m).stages
+
+
+def test_interleaving_divides_the_bubble_by_the_chunks() -> None:
+    """At stage costs F / k and B / k the step is m (F + B) + (p - 1)(F + B) / k."""
+    for p, m, k in [(2, 2, 2), (4, 8, 2), (4, 8, 4), (8, 32, 2)]:
+        result = simulate(interleaved_1f1b(p, m, k), Costs(forward=1 / k, backward=2 / k))
+        assert result.step_time == pytest.approx(3 * m + 3 * (p - 1) / k)
+
+
+def test_zb_v_nearly_fills_the_bubble_at_1f1bs_memory() -> None:
+    """Half-stage costs, F = I = W: within (p - 1) half-forwards of the ideal 3m at m >= 2p
+    (1F1B: 3(p - 1) whole ones), holding at most 2p half-stage micro-batches per rank (1F1B's
+    p whole ones on its first rank)."""
+    for p, m in [(2, 4), (4, 8), (4, 16), (8, 16), (8, 64)]:
+        result = simulate(zb_v(p, m), Costs(forward=0.5, backward=1.0))
+        assert result.step_time - 3 * m <= 0.5 * (p - 1) * 2
+        assert max(result.peak_activations) <= 2 * p
+        flush = simulate(one_f_one_b(p, m), Costs(forward=1.0, backward=2.0))
+        assert result.step_time < flush.step_time
+
+
+def _check_order(schedule: Schedule) -> None:
+    """Each stage: one F and one backward (B, or I then W) per micro-batch, each kind in
+    micro-batch order (the weights' gradients add up as single-device accumulation adds them)."""
+    for r, lane in enumerate(schedule.stages):
+        for v in schedule.stages_of(r):
+            mine = [a for a in lane if a.stage == v]
+            kinds = Counter(a.kind for a in mine)
+            m = schedule.num_microbatches
+            assert kinds[F] == m and (kinds[B] == m or kinds[IG] == kinds[W] == m), (v, kinds)
+            for kind in (F, B, IG, W):
+                order = [a.microbatch for a in mine if a.kind is kind]
+                assert order == sorted(order), (v, kind, order)
+
+
+@PROPS
+@given(p=st.integers(1, 6), groups=st.integers(1, 4), k=st.integers(1, 3))
+def test_interleaved_1f1b_properties(p: int, groups: int, k: int) -> None:
+    schedule = interleaved_1f1b(p, p * groups, k)
+    validate(schedule)
+    validate(add_communication(schedule))
+    _check_order(schedule)
+    assert schedule.placement == looped_placement(p, k)
+
+
+def test_zb_v_orders_for_its_costs() -> None:
+    """Made for a slower I than W (as measured on a GPT block), ZB-V's order loses less to the
+    bubble under those costs than the order made for F = I = W."""
+    ratios = (1.0, 1.25, 0.9)
+    costs = Costs(forward=0.5, backward=2.15 / 2, input_grad=1.25 / 2, weight_grad=0.9 / 2)
+    for p, m in [(4, 16), (8, 32)]:
+        made = simulate(zb_v(p, m, ratios), costs).mean_bubble_fraction
+        even = simulate(zb_v(p, m), costs).mean_bubble_fraction
+        assert made < even
+    with pytest.raises(ValueError, match="three positive numbers"):
+        zb_v(2, 2, (1.0, 0.0, 1.0))
+
+
+@PROPS
+@given(
+    p=st.integers(1, 6),
+    m=st.integers(1, 20),
+    ratios=st.tuples(*[st.floats(0.2, 3.0)] * 3),
+)
+def test_zb_v_properties(p: int, m: int, ratios: tuple[float, float, float]) -> None:
+    schedule = zb_v(p, m, ratios)
+    validate(schedule)
+    result = simulate(add_communication(schedule))
+    _check_order(schedule)
+    assert max(result.peak_activations) <= 2 * p
+
+
+def test_interleaving_needs_whole_groups() -> None:
+    with pytest.raises(ValueError, match="groups of p=4, got m=6; use a multiple of 4"):
+        interleaved_1f1b(4, 6)
+    with pytest.raises(ValueError, match="stages_per_rank must be >= 1"):
+        interleaved_1f1b(2, 2, 0)
+
+
+def test_placement_must_cover_the_ranks() -> None:
+    with pytest.raises(ValueError, match=r"placement .* every rank"):
+        Schedule("x", 4, 1, ((), ()), placement=(0, 0, 0, 0))
+
+
+def _broken(schedule: Schedule, rank: int, lane: str) -> Schedule:
+    stages = list(schedule.stages)
+    stages[rank] = tuple(parse_actions(lane))
+    return schedule.with_stages(stages)
+
+
+def test_the_validator_checks_ranks_and_hand_overs() -> None:
+    good = zb_v(2, 1)  # rank 0: stages 0, 3; rank 1: stages 1, 2
+    validate(good)
+    assert good.stages[1] == tuple(parse_actions("1F0 2F0 2I0 1I0 2W0 1W0"))
+    with pytest.raises(ScheduleError, match="stage 0 is not on rank 1, which holds \\[1, 2\\]"):
+        validate(_broken(good, 1, "1F0 2F0 2I0 1I0 2W0 1W0 0F0"))
+    with pytest.raises(ScheduleError, match=r"rank 1, slot 0 \(2F0\): runs before 1F0 .*whose output it takes"):
+        validate(_broken(good, 1, "2F0 1F0 2I0 1I0 2W0 1W0"))
+    with pytest.raises(ScheduleError, match=r"\(1I0\): runs before 2I0 .*whose inputs' gradient"):
+        validate(_broken(good, 1, "1F0 2F0 1I0 2I0 2W0 1W0"))
+    comm = add_communication(good)
+    local = list(comm.stages[1])
+    local.insert(local.index(Action(1, F, 0)) + 1, Action(1, ActionKind.SEND_F, 0))
+    with pytest.raises(ScheduleError, match="needs stage 2 on another rank; it is on rank 1 too"):
+        validate(comm.with_stages([comm.stages[0], local]))
+
+
+def test_the_simulator_finds_a_deadlock_across_ranks() -> None:
+    """Rank 1 waits for stage 3's gradient before it forwards stage 2: nobody can move."""
+    good = add_communication(zb_v(2, 1))
+    lane = list(good.stages[1])
+    i = lane.index(Action(2, F, 0))
+    lane.insert(1, lane.pop(lane.index(Action(2, ActionKind.RECV_B, 0))))
+    bad = good.with_stages([good.stages[0], lane])
+    assert i > 0
+    with pytest.raises(ScheduleError, match="deadlock: rank 1 is stuck"):
+        validate(bad)
