@@ -120,7 +120,7 @@ def test_unknown_option_names_list_the_valid_ones() -> None:
 @pytest.mark.parametrize(
     ("raw", "choices"),
     [
-        ({"schedule": "zb"}, ("gpipe", "1f1b", "2bw", "pipedream")),
+        ({"schedule": "zb"}, ("gpipe", "1f1b", "2bw", "pipedream", "zb-h1")),
         ({"start_method": "Spawn"}, ("popen", "spawn", "fork", "forkserver")),
         ({"state_dict_type": "dcp"}, ("full", "sharded")),
         ({"balance": "even"}, ("uniform", "params", "auto")),
@@ -130,6 +130,12 @@ def test_unknown_names_carry_their_choices(raw: dict[str, Any], choices: tuple[s
     (problem,) = PipeOptions.problems(**raw)
     assert problem.choices == choices
     assert repr(next(iter(raw.values()))) in problem.message
+
+
+def test_a_schedule_of_several_stages_per_rank_is_refused_with_the_way_out() -> None:
+    (problem,) = PipeOptions.problems(schedule="zb-v")
+    assert "runs several stages per rank, which the strategy does not run yet" in problem.message
+    assert "'zb-h1': zero bubble, one stage per rank" in problem.message
 
 
 def test_settings_are_plain_and_equal_for_equal_options() -> None:
@@ -317,7 +323,7 @@ def test_the_config_is_checked_by_the_strategy_checks() -> None:
     bad = StrategyConfig(schedule="zb", start_method="thread", microbatches=0)
     problems = strategy_problems(bad, world_size=2)
     assert problems == [
-        "strategy.schedule='zb' is unknown; valid: gpipe, 1f1b, 2bw, pipedream",
+        "strategy.schedule='zb' is unknown; valid: gpipe, 1f1b, 2bw, pipedream, zb-h1",
         "strategy.microbatches: microbatches must be a positive int, got 0",
         "strategy.start_method='thread' is unknown; valid: auto, popen, spawn, fork, forkserver",
     ]

@@ -26,7 +26,7 @@ from lightning_pipe2bw.optim.delay import (
     correction_predicts,
 )
 from lightning_pipe2bw.runtime.stash import check_memory_plan
-from lightning_pipe2bw.schedule import SCHEDULES, ActivationBudget
+from lightning_pipe2bw.schedule import SCHEDULES, VIRTUAL_SCHEDULES, ActivationBudget
 
 __all__ = [
     "BALANCE_MODES",
@@ -194,6 +194,16 @@ class _Bad(Exception):
 
 
 def _schedule(value: Any) -> dict[str, Any]:
+    if isinstance(value, str) and value in VIRTUAL_SCHEDULES:
+        valid = ", ".join(repr(name) for name in SCHEDULES)
+        raise _Bad(
+            "schedule",
+            value,
+            f"schedule {value!r} runs several stages per rank, which the strategy does not run "
+            f"yet (it exists as a schedule for the simulator: lightning_pipe2bw.schedule."
+            f"VIRTUAL_SCHEDULES); use one of {valid} ('zb-h1': zero bubble, one stage per rank)",
+            choices=tuple(SCHEDULES),
+        )
     if value not in SCHEDULES:
         valid = ", ".join(repr(name) for name in SCHEDULES)
         raise _Bad(
