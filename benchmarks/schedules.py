@@ -58,7 +58,7 @@ WIDTH = 256
 HIDDEN = 1024
 LR = 1e-3
 SEED = 1234
-OUR_SCHEDULES = ("gpipe", "1f1b", "2bw", "pipedream")
+OUR_SCHEDULES = ("gpipe", "1f1b", "2bw", "pipedream", "zb-h1")
 TRANSPORTS = ("auto", "shm", "gloo")  # PIPE2BW_TRANSPORT (lightning_pipe2bw.runtime.shm)
 # torch.distributed.pipelining classes, without the "Schedule" prefix; the first two run one
 # stage per rank, the others two (looped/interleaved: stages r and r + p; "V": r and 2p - 1 - r)
