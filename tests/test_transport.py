@@ -21,13 +21,8 @@ from torch.utils import _pytree as pytree
 
 from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, merge_outputs, split_batch
-from lightning_pipe2bw.runtime.transport import (
-    PACK_LIMIT,
-    P2PTransport,
-    TensorMeta,
-    _load_header,
-    flatten_payload,
-)
+from lightning_pipe2bw.runtime.transport import P2PTransport
+from lightning_pipe2bw.runtime.wire import PACK_LIMIT, TensorMeta, flatten_payload, load_header
 
 FAST = settings(max_examples=40, deadline=None, database=None)
 TIMEOUT = 60  # seconds; a deadlocked transport fails the test instead of hanging the session
@@ -406,7 +401,7 @@ def test_flatten_payload_header_changes_with_metadata(change: Callable[[Any], An
 
 def test_tensor_meta_is_what_the_receiver_allocates() -> None:
     _, header = flatten_payload(dtypes())
-    _, _, metas = _load_header(header)  # what the receiver reads (torch's pytree warns)
+    _, _, metas = load_header(header)  # what the receiver reads (torch's pytree warns)
     assert metas == [
         TensorMeta((3, 2), torch.bfloat16, True),
         TensorMeta((3, 2), torch.bfloat16, False),

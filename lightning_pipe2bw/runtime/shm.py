@@ -36,15 +36,14 @@ import torch
 import torch.distributed as dist
 
 from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure, new_run
-from lightning_pipe2bw.runtime.transport import (
-    _ALIGN,
-    _TAGS,
-    _aligned,
-    _Channel,
-    _encode,
-    _HeldSends,
-    _layout,
-    _view,
+from lightning_pipe2bw.runtime.transport import TAG_BASE, HeldSends
+from lightning_pipe2bw.runtime.wire import (
+    ALIGN,
+    Channel,
+    aligned,
+    encode,
+    layout,
+    view,
     wire_device,
 )
 
@@ -177,7 +176,7 @@ class _Ring:
 
     @property
     def tail(self) -> int:
-        return self.words[_ALIGN // 8]
+        return self.words[ALIGN // 8]
 
     def record(self, pos: int) -> memoryview:
         """The head of the record at ring position ``pos``: eight int64."""
@@ -208,15 +207,15 @@ class _Ring:
             if self.record(pos)[1] != _WRAP:
                 return pos
             tail += cap - pos
-            self.words[_ALIGN // 8] = tail
+            self.words[ALIGN // 8] = tail
         return None
 
     def release(self, size: int) -> None:
         """The record at the tail has been read."""
-        self.words[_ALIGN // 8] = self.tail + size
+        self.words[ALIGN // 8] = self.tail + size
 
 
-class SharedMemoryTransport(_HeldSends):
+class SharedMemoryTransport(HeldSends):
     """Sends and receives pytrees between pipeline ranks of one host through shared memory.
 
     Each ordered pair of neighbour ranks has a ring of ``CAPACITY`` bytes, created by the sender
@@ -255,14 +254,14 @@ class SharedMemoryTransport(_HeldSends):
         self.capacity = capacity
         self.inline_limit = capacity // 4
         self.run = new_run()
-        self.tag = _TAGS + self.run  # the process group's tag for large messages
+        self.tag = TAG_BASE + self.run  # the process group's tag for large messages
         self.timeout_s = timeout_s if timeout_s is not None else _group_timeout_s()
         self.rank = dist.get_rank()
         self.bytes_sent = 0
         self.bytes_received = 0
         self._token = token
-        self._out_channel: dict[int, _Channel] = {}
-        self._in_channel: dict[int, _Channel] = {}
+        self._out_channel: dict[int, Channel] = {}
+        self._in_channel: dict[int, Channel] = {}
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._socket.bind(self._address(self.rank))
         self._socket.setblocking(False)
@@ -304,39 +303,39 @@ class SharedMemoryTransport(_HeldSends):
     def send(self, obj: Any, dst: int) -> None:
         """Copy ``obj`` into the channel to rank ``dst`` (complete when it returns, except a
         large message, which the process group carries: see :meth:`wait_sends`)."""
-        channel = self._out_channel.setdefault(dst, _Channel())
-        tensors, metas, header, same = _encode(channel, obj)
+        channel = self._out_channel.setdefault(dst, Channel())
+        tensors, metas, header, same = encode(channel, obj)
         length = 0 if same or header is None else len(header)
-        start = _aligned(_RECORD + length)
+        start = aligned(_RECORD + length)
         if start > self.capacity // 8:  # even its announcement would not fit the ring's reserve
             raise ValueError(
                 f"a pipeline stage output's non-tensor part pickles to {length} bytes, more than "
                 f"the shared-memory transport carries ({self.capacity // 8 - _RECORD} bytes): "
                 "pass large values as tensors, or set PIPE2BW_TRANSPORT=gloo"
             )
-        offsets, end = _layout(metas, start)
+        offsets, end = layout(metas, start)
         ring = self._out[dst]
         data = end - start
         # a message leaves an eighth of the ring free for the small records that announce the
         # process group's messages (and for notices): however far the reader is behind, they
         # find room, and a sender never waits for a reader that may be waiting for it
         spot = (
-            ring.reserve(_aligned(end), keep=self.capacity // 8)
+            ring.reserve(aligned(end), keep=self.capacity // 8)
             if data <= self.inline_limit
             else None
         )
         if spot is not None:
             pos, skip = spot
-            self._write_head(ring, pos, _aligned(end), _MESSAGE, header if length else None, 0)
+            self._write_head(ring, pos, aligned(end), _MESSAGE, header if length else None, 0)
             base = ring.data[pos:]
             for offset, meta, t in zip(offsets, metas, tensors, strict=True):
-                _view(base, offset, meta).copy_(t.detach())
-            ring.commit(skip, _aligned(end))
+                view(base, offset, meta).copy_(t.detach())
+            ring.commit(skip, aligned(end))
         else:  # the tensors in one buffer on the process group, announced in the ring
             buffer = torch.empty(max(end - start, 1), dtype=torch.uint8)
             for offset, meta, t in zip(offsets, metas, tensors, strict=True):
-                _view(buffer, offset - start, meta).copy_(t.detach())
-            size = _aligned(start)
+                view(buffer, offset - start, meta).copy_(t.detach())
+            size = aligned(start)
             pos, skip = self._reserve_waiting(ring, size, dst)
             self._write_head(ring, pos, size, _LARGE, header if length else None, buffer.numel())
             work = dist.isend(buffer, dst=dst, tag=self.tag)
@@ -411,19 +410,19 @@ class SharedMemoryTransport(_HeldSends):
             ring.release(size)
             record = FailureRecord.from_dict(json.loads(data))
             raise StageFailure(record.describe(), record, source=src)
-        channel = self._in_channel.setdefault(src, _Channel())
+        channel = self._in_channel.setdefault(src, Channel())
         if length:
             channel.advance(bytes(ring.map[at : at + length]), same=False)
         else:
             channel.advance(None, same=True)
-        start = _aligned(_RECORD + length)
-        offsets, end = _layout(channel.metas, start)
+        start = aligned(_RECORD + length)
+        offsets, end = layout(channel.metas, start)
         if kind == _MESSAGE:
             base = ring.data[pos:]
             # copied out of the ring (onto the stage's device: a GPU stage's bytes come through
             # host memory) before the record is freed
             tensors = [
-                _view(base, o, m).to(self.device, copy=True)
+                view(base, o, m).to(self.device, copy=True)
                 for o, m in zip(offsets, channel.metas, strict=True)
             ]
             ring.release(size)
@@ -434,7 +433,7 @@ class SharedMemoryTransport(_HeldSends):
             assert work is not None
             work.wait()
             tensors = [
-                _view(buffer, o - start, m).to(self.device)
+                view(buffer, o - start, m).to(self.device)
                 for o, m in zip(offsets, channel.metas, strict=True)
             ]
         else:
@@ -480,7 +479,7 @@ class SharedMemoryTransport(_HeldSends):
         """Put a failure notice in place of the next message to each rank in ``dsts`` (waiting up
         to ``timeout_s`` for room in a full ring)."""
         data = json.dumps(replace(record, run=self.run).to_dict()).encode()
-        size = _aligned(_RECORD + len(data))
+        size = aligned(_RECORD + len(data))
         for dst in dsts:
             ring = self._out[dst]
             pos, skip = self._reserve_waiting(ring, size, dst, timeout_s)

@@ -3,230 +3,39 @@
 from __future__ import annotations
 
 import json
-import math
-import pickle
 import time
-import warnings
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch.utils import _pytree as pytree
 
 from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure, new_run
+from lightning_pipe2bw.runtime.wire import (
+    Channel,
+    TensorMeta,
+    encode,
+    flatten_payload,
+    views,
+    wire_device,
+)
 
-__all__ = ["P2PTransport", "TensorMeta", "Transport", "flatten_payload", "wire_device"]
+__all__ = [
+    "TAG_BASE",
+    "HeldSends",
+    "P2PTransport",
+    "TensorMeta",
+    "Transport",
+    "flatten_payload",
+    "wire_device",
+]
 
 _NOTICE = -1  # a message length that announces a failure notice instead of a payload
-_TAGS = 1 << 20  # a transport's tag is this plus its run number (earlier runs' messages wait apart)
-_ALIGN = 64  # bytes: where a packed message's control ends and each of its tensors starts
-# a message whose tensors take up to this many bytes travels as one buffer with its control
-# when the receiver expects it (copied in at the sender; the receiver's tensors are views of it)
-PACK_LIMIT = 1 << 20
+TAG_BASE = (
+    1 << 20
+)  # a transport's tag is this plus its run number (earlier runs' messages wait apart)
 _UNREAD_NOTICES: list[tuple[dist.Work, torch.Tensor]] = []
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """What a receiver needs to allocate one tensor leaf: shape, dtype and whether it carries grad."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool
-
-
-class _TensorSlot:
-    """Placeholder for a tensor leaf inside a pickled header."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-    def __reduce__(self) -> tuple[type[_TensorSlot], tuple[int]]:
-        return (_TensorSlot, (self.index,))
-
-
-# non-tensor leaves of these types are compared by value and type to tell whether a header is
-# unchanged without pickling it, and may be shared between the messages that carry them
-_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
-
-
-def wire_device(device: torch.device, group: dist.ProcessGroup | None = None) -> torch.device:
-    """Where a tensor of a stage on ``device`` must be to travel point to point on ``group``:
-    on ``device`` itself when the group's backend for that device type moves device memory
-    (NCCL), on the host when it is gloo, whose sends and receives read and write host memory
-    only. Stage processes that share one GPU (NCCL refuses two ranks on one device) run on gloo
-    and so exchange their activations through host memory."""
-    if device.type == "cpu" or not (dist.is_available() and dist.is_initialized()):
-        return device
-    config = dist.get_backend_config(group)  # e.g. "cpu:gloo,cuda:gloo" or "cuda:nccl"
-    backends = dict(item.split(":", 1) for item in config.split(",") if ":" in item)
-    backend = backends.get(device.type, config)
-    return torch.device("cpu") if backend == "gloo" else device
-
-
-def _split(obj: Any) -> tuple[list[torch.Tensor], Any, list[Any], list[TensorMeta]]:
-    """``obj``'s tensor leaves, tree structure, header leaves (a slot per tensor) and metas."""
-    leaves, spec = pytree.tree_flatten(obj)
-    tensors: list[torch.Tensor] = []
-    header_leaves: list[Any] = []
-    metas: list[TensorMeta] = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            header_leaves.append(_TensorSlot(len(tensors)))
-            metas.append(TensorMeta(tuple(leaf.shape), leaf.dtype, leaf.requires_grad))
-            tensors.append(leaf)
-        else:
-            header_leaves.append(leaf)
-    return tensors, spec, header_leaves, metas
-
-
-def _pickle_header(obj: Any, spec: Any, header_leaves: list[Any], metas: list[TensorMeta]) -> bytes:
-    try:
-        with warnings.catch_warnings():  # torch 2.13 warns when its own LeafSpec is pickled
-            warnings.simplefilter("ignore", FutureWarning)
-            return pickle.dumps((spec, header_leaves, metas), protocol=pickle.HIGHEST_PROTOCOL)
-    except (pickle.PicklingError, TypeError, AttributeError) as err:
-        raise TypeError(
-            "a pipeline stage output must be a tensor or a tuple/list/dict of tensors and picklable "
-            f"Python values; got {type(obj).__name__} with an unpicklable leaf ({err})"
-        ) from err
-
-
-def flatten_payload(obj: Any) -> tuple[list[torch.Tensor], bytes]:
-    """Split ``obj`` into its tensor leaves and a pickled header describing everything else.
-
-    The header holds the tree structure, the non-tensor leaves (plain Python values) and a
-    :class:`TensorMeta` per tensor, so shapes may change from one message to the next.
-    """
-    tensors, spec, header_leaves, metas = _split(obj)
-    return tensors, _pickle_header(obj, spec, header_leaves, metas)
-
-
-def _encode(
-    channel: _Channel, obj: Any
-) -> tuple[list[torch.Tensor], list[TensorMeta], bytes | None, bool]:
-    """``obj`` to send on ``channel``: its tensors and their metadata, its pickled header (None
-    when the channel's cached header is known to serve without pickling) and whether the
-    receiver's cached header serves (``same``)."""
-    tensors, spec, header_leaves, metas = _split(obj)
-    if channel.keeps(spec, header_leaves, metas):
-        return tensors, metas, None, True
-    header = _pickle_header(obj, spec, header_leaves, metas)
-    return tensors, metas, header, header == channel.header
-
-
-def _load_header(header: bytes) -> tuple[Any, list[Any], list[TensorMeta]]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        return pickle.loads(header)  # type: ignore[no-any-return]
-
-
-def _plain(header_leaves: list[Any]) -> bool:
-    return all(isinstance(x, _TensorSlot) or type(x) in _PLAIN for x in header_leaves)
-
-
-def _same_leaves(a: list[Any], b: list[Any]) -> bool:
-    """Equal header leaves, plain values compared with their types (1, 1.0 and True differ)."""
-    if len(a) != len(b):
-        return False
-    for x, y in zip(a, b, strict=True):
-        if isinstance(x, _TensorSlot):
-            if not isinstance(y, _TensorSlot) or x.index != y.index:
-                return False
-        elif type(x) is not type(y) or not (x == y or (x != x and y != y)):  # NaN equals NaN
-            return False
-    return True
-
-
-def _nbytes(meta: TensorMeta) -> int:
-    return math.prod(meta.shape) * meta.dtype.itemsize
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def _layout(metas: list[TensorMeta], start: int = _ALIGN) -> tuple[list[int], int]:
-    """Where each tensor starts in a message whose tensors follow ``start`` bytes (by default a
-    packed message's control), and where the last one ends: each tensor at a multiple of
-    ``_ALIGN`` bytes (so that every dtype may view it)."""
-    offsets, end = [], start
-    for meta in metas:
-        end = _aligned(end)
-        offsets.append(end)
-        end += _nbytes(meta)
-    return offsets, end
-
-
-def _view(buffer: torch.Tensor, offset: int, meta: TensorMeta) -> torch.Tensor:
-    """The tensor of ``meta`` at byte ``offset`` of ``buffer``, as a view of it."""
-    return buffer[offset : offset + _nbytes(meta)].view(meta.dtype).view(meta.shape)
-
-
-def _views(buffer: torch.Tensor, channel: _Channel) -> list[torch.Tensor]:
-    """The tensors of a packed message, as views of its buffer."""
-    return [
-        _view(buffer, start, meta)
-        for start, meta in zip(channel.offsets, channel.metas, strict=True)
-    ]
-
-
-class _Channel:
-    """What both ends of a channel (an ordered pair of ranks) know of it after the same
-    messages: the last header, and whether the receiver posts the next message's tensors with
-    its control message."""
-
-    __slots__ = ("header", "leaves", "metas", "offsets", "plain", "predicted", "size", "spec")
-
-    def __init__(self) -> None:
-        self.header: bytes | None = None
-        self.spec: Any = None
-        self.leaves: list[Any] = []  # header leaves: plain values and a slot per tensor
-        self.metas: list[TensorMeta] = []
-        self.plain = False  # every non-tensor leaf is a plain value (shared between messages)
-        # the last message kept its predecessor's header, so the receiver expects the next one to
-        # keep it too and posts its tensors' receives together with its control message
-        self.predicted = False
-        self.offsets: list[int] = []  # of each tensor in a packed message
-        self.size = 0  # bytes of a packed message
-
-    @property
-    def packed(self) -> bool:
-        """The receiver expects the next message as one buffer: control, then each tensor."""
-        return self.predicted and self.size - _ALIGN <= PACK_LIMIT
-
-    def advance(self, header: bytes | None, same: bool) -> None:
-        """Both ends, after a message: ``header`` (None: unchanged, ``same``)."""
-        if not same:
-            assert header is not None
-            self.header = header
-            self.spec, self.leaves, self.metas = _load_header(header)
-            self.plain = _plain(self.leaves)
-            self.offsets, self.size = _layout(self.metas)
-        self.predicted = same
-
-    def keeps(self, spec: Any, header_leaves: list[Any], metas: list[TensorMeta]) -> bool:
-        """Whether a message with these parts has the last header, told without pickling it
-        (plain leaves only)."""
-        return (
-            self.plain
-            and metas == self.metas
-            and _same_leaves(header_leaves, self.leaves)
-            and spec == self.spec
-        )
-
-    def unflatten(self, tensors: list[torch.Tensor]) -> Any:
-        """The message with the last header and these tensors."""
-        assert self.header is not None
-        spec, header_leaves = self.spec, self.leaves
-        if not self.plain:  # fresh objects for every message
-            spec, header_leaves, _ = _load_header(self.header)
-        leaves = [tensors[x.index] if isinstance(x, _TensorSlot) else x for x in header_leaves]
-        return pytree.tree_unflatten(leaves, spec)
 
 
 class Transport(Protocol):
@@ -266,7 +75,7 @@ class _Posted:
     works: list[dist.Work]  # the tensors' own receives (none when packed)
 
 
-class _HeldSends:
+class HeldSends:
     """The sends a transport has started and not seen complete, with the buffers they keep
     alive (a send must outlive its completion; gloo's channel breaks if a pending one is
     destroyed)."""
@@ -306,7 +115,7 @@ class _HeldSends:
         return sum(b.numel() * b.element_size() for _, bufs in self._pending for b in bufs)
 
 
-class P2PTransport(_HeldSends):
+class P2PTransport(HeldSends):
     """Sends and receives pytrees between pipeline ranks.
 
     A message on a channel (ordered pair of ranks) starts with a control: three int64, the
@@ -343,15 +152,15 @@ class P2PTransport(_HeldSends):
         super().__init__()
         self.device = device  # where received tensors go: the stage's device
         self.wire = wire_device(device, group)  # where messages travel from (gloo: the host)
-        self._out: dict[int, _Channel] = {}
-        self._in: dict[int, _Channel] = {}
+        self._out: dict[int, Channel] = {}
+        self._in: dict[int, Channel] = {}
         self._posted: dict[int, _Posted] = {}  # receives posted before recv() was called
         self.bytes_sent = 0
         self.bytes_received = 0
         self.run = new_run()
         # a tag of its own: messages an earlier transport left unread on a channel (its ranks
         # failed) are never taken for this one's (NCCL has no tags, nor survives a failure)
-        self.tag = _TAGS + self.run
+        self.tag = TAG_BASE + self.run
         # on gloo a receive may be posted before an unrelated send; NCCL runs a pair's transfers
         # in order on one stream, where that could hold back a send the peer waits for
         self.can_post_early = self.wire.type == "cpu"
@@ -375,16 +184,16 @@ class P2PTransport(_HeldSends):
         return work
 
     def _packed(
-        self, channel: _Channel, control: list[int], tensors: list[torch.Tensor]
+        self, channel: Channel, control: list[int], tensors: list[torch.Tensor]
     ) -> torch.Tensor:
         """One buffer: ``control``, then ``tensors`` (none: a filler for the receive)."""
         buffer = torch.zeros(channel.size, dtype=torch.uint8, device=self.wire)
         buffer[:24].view(torch.int64).copy_(torch.tensor(control, dtype=torch.int64))
-        for view, t in zip(_views(buffer, channel), tensors, strict=False):
+        for view, t in zip(views(buffer, channel), tensors, strict=False):
             view.copy_(t.detach())
         return buffer
 
-    def _lead(self, channel: _Channel, length: int) -> list[torch.Tensor]:
+    def _lead(self, channel: Channel, length: int) -> list[torch.Tensor]:
         """What a message of header length ``length`` starts with: its control, and when the
         receiver expects tensors of the last header that do not come (``length`` is not 0),
         fillers in their place."""
@@ -399,8 +208,8 @@ class P2PTransport(_HeldSends):
 
     def send(self, obj: Any, dst: int) -> None:
         """Start sending ``obj`` to group rank ``dst`` without waiting for it to arrive."""
-        channel = self._out.setdefault(dst, _Channel())
-        tensors, _, header, same = _encode(channel, obj)
+        channel = self._out.setdefault(dst, Channel())
+        tensors, _, header, same = encode(channel, obj)
         if same and channel.packed:
             buffers = [self._packed(channel, [0, 0, 0], tensors)]
         else:
@@ -422,11 +231,11 @@ class P2PTransport(_HeldSends):
 
     def _post_receives(self, src: int) -> _Posted:
         peer = self._global(src)
-        channel = self._in.setdefault(src, _Channel())
+        channel = self._in.setdefault(src, Channel())
         if channel.packed:
             buffer = torch.empty(channel.size, dtype=torch.uint8, device=self.wire)
             work = self._irecv(buffer, peer)
-            return _Posted(buffer[:24].view(torch.int64), work, _views(buffer, channel), [])
+            return _Posted(buffer[:24].view(torch.int64), work, views(buffer, channel), [])
         control = torch.empty(3, dtype=torch.int64, device=self.wire)
         control_work = self._irecv(control, peer)
         tensors = []
@@ -482,7 +291,7 @@ class P2PTransport(_HeldSends):
         works = []
         for dst in dsts:
             peer = self._global(dst)
-            lead = self._lead(self._out.setdefault(dst, _Channel()), _NOTICE)
+            lead = self._lead(self._out.setdefault(dst, Channel()), _NOTICE)
             for buf in (
                 *lead,
                 torch.tensor([len(data)], dtype=torch.int64, device=self.wire),
