@@ -76,6 +76,8 @@ __all__ = [
     "skip_sigterm_broadcast",
     "skips_backward",
     "start_worker_scripts",
+    "summary_depth",
+    "summary_options",
     "sync_ddp_if_available",
     "torch_optimizer",
     "training_dataloader",
@@ -265,6 +267,17 @@ def skips_backward(trainer: Trainer) -> bool:
     """Whether the training loop runs its steps without backward and update now (the epoch in
     which ``StochasticWeightAveraging`` recomputes batch norm statistics)."""
     return bool(trainer.fit_loop._skip_backward)
+
+
+def summary_depth(callback: Any) -> int:
+    """How deep a ``ModelSummary`` callback describes the model (0: it prints nothing)."""
+    return int(callback._max_depth)
+
+
+def summary_options(callback: Any) -> dict[str, Any]:
+    """The keyword arguments a ``ModelSummary`` (or ``RichModelSummary``) passes to its
+    ``summarize``."""
+    return dict(callback._summarize_kwargs)
 
 
 def averaged_model(callback: Any) -> Any:

@@ -76,6 +76,13 @@ def test_private_attributes_on_real_objects() -> None:
 
     swa = StochasticWeightAveraging(swa_lrs=0.1)
     assert compat.averaged_model(swa) is None, "StochasticWeightAveraging._average_model is gone"
+    from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
+
+    assert compat.summary_depth(ModelSummary(max_depth=2)) == 2, "ModelSummary._max_depth is gone"
+    rich = RichModelSummary(header_style="bold")
+    assert compat.summary_options(rich)["header_style"] == "bold", (
+        "RichModelSummary._summarize_kwargs is gone"
+    )
     module = _Tiny()
     assert compat.current_hook(module) is None
     with compat.running_hook(module, "on_before_optimizer_step"):

@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 from torch import nn
 
+from lightning_pipe2bw import compat
 from lightning_pipe2bw.runtime.stage import StageBody
 
 __all__ = ["PipelineModelSummary", "use_pipeline_summary"]
@@ -37,7 +38,7 @@ class PipelineModelSummary(Callback):
         self.inner = inner
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not self.inner._max_depth:
+        if not compat.summary_depth(self.inner):
             return
         strategy: Any = trainer.strategy
         engine = strategy.engine
@@ -63,7 +64,7 @@ class PipelineModelSummary(Callback):
             ("FLOPs", ["-" for _ in merged]),  # not measured: no forward runs
         ]
         self.inner.summarize(
-            data, total, trainable, size_mb, modes, total_flops=0, **self.inner._summarize_kwargs
+            data, total, trainable, size_mb, modes, total_flops=0, **compat.summary_options(self.inner)
         )
 
     @property
