@@ -52,9 +52,7 @@ def build_stage(
                 f"this module was partitioned for stage {current.stage} of {current.num_stages}"
                 f" and cannot be re-used as stage {stage} of {num_stages}"
             )
-        current.recompute = recompute
-        current.memory_plan = dict(memory_plan or {})
-        current.partial_reason = None  # a pipeline runs it again
+        current.run_again(recompute, memory_plan)
         return current, Partition(current.balance)
     # the body's model initialiser, looked up on the body itself before it is replaced (for a
     # body built on meta only: a bound method of the body would keep every block alive)
@@ -64,6 +62,7 @@ def build_stage(
     partition = make_partition(len(blocks), num_stages, balance)
     owned = partition.blocks_of(stage)
     model_body = current if isinstance(current, PipeModelBody) else None
+    model = model_body.spec.model if model_body is not None else None
     stage_body = StageBody(
         ((i, blocks[i]) for i in owned),
         stage=stage,
@@ -73,20 +72,18 @@ def build_stage(
         memory_plan=memory_plan,
         takes_any_call=model_body is not None,
         owner=model_body.owner if model_body is not None else None,
+        ties=find_ties(blocks),
+        model=model,
+        restore=functools.partial(restore_model, model) if model is not None else None,
+        release=functools.partial(release, model) if model is not None else None,
+        built_on_meta=any(_has_meta(blocks[i]) for i in owned),
     )
-    stage_body.ties = find_ties(blocks)
-    if model_body is not None:
-        model = model_body.spec.model
-        object.__setattr__(stage_body, "model", model)  # not a child: it holds other stages'
-        stage_body.restore = functools.partial(restore_model, model)
-        stage_body.release = functools.partial(release, model)
-        release(model_body.spec.model, [b for i, b in enumerate(blocks) if i not in owned])
+    if model is not None:
+        release(model, [b for i, b in enumerate(blocks) if i not in owned])
     setattr(ref.parent, ref.attr, stage_body)  # the other stages' blocks are released here
-    del blocks, current, model_body
+    del blocks, current, model_body, model
     _check_params_outside_body(module, ref.path)
-    stage_body.built_on_meta = _materialize(
-        module, stage_body, owned, device, model_init=model_init, init=init
-    )
+    _materialize(module, stage_body, owned, device, model_init=model_init, init=init)
     if stage_body.built_on_meta:
         retie(stage_body)
     return stage_body, partition
@@ -385,7 +382,7 @@ def _materialize(
     *,
     model_init: tuple[Init, str] | None = None,
     init: Init | None = None,
-) -> bool:
+) -> None:
     """Allocate meta tensors (from ``configure_model``) on ``device`` and initialise them.
 
     Each owned block holding meta tensors is allocated, its floating tensors filled with NaN,
@@ -395,10 +392,9 @@ def _materialize(
     nearest module containing it, and its name), else with each
     submodule's ``reset_parameters()``. Modules outside the body holding meta tensors
     (parameter-free ones: buffers) are allocated and initialised alike, under the current
-    seed. Raises :class:`UninitializedError` naming every tensor still uninitialised. Whether
-    there were any meta tensors."""
+    seed. Raises :class:`UninitializedError` naming every tensor still uninitialised."""
     if not _has_meta(module):
-        return False
+        return
     base_seed = torch.initial_seed()
     fresh: list[_Fresh] = []
     labels: dict[int, str] = {}
@@ -427,4 +423,3 @@ def _materialize(
     problems = _uninitialized(module, fresh, labels)
     if problems:
         raise UninitializedError(problems)
-    return True

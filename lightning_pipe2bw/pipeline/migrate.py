@@ -156,7 +156,7 @@ def move_blocks(runtime: StageRuntime, balance: Sequence[int], carried: CarriedS
                 "pipe2bw: rank %d: block %d moves from stage %d to stage %d",
                 t.rank, block, src, dst,
             )  # fmt: skip
-    body.balance = new.balance
+    body.rebalance(new.balance)
     runtime.partition = new
     # shared parameters: this stage's copies are other objects now, maybe on other stages
     runtime.tied = TiedCopies(body, new, t, runtime.groups)
@@ -214,7 +214,7 @@ def hand_back(runtime: StageRuntime) -> str | None:
     body = runtime.body
     reason = "its blocks were built in configure_model" if body.built_on_meta else None
     reason = reason or restore_body(runtime)
-    body.partial_reason = reason
+    body.end_call(reason)
     return reason
 
 

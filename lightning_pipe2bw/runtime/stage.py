@@ -6,7 +6,7 @@ import itertools
 import operator
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -137,10 +137,21 @@ class StageBody(nn.Module):
         memory_plan: Mapping[int, str] | None = None,
         takes_any_call: bool = False,
         owner: Mapping[str, int] | None = None,
+        ties: Iterable[Any] = (),
+        model: nn.Module | None = None,
+        restore: Callable[[Mapping[int, nn.Module]], nn.Module] | None = None,
+        release: Callable[[list[nn.Module]], None] | None = None,
+        built_on_meta: bool = False,
     ) -> None:
         """``takes_any_call``: the body is a model's (``partition.pipemodel``): its call takes any
         arguments, passed on as a :class:`BodyInput`; ``owner``: then the block that holds each
-        of the model's state-dict keys (the stage's keys are the model's, without the index)."""
+        of the model's state-dict keys (the stage's keys are the model's, without the index);
+        ``model``: that model object (its blocks point into it; not a child: it holds other
+        stages' blocks too), ``restore``: builds what the user's module holds again from every
+        block (the hand-back), ``release``: drops blocks from it (a block that leaves this stage
+        frees its memory). ``ties``: the parameters several blocks of the whole body share
+        (``partition.ties.Tie``); ``built_on_meta``: its blocks were built in
+        ``configure_model`` (on the meta device)."""
         super().__init__()
         self.stage = stage
         self.num_stages = num_stages
@@ -163,7 +174,7 @@ class StageBody(nn.Module):
         # after a Trainer call, when the whole body could not be handed back: why (state_dict
         # then raises, unless the strategy itself reads it inside ``partial_access``)
         self.partial_reason: str | None = None
-        self.built_on_meta = False  # its blocks were built in configure_model (on meta)
+        self.built_on_meta = built_on_meta  # its blocks were built in configure_model (on meta)
         self._partial_access = 0
         self._block_s: dict[int, float] = {}
         self._block_events: list[tuple[int, Any, Any]] = []
@@ -173,13 +184,14 @@ class StageBody(nn.Module):
             self._register_state_dict_hook(drop_block_index)
             self._register_load_state_dict_pre_hook(self._body_keys, with_module=False)
         # the original model object of a model's body (its blocks point into it); None otherwise
-        self.model: nn.Module | None = None
+        self.model: nn.Module | None
+        object.__setattr__(self, "model", model)  # not a child: it holds other stages' blocks
         # parameters shared by several blocks of the whole body (partition.ties.Tie)
-        self.ties: list[Any] = []
+        self.ties: list[Any] = list(ties)
         # drops blocks from the model object (a block that leaves this stage frees its memory)
-        self.release: Callable[[list[nn.Module]], None] | None = None
+        self.release = release
         # builds what the user's module holds again from every block (the hand-back)
-        self.restore: Callable[[Mapping[int, nn.Module]], nn.Module] | None = None
+        self.restore = restore
         # recomputed regions (by their blocks' indices) whose first forward modified the
         # region's input in place: they run on a copy of it, so the recomputation sees the
         # input the first forward saw (see :meth:`_checkpoint`)
@@ -189,6 +201,24 @@ class StageBody(nn.Module):
         self._updated_buffers: dict[
             tuple[int, ...], tuple[list[nn.Module], list[tuple[nn.Module, str]]]
         ] = {}
+
+    def run_again(self, recompute: bool, memory_plan: Mapping[int, str] | None) -> None:
+        """A later Trainer call runs this (already partitioned) body again, with its own
+        ``recompute`` and ``memory_plan``; the pipeline holds it whole again until that call's
+        end (no partial state dict)."""
+        self.recompute = recompute
+        self.memory_plan = dict(memory_plan or {})
+        self.partial_reason = None
+
+    def rebalance(self, balance: Sequence[int]) -> None:
+        """Live repartitioning moved blocks: the whole pipeline's blocks per stage are now
+        ``balance`` (this stage's blocks moved with ``put_block`` / ``take_block``)."""
+        self.balance = tuple(balance)
+
+    def end_call(self, partial_reason: str | None) -> None:
+        """The Trainer call is over: the user's module holds the whole body again (None), or
+        only this stage's blocks, for ``partial_reason`` (its ``state_dict`` then raises)."""
+        self.partial_reason = partial_reason
 
     def _body_keys(self, state: dict[str, Any], prefix: str, *args: Any) -> None:
         assert self.owner is not None
