@@ -11,23 +11,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from pool import RankPool
+from helpers.pool import Pools
 
 torch.set_num_threads(1)
-
-
-class Pools:
-    def __init__(self) -> None:
-        self._pools: dict[int, RankPool] = {}
-
-    def __call__(self, world_size: int) -> RankPool:
-        if world_size not in self._pools:
-            self._pools[world_size] = RankPool(world_size)
-        return self._pools[world_size]
-
-    def close(self) -> None:
-        for pool in self._pools.values():
-            pool.close()
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,8 @@ import math
 from typing import Any
 
 import pytest
-import workers
-from models import isclose, max_abs_diff, reference_2bw, reference_train
+from helpers import workers
+from helpers.models import isclose, max_abs_diff, reference_2bw, reference_train
 
 STEPS = 6
 TOL = 1e-5
@@ -58,7 +58,7 @@ def test_2bw_across_validation(pools: Any) -> None:
 def test_2bw_logged_loss_is_the_batch_loss(pools: Any) -> None:
     """The loss logged at step t is batch t's own loss, computed with version max(t-1, 0)."""
     import torch
-    from models import RegressionModel, loader
+    from helpers.models import RegressionModel, loader
     from torch import nn
 
     results = pools(2).run(workers.fit, "2bw", 2, 4, "sgd")
@@ -123,7 +123,7 @@ def test_gradient_clipping_over_all_stages(
 
 def _peak_activation_bytes(schedule: str, m: int) -> tuple[int, int, int]:
     import torch.distributed as dist
-    from models import RegressionModel, loader, quiet_trainer
+    from helpers.models import RegressionModel, loader, quiet_trainer
 
     from lightning_pipe2bw import Pipe2BWStrategy
 
@@ -150,7 +150,7 @@ def test_stashed_activations_follow_the_schedule(pools: Any) -> None:
 
 def _fit_2bw_too_few_microbatches() -> str:
     import torch.distributed as dist
-    from models import RegressionModel, loader, quiet_trainer
+    from helpers.models import RegressionModel, loader, quiet_trainer
 
     from lightning_pipe2bw import Pipe2BWStrategy
 
@@ -176,7 +176,7 @@ def _scheduler_warnings() -> list[str]:
     import warnings
 
     import torch.distributed as dist
-    from models import RegressionModel, loader, quiet_trainer
+    from helpers.models import RegressionModel, loader, quiet_trainer
 
     from lightning_pipe2bw import Pipe2BWStrategy
 
@@ -197,8 +197,8 @@ def test_first_deferred_update_does_not_trip_the_scheduler_warning(pools: Any) -
 
 def _pending_sends_over_a_long_run(steps: int) -> list[int]:
     import torch.distributed as dist
+    from helpers.models import RegressionModel, loader, quiet_trainer
     from lightning.pytorch import Callback
-    from models import RegressionModel, loader, quiet_trainer
 
     from lightning_pipe2bw import Pipe2BWStrategy
 

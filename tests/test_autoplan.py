@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import workers
+from helpers import workers
 
 from lightning_pipe2bw.partition.plans import format_balance
 
@@ -15,7 +15,7 @@ from lightning_pipe2bw.partition.plans import format_balance
 def _fit_auto(tmp: str, **strategy_kwargs: Any) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
-    from models import RegressionModel, loader, quiet_trainer
+    from helpers.models import RegressionModel, loader, quiet_trainer
 
     from lightning_pipe2bw import Pipe2BWStrategy
 
@@ -68,7 +68,7 @@ def test_auto_with_indivisible_microbatches_is_refused(pools) -> None:
 def test_auto_trains_like_the_reference(pools, schedule: str) -> None:
     """Whatever the plan, the contract holds: the same weights as the single-device reference
     (2BW: the delayed-gradient reference) with the micro-batch count it chose."""
-    from models import max_abs_diff, reference_2bw, reference_train
+    from helpers.models import max_abs_diff, reference_2bw, reference_train
 
     results = pools(2).run(workers.fit, schedule, None, 4, balance="auto")
     m = results[0]["microbatches"] if "microbatches" in results[0] else None
@@ -79,7 +79,7 @@ def test_auto_trains_like_the_reference(pools, schedule: str) -> None:
 
 def _transport_run() -> int:
     import torch.distributed as dist
-    from models import RegressionModel, loader, quiet_trainer
+    from helpers.models import RegressionModel, loader, quiet_trainer
 
     from lightning_pipe2bw import Pipe2BWStrategy
 

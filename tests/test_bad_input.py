@@ -17,8 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from lightning.pytorch import LightningModule
-from models import (
+from helpers.models import (
     HIDDEN,
     IN,
     OUT,
@@ -30,8 +29,9 @@ from models import (
     quiet_trainer,
     reference_train,
 )
+from helpers.workers import RecordLoss
+from lightning.pytorch import LightningModule
 from torch import Tensor, nn
-from workers import RecordLoss
 
 from lightning_pipe2bw import Pipe2BWStrategy
 from lightning_pipe2bw.partition import make_partition

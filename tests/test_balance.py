@@ -7,7 +7,7 @@ import itertools
 import random
 
 import pytest
-import workers
+from helpers import workers
 
 from lightning_pipe2bw.partition.balance import balance_by_weights
 
@@ -49,7 +49,7 @@ def test_partition_errors() -> None:
 def test_balance_params_splits_by_parameter_count(pools) -> None:
     """The test body's first and last blocks are small (input and output projections), the
     middle blocks equal: by parameters, 3 stages take (3, 2, 3) blocks; evenly, (2, 3, 3)."""
-    from models import RegressionModel
+    from helpers.models import RegressionModel
 
     body = RegressionModel().body
     counts = [sum(p.numel() for p in b.parameters()) for b in body]

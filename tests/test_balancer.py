@@ -9,8 +9,8 @@ without the lever (fp32, CPU). The memory figures are the engine's exact counts 
 from __future__ import annotations
 
 import pytest
-import workers
-from models import max_abs_diff
+from helpers import workers
+from helpers.models import max_abs_diff
 
 from lightning_pipe2bw import ActivationBalancer, Pipe2BWStrategy
 from lightning_pipe2bw.callbacks.balancer import ActivationBudget, evict_share

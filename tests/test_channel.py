@@ -147,8 +147,8 @@ def test_receive_without_expect_is_an_error(pools: Any) -> None:
 
 def _decisions(schedule: str) -> list[bool]:
     import torch.distributed as dist
+    from helpers.models import RegressionModel, loader, quiet_trainer
     from lightning.pytorch import Callback
-    from models import RegressionModel, loader, quiet_trainer
 
     from lightning_pipe2bw import Pipe2BWStrategy
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from models import RegressionModel, max_abs_diff
+from helpers.models import RegressionModel, max_abs_diff
 
 TOL = 1e-6
 SAMPLES = 24  # 3 batches of 8: the checkpoint after step 3 is at an epoch boundary
@@ -29,8 +29,8 @@ def _fit(
     **strategy_kwargs: Any,
 ) -> dict[str, Any]:
     import torch.distributed as dist
+    from helpers.models import loader, quiet_trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from models import loader, quiet_trainer
 
     from lightning_pipe2bw import Pipe2BWStrategy
 
@@ -138,7 +138,7 @@ def test_sharded_checkpoint_reloads_with_fewer_stages(
 
 def _resume_wrong_model(path: str) -> str:
     import torch.distributed as dist
-    from models import loader, quiet_trainer
+    from helpers.models import loader, quiet_trainer
 
     from lightning_pipe2bw import Pipe2BWStrategy
 
@@ -162,7 +162,7 @@ def test_sharded_checkpoint_of_another_model_is_refused(pools: Any, tmp_path: Pa
 
 def _resume_expecting_error(path: str, num_blocks: int, balance: list[int] | None) -> str:
     import torch.distributed as dist
-    from models import loader, quiet_trainer
+    from helpers.models import loader, quiet_trainer
 
     from lightning_pipe2bw import Pipe2BWStrategy
 

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import workers
-from models import (
+from helpers import workers
+from helpers.models import (
     IN,
     OUT,
     Block,

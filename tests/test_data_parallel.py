@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 import torch
-import workers
-from models import dataset, max_abs_diff, reference_2bw, reference_train
+from helpers import workers
+from helpers.models import dataset, max_abs_diff, reference_2bw, reference_train
 from torch.utils.data import DistributedSampler
 
 STEPS = 4  # the 64-sample data set holds 4 global batches of 16
@@ -73,7 +73,7 @@ def test_data_parallel_must_divide_the_devices() -> None:
 
 def _predict_with_replicas() -> str:
     import torch.distributed as dist
-    from models import RegressionModel, loader, quiet_trainer
+    from helpers.models import RegressionModel, loader, quiet_trainer
 
     from lightning_pipe2bw import Pipe2BWStrategy
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 import torch
-import workers
-from models import loader, max_abs_diff, reference_2bw, reference_pipedream
+from helpers import workers
+from helpers.models import loader, max_abs_diff, reference_2bw, reference_pipedream
 
 from lightning_pipe2bw import Pipe2BWStrategy
 from lightning_pipe2bw.optim.delay import (
@@ -246,7 +246,7 @@ def test_resuming_without_the_corrections_state_drifts(pools: Any, tmp_path: Pat
 def test_corrections_move_with_their_blocks(pools: Any, correction: str) -> None:
     """Live repartitioning carries a correction's state (and a prediction's view) with the
     blocks: the weights equal those of a run that does not move them."""
-    import repartition_workers as rw
+    from helpers import repartition_workers as rw
 
     kwargs = {"flush_every": 2, "delay_correction": correction}
     moved = pools(2).run(rw.fit_slow, "2bw", 6, repartition_every=2, **kwargs)
@@ -259,8 +259,8 @@ def test_corrections_move_with_their_blocks(pools: Any, correction: str) -> None
 
 def _fit_fp16(correction: str, poisoned_batch: int, steps: int) -> dict[str, Any]:
     import torch.distributed as dist
+    from helpers.models import quiet_trainer
     from lightning.pytorch.plugins import MixedPrecision
-    from models import quiet_trainer
     from test_precision import PoisonModel, Watch, poisoned_loader
 
     watch = Watch()

@@ -21,8 +21,8 @@ def _fit(
     schedule: str, microbatches: int, early: bool, model_name: str = "regression", **options: Any
 ) -> dict[str, Any]:
     import torch.distributed as dist
-    from models import make_loader, make_model, quiet_trainer
-    from workers import RecordLoss
+    from helpers.models import make_loader, make_model, quiet_trainer
+    from helpers.workers import RecordLoss
 
     from lightning_pipe2bw import Pipe2BWStrategy
     from lightning_pipe2bw.schedule import ActionKind
@@ -73,7 +73,7 @@ def _fit(
 
 
 def _own_backward_model() -> Any:
-    from models import RegressionModel
+    from helpers.models import RegressionModel
 
     class OwnBackward(RegressionModel):
         def backward(self, loss: Any, *args: Any, **kwargs: Any) -> None:
@@ -83,7 +83,7 @@ def _own_backward_model() -> Any:
 
 
 def _nested_model() -> Any:
-    from models import RegressionModel
+    from helpers.models import RegressionModel
 
     class Twice(torch.nn.Module):
         """One linear layer applied to its own result: its bias's accumulator is fed by two

@@ -4,8 +4,8 @@ micro-batches. Tolerance: max abs parameter difference <= 1e-5 (fp32, CPU) after
 from __future__ import annotations
 
 import pytest
-import workers
-from models import isclose, max_abs_diff, reference_train
+from helpers import workers
+from helpers.models import isclose, max_abs_diff, reference_train
 
 STEPS = 5
 TOL = 1e-5
@@ -37,7 +37,7 @@ def test_sgd_momentum_1f1b(pools, optimizer: str) -> None:
 
 def test_each_rank_holds_only_its_stage(pools) -> None:
     """Parameter and optimizer-state bytes on each rank equal its stage's share."""
-    from models import RegressionModel
+    from helpers.models import RegressionModel
 
     full = RegressionModel()
     blocks = list(full.body.children())

@@ -1,6 +1,6 @@
 """A failing rank stops the whole run quickly, with an error that names it.
 
-Each test launches a real 2-process fit (``tests/jobs/fault_job.py``, start_method="popen": the
+Each test launches a real 2-process fit (``tests/helpers/jobs/fault_job.py``, start_method="popen": the
 launching process is rank 0 and re-runs the script for rank 1) in which one rank raises or is
 killed with SIGKILL in the middle of step 2. Global rank 0 runs the last stage, rank 1 the first.
 The run must end well before the process group's timeout (3 minutes by default), exit non-zero,
@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import JOBS
 
-JOB = Path(__file__).resolve().parent / "jobs" / "fault_job.py"
+JOB = JOBS / "fault_job.py"
 LIMIT_S = 90  # startup is ~10 s here; a hang would last until the 3-minute timeout
 
 
@@ -191,7 +192,7 @@ def test_a_failure_at_either_end_of_a_balanced_pair_stops_every_rank(
 
 def _fit_with_rank_dependent_options(option: str) -> str:
     import torch.distributed as dist
-    from models import RegressionModel, loader, quiet_trainer
+    from helpers.models import RegressionModel, loader, quiet_trainer
 
     from lightning_pipe2bw import Pipe2BWStrategy
 
@@ -233,7 +234,7 @@ def _fit_with_debug_log() -> list[str]:
     import os
 
     import torch.distributed as dist
-    from models import RegressionModel, loader, quiet_trainer
+    from helpers.models import RegressionModel, loader, quiet_trainer
 
     from lightning_pipe2bw import Pipe2BWStrategy
 
@@ -275,7 +276,7 @@ def test_debug_mode_logs_every_action(pools: Any) -> None:
         assert messages[-1].startswith(f"rank {rank} stage {stage} end ")
 
 
-RESUME_JOB = Path(__file__).resolve().parent / "jobs" / "resume_job.py"
+RESUME_JOB = JOBS / "resume_job.py"
 
 
 def _launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -291,7 +292,7 @@ def test_crash_and_resume_from_last_is_exact(tmp_path: Path, schedule: str) -> N
     """Kill the whole run (SIGKILL, every rank) after the checkpoint at step 3, start it again
     with ckpt_path="last": the weights after 6 steps equal an uninterrupted run's, bit for bit."""
     import torch
-    from models import max_abs_diff
+    from helpers.models import max_abs_diff
 
     straight = _launch(
         tmp_path, "--schedule", schedule, "--ckpt-dir", str(tmp_path / "a"), "--out", "a.pt"
@@ -317,7 +318,7 @@ def test_crash_and_resume_from_last_is_exact(tmp_path: Path, schedule: str) -> N
 
 def _fit_with_bad_input(case: str) -> None:
     import torch.distributed as dist
-    from models import RegressionModel, loader, quiet_trainer
+    from helpers.models import RegressionModel, loader, quiet_trainer
 
     from lightning_pipe2bw import Pipe2BWStrategy
 
@@ -352,7 +353,7 @@ def _fit_with_bad_input(case: str) -> None:
 def test_bad_input_fails_on_the_stage_that_sees_it(pools: Any, case: str, message: str) -> None:
     """The last stage (rank 0) raises the error; the first stage (rank 1) stops with a
     StageFailure that carries it, instead of waiting for gradients that never come."""
-    from pool import TaskError
+    from helpers.pool import TaskError
 
     with pytest.raises(TaskError) as info:
         pools(2).run(_fit_with_bad_input, case, timeout=60)

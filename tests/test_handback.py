@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from models import (
+from helpers.models import (
     RegressionModel,
     loader,
     max_abs_diff,
@@ -20,7 +20,7 @@ from models import (
     reference_2bw,
     reference_train,
 )
-from workers import LateBuiltModel
+from helpers.workers import LateBuiltModel
 
 from lightning_pipe2bw import Pipe2BWStrategy
 

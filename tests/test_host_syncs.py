@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.models import RegressionModel, loader, quiet_trainer
 from lightning.pytorch import Callback
-from models import RegressionModel, loader, quiet_trainer
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 

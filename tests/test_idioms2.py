@@ -315,7 +315,7 @@ def test_grad_norm_covers_every_stage(
 
 
 def _fit_tied_norms(strategy: Any, devices: int) -> dict[int, dict[str, float]]:
-    from models import TiedModel, loader
+    from helpers.models import TiedModel, loader
 
     class TiedNorms(TiedModel):
         def on_before_optimizer_step(self, optimizer: Any) -> None:

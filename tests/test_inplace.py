@@ -6,15 +6,15 @@ modify in place: the stage runs its blocks on an alias of it that autograd lets 
 and the gradient still reaches the received tensor (the one sent upstream). The profiler of
 ``balance="auto"`` runs every block on such an input too. Tolerance: max abs difference of
 weights and buffers (batch norm's running statistics included) <= 1e-5 against the
-single-device references (tests/models.py), fp32 CPU.
+single-device references (tests/helpers/models.py), fp32 CPU.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import workers
-from models import max_abs_diff, reference_2bw, reference_train
+from helpers import workers
+from helpers.models import max_abs_diff, reference_2bw, reference_train
 from torch import Tensor, nn
 
 STEPS = 3

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import JOBS
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train.py"
@@ -67,7 +68,7 @@ def test_torchrun_launch(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------- beyond one machine
-JOB = ROOT / "tests" / "jobs" / "node_job.py"
+JOB = JOBS / "node_job.py"
 
 
 def _job_env() -> dict[str, str]:

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.models import IN, OUT, Block, RegressionModel, loader, quiet_trainer
 from lightning.pytorch import Callback
-from models import IN, OUT, Block, RegressionModel, loader, quiet_trainer
 from torch import nn
 
 from lightning_pipe2bw import Pipe2BWStrategy

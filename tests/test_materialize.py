@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 import torch
-import workers
-from models import accumulate_gradient, loader, make_optimizer, max_abs_diff
+from helpers import workers
+from helpers.models import accumulate_gradient, loader, make_optimizer, max_abs_diff
 from torch import Tensor, nn
 from transformers import GPT2Config
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block, GPT2PreTrainedModel

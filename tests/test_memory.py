@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-import workers
+from helpers import workers
 
 
 def test_configure_model_materialises_only_the_owned_blocks(pools) -> None:

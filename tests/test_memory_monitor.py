@@ -8,13 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from models import max_abs_diff
+from helpers.models import max_abs_diff
 
 
 def _fit(schedule: str, folder: str | None) -> dict[str, Any]:
     import torch.distributed as dist
+    from helpers.models import RegressionModel, loader, quiet_trainer
     from lightning.pytorch.loggers import CSVLogger
-    from models import RegressionModel, loader, quiet_trainer
 
     from lightning_pipe2bw import Pipe2BWStrategy, StageMemoryMonitor
 
@@ -75,7 +75,7 @@ def test_monitor_logs_every_stage_and_changes_nothing(
 
 
 def test_monitor_needs_the_pipeline_strategy(tmp_path: Path) -> None:
-    from models import RegressionModel, loader, quiet_trainer
+    from helpers.models import RegressionModel, loader, quiet_trainer
 
     from lightning_pipe2bw import StageMemoryMonitor
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-import workers
-from models import max_abs_diff, reference_2bw, reference_pipedream, reference_train
+from helpers import workers
+from helpers.models import max_abs_diff, reference_2bw, reference_pipedream, reference_train
 from torch import nn
 
 from lightning_pipe2bw import MuonAdamW

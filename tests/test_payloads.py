@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from helpers.models import max_abs_diff, quiet_trainer
 from lightning.pytorch import LightningModule
-from models import max_abs_diff, quiet_trainer
 from torch import Tensor, nn
 
 from lightning_pipe2bw import Pipe2BWStrategy

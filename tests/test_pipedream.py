@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import workers
-from models import max_abs_diff, reference_2bw, reference_pipedream
+from helpers import workers
+from helpers.models import max_abs_diff, reference_2bw, reference_pipedream
 
 STEPS = 6
 CASES = [(p, m, opt) for p in (2, 4) for m in (1, p) for opt in ("sgd", "adamw")]

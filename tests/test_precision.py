@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.models import RegressionModel, loader, quiet_trainer
 from lightning.pytorch import Callback
 from lightning.pytorch.plugins import MixedPrecision
-from models import RegressionModel, loader, quiet_trainer
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 

@@ -15,10 +15,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import hf_models
 import torch
 import torch.distributed as dist
-from models import (
+from helpers import hf_models
+from helpers.models import (
     RegressionModel,
     TiedModel,
     loader,

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import workers
-from models import max_abs_diff, reference_2bw, reference_train
+from helpers import workers
+from helpers.models import max_abs_diff, reference_2bw, reference_train
 from torch import Tensor, nn
 
 from lightning_pipe2bw.runtime.stage import StageBody

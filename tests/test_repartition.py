@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import repartition_workers as rw
-from models import max_abs_diff
+from helpers import repartition_workers as rw
+from helpers.models import max_abs_diff
 
 from lightning_pipe2bw import Pipe2BWStrategy
 from lightning_pipe2bw.pipeline.repartition import StageTiming, block_costs, plan_repartition

@@ -101,8 +101,8 @@ def test_loss_curve_from_sparse_csv(tmp_path: Path) -> None:
 
 
 def test_report_without_a_pipeline_writes_the_loss_curve_only(tmp_path: Path) -> None:
+    from helpers.models import RegressionModel, loader, quiet_trainer
     from lightning.pytorch.loggers import CSVLogger
-    from models import RegressionModel, loader, quiet_trainer
 
     from lightning_pipe2bw.callbacks.report import PipelineReport
 
@@ -124,8 +124,8 @@ def test_report_without_a_pipeline_writes_the_loss_curve_only(tmp_path: Path) ->
 def _fit_with_report(schedule: str, root: str, steps: int) -> dict[str, Any]:
     """Runs on every rank: fit with PipelineReport and a CSVLogger, validating every 2 steps."""
     import torch.distributed as dist
+    from helpers.models import RegressionModel, loader, quiet_trainer
     from lightning.pytorch.loggers import CSVLogger
-    from models import RegressionModel, loader, quiet_trainer
 
     from lightning_pipe2bw import Pipe2BWStrategy
     from lightning_pipe2bw.callbacks.report import PipelineReport
@@ -150,7 +150,7 @@ def _fit_with_report(schedule: str, root: str, steps: int) -> dict[str, Any]:
 def test_report_of_a_two_stage_fit(
     pools: Any, tmp_path: Path, schedule: str, versions: int
 ) -> None:
-    from models import RegressionModel
+    from helpers.models import RegressionModel
 
     results = pools(2).run(_fit_with_report, schedule, str(tmp_path), 4)
     assert results[1]["rows"] is None  # the report lives on global rank 0
@@ -206,7 +206,7 @@ def test_the_steady_window_skips_fills_and_validations() -> None:
 
 def _fit_for_window(root: str) -> dict[str, Any]:
     import torch.distributed as dist
-    from models import RegressionModel, loader, quiet_trainer
+    from helpers.models import RegressionModel, loader, quiet_trainer
 
     from lightning_pipe2bw import Pipe2BWStrategy
     from lightning_pipe2bw.callbacks.report import PipelineReport

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import workers
+from helpers import workers
 from test_transport import (
     PAYLOADS,
     TIMEOUT,

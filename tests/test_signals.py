@@ -2,7 +2,7 @@
 end every rank of a running pipeline within 30 seconds, exit non-zero, name the signal and leave
 no process; and a rendezvous port held by another process fails at once with an error naming it.
 
-Each test starts a real 2-process fit (``tests/jobs/signal_job.py``, ``start_method="popen"``:
+Each test starts a real 2-process fit (``tests/helpers/jobs/signal_job.py``, ``start_method="popen"``:
 the launching process is rank 0 and re-runs the script for rank 1) in a session of its own,
 waits until both ranks train, sends the signal and times how long until no process of the
 session is left. (Before ``SignalGuard``, SIGTERM to the group or to a worker left the ranks
@@ -22,10 +22,10 @@ import uuid
 from pathlib import Path
 
 import pytest
+from helpers import JOBS
 
 from lightning_pipe2bw.launcher import WorkerWatch
 
-TESTS = Path(__file__).resolve().parent
 LIMIT_S = 30.0  # every process gone within this of the signal
 
 
@@ -42,7 +42,7 @@ def _start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     log = tmp_path / "out.txt"
     proc = subprocess.Popen(
-        [sys.executable, str(TESTS / "jobs" / "signal_job.py"), "--token", token, *args],
+        [sys.executable, str(JOBS / "signal_job.py"), "--token", token, *args],
         cwd=tmp_path,
         env=env,
         stdout=log.open("w"),
@@ -106,7 +106,7 @@ def test_a_port_in_use_fails_at_once_naming_it(tmp_path: Path) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MASTER_PORT=str(port))
         start = time.monotonic()
         proc = subprocess.run(
-            [sys.executable, str(TESTS / "jobs" / "signal_job.py"), "--token", token],
+            [sys.executable, str(JOBS / "signal_job.py"), "--token", token],
             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         elapsed = time.monotonic() - start

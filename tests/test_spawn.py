@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.models import RegressionModel, loader, max_abs_diff, quiet_trainer, reference_2bw
 from lightning.pytorch import Callback
 from lightning.pytorch.strategies import StrategyRegistry
-from models import RegressionModel, loader, max_abs_diff, quiet_trainer, reference_2bw
 from torch import nn
 
 import lightning_pipe2bw

@@ -17,10 +17,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import hf_models
 import torch
 import torch.distributed as dist
-from models import quiet_trainer
+from helpers import hf_models
+from helpers.models import quiet_trainer
 from test_real_models import M, _DescribedModule, image_loader
 from torch import Tensor, nn
 

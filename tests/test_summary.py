@@ -7,8 +7,8 @@ import logging
 from typing import Any
 
 import torch.distributed as dist
+from helpers.models import RegressionModel, loader, quiet_trainer
 from lightning.pytorch.callbacks import ModelSummary
-from models import RegressionModel, loader, quiet_trainer
 
 from lightning_pipe2bw import Pipe2BWStrategy
 

@@ -6,8 +6,8 @@ literal here and whose runs equal single-device gradient accumulation bitwise (t
 from __future__ import annotations
 
 import pytest
-import workers
-from models import isclose, make_loader, max_abs_diff, reference_train
+from helpers import workers
+from helpers.models import isclose, make_loader, max_abs_diff, reference_train
 
 from lightning_pipe2bw.schedule import (
     Costs,

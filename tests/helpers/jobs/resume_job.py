@@ -1,8 +1,8 @@
 """A real 2-process fit (``start_method="popen"``) with a checkpoint every 3 steps, which can kill
 itself (every rank, SIGKILL) after a step, or resume from the last checkpoint.
 
-    python tests/jobs/resume_job.py --schedule 2bw --ckpt-dir D --steps 6 --kill-after 4
-    python tests/jobs/resume_job.py --schedule 2bw --ckpt-dir D --steps 6 --resume --out W.pt
+    python tests/helpers/jobs/resume_job.py --schedule 2bw --ckpt-dir D --steps 6 --kill-after 4
+    python tests/helpers/jobs/resume_job.py --schedule 2bw --ckpt-dir D --steps 6 --resume --out W.pt
 
 The data has 3 batches per epoch, so the checkpoints fall on epoch boundaries (Lightning does not
 fast-forward a plain DataLoader inside an epoch). With ``--out``, rank 0 saves the final full
@@ -18,12 +18,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
+from helpers.models import RegressionModel, loader, quiet_trainer
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
-from models import RegressionModel, loader, quiet_trainer
 
 from lightning_pipe2bw import Pipe2BWStrategy
 

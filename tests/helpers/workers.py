@@ -8,8 +8,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
-from models import RegressionModel, loader, make_loader, make_model, quiet_trainer
 
+from helpers.models import RegressionModel, loader, make_loader, make_model, quiet_trainer
 from lightning_pipe2bw import Pipe2BWStrategy
 
 
@@ -188,7 +188,7 @@ class ConvBlock(torch.nn.Module):
 
 def conv_body() -> torch.nn.Sequential:
     """Four blocks; with ``balance=[3, 1]`` the Conv1D blocks are all on stage 0."""
-    from models import HIDDEN, IN, OUT
+    from helpers.models import HIDDEN, IN, OUT
 
     return torch.nn.Sequential(
         torch.nn.Linear(IN, HIDDEN),

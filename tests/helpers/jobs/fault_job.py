@@ -1,6 +1,6 @@
 """A real 2-process fit (``start_method="popen"``) in which one rank fails on purpose.
 
-    python tests/jobs/fault_job.py --mode raise --rank 0 --step 2 --token T
+    python tests/helpers/jobs/fault_job.py --mode raise --rank 0 --step 2 --token T
 
 ``--mode raise`` raises ValueError in that rank's ``training_step`` at that step; ``--mode kill``
 sends the rank SIGKILL there; ``--mode kill-after-save`` saves a checkpoint on every rank at the
@@ -22,9 +22,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from models import RegressionModel, loader, quiet_trainer
+from helpers.models import RegressionModel, loader, quiet_trainer
 
 from lightning_pipe2bw import Pipe2BWStrategy
 

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from lightning_pipe2bw.launcher import torchrun_environment
 
-__all__ = ["RankPool", "TaskError"]
+__all__ = ["Pools", "RankPool", "TaskError"]
 
 
 class TaskError(RuntimeError):
@@ -169,3 +169,20 @@ class RankPool:
                 proc.join(timeout=5)
         self._procs = []
         self._tasks = []
+
+
+class Pools:
+    """``pools(n)``: one :class:`RankPool` of n ranks per n, started on first use (the
+    ``pools`` fixture of ``tests/conftest.py`` holds one for the whole session)."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, RankPool] = {}
+
+    def __call__(self, world_size: int) -> RankPool:
+        if world_size not in self._pools:
+            self._pools[world_size] = RankPool(world_size)
+        return self._pools[world_size]
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()

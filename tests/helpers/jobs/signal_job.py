@@ -1,6 +1,6 @@
 """A real 2-process fit (``start_method="popen"``) that a test stops with a signal.
 
-    python tests/jobs/signal_job.py --schedule 2bw --token T
+    python tests/helpers/jobs/signal_job.py --schedule 2bw --token T
 
 Every rank prints ``training rank R pid P`` once training runs, then trains slowly (a few
 hundred steps of 20 ms), so that the test can send SIGTERM or SIGINT to the launching process,
@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from helpers.models import RegressionModel, loader, quiet_trainer
 from lightning.pytorch import Callback
-from models import RegressionModel, loader, quiet_trainer
 
 from lightning_pipe2bw import Pipe2BWStrategy
 

@@ -10,9 +10,10 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
-from models import corrected_step, correction_terms, predicted
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
+
+from helpers.models import corrected_step, correction_terms, predicted
 
 warnings.filterwarnings("ignore", message=".*token_id.*")
 transformers = __import__("transformers")

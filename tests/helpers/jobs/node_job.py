@@ -1,7 +1,7 @@
 """A small fit under any launcher (the strategy's own, torchrun as one or several "nodes", a
 SLURM-like environment), writing the trained weights from global rank 0.
 
-    python tests/jobs/node_job.py --weights W.pt [--nodes 2 --devices 1] [--data-parallel 2]
+    python tests/helpers/jobs/node_job.py --weights W.pt [--nodes 2 --devices 1] [--data-parallel 2]
         [--ckpt-dir D --kill-at 4] [--sigusr1-at 4 [--sigusr1-rank 0]] [--schedule 2bw]
 
 ``--ckpt-dir`` keeps ``last.ckpt`` (every 3 steps, the epoch's end) and the fit resumes from it
@@ -23,12 +23,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
+from helpers.models import RegressionModel, loader, quiet_trainer
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from models import RegressionModel, loader, quiet_trainer
 
 from lightning_pipe2bw import Pipe2BWStrategy
 
