@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
-PACKAGE = Path(__file__).resolve().parents[1] / "lightning_pipe2bw"
+PACKAGE = ROOT / "lightning_pipe2bw"
 
 # lowest first; a module may import from its own layer and the ones before it
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (

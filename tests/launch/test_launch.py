@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import JOBS
+from helpers import JOBS, ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train.py"
 
 

@@ -147,7 +147,7 @@ def test_muon_with_tied_weights(pools: Any, schedule: str) -> None:
 
 @pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
 def test_muon_with_data_parallel(pools: Any, schedule: str) -> None:
-    from test_data_parallel import LOCAL_BATCH, _global_batches
+    from ranks.test_data_parallel import LOCAL_BATCH, _global_batches
 
     results = pools(4).run(
         workers.fit, schedule, 2, 4, "muon", batch_size=LOCAL_BATCH, data_parallel=2
@@ -166,7 +166,7 @@ def test_muon_with_data_parallel(pools: Any, schedule: str) -> None:
 def test_muon_resumes_exactly_from_a_consolidated_checkpoint(
     pools: Any, tmp_path: Any, schedule: str
 ) -> None:
-    from test_checkpoint import _fit
+    from ranks.test_checkpoint import _fit
 
     pool = pools(2)
     straight = pool.run(_fit, schedule, 6, optimizer="muon")[0]
@@ -185,7 +185,7 @@ def test_muon_resumes_exactly_from_a_consolidated_checkpoint(
 
 @pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
 def test_muon_reshards_from_four_stages_to_two(pools: Any, tmp_path: Any, schedule: str) -> None:
-    from test_checkpoint import _fit
+    from ranks.test_checkpoint import _fit
 
     straight = pools(2).run(_fit, schedule, 6, microbatches=4, optimizer="muon")[0]
     pools(4).run(

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import workers
-from test_transport import (
+from unit.test_transport import (
     PAYLOADS,
     TIMEOUT,
     assert_received,

@@ -122,7 +122,7 @@ def test_corrections_with_tied_weights(pools: Any, correction: str) -> None:
 
 @pytest.mark.parametrize("correction", NAMED)
 def test_corrections_with_data_parallel(pools: Any, correction: str) -> None:
-    from test_data_parallel import LOCAL_BATCH, _global_batches
+    from ranks.test_data_parallel import LOCAL_BATCH, _global_batches
 
     results = pools(4).run(
         workers.fit, "2bw", 2, 4, "adamw", batch_size=LOCAL_BATCH, data_parallel=2,
@@ -194,7 +194,7 @@ def test_a_spec_has_one_spelling() -> None:
 def test_corrections_resume_exactly(pools: Any, tmp_path: Path, correction: str) -> None:
     """Their state (a previous gradient or update, a predicted view) travels in the checkpoint:
     6 steps equal 3 + checkpoint + 3, consolidated and resharded from 4 stages to 2."""
-    from test_checkpoint import _fit
+    from ranks.test_checkpoint import _fit
 
     straight = pools(2).run(_fit, "2bw", 6, microbatches=4, delay_correction=correction)[0]
     pools(2).run(
@@ -225,7 +225,7 @@ def test_corrections_resume_exactly(pools: Any, tmp_path: Path, correction: str)
 def test_resuming_without_the_corrections_state_drifts(pools: Any, tmp_path: Path) -> None:
     """The test above can fail: a checkpoint stripped of the correction's state resumes as if
     the correction started afresh."""
-    from test_checkpoint import _fit
+    from ranks.test_checkpoint import _fit
 
     straight = pools(2).run(_fit, "2bw", 6, microbatches=4, delay_correction="error_feedback")[0]
     pools(2).run(_fit, "2bw", 3, str(tmp_path), microbatches=4, delay_correction="error_feedback")
@@ -261,7 +261,8 @@ def _fit_fp16(correction: str, poisoned_batch: int, steps: int) -> dict[str, Any
     import torch.distributed as dist
     from helpers.models import quiet_trainer
     from lightning.pytorch.plugins import MixedPrecision
-    from test_precision import PoisonModel, Watch, poisoned_loader
+
+    from ranks.test_precision import PoisonModel, Watch, poisoned_loader
 
     watch = Watch()
     trainer = quiet_trainer(

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
@@ -43,8 +44,7 @@ from lightning_pipe2bw.train import (
     summarize_sweep,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-CONFIGS = REPO / "configs"
+CONFIGS = ROOT / "configs"
 GROUPS = ("strategy", "model", "data", "trainer")
 
 # the smallest real job: 2 stages of a 4-block GPT, a few steps on a slice of the stdlib

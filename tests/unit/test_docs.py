@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
+from helpers import ROOT
 
 from lightning_pipe2bw import Pipe2BWStrategy
 from lightning_pipe2bw.recipes.gpt.config import (
@@ -18,8 +19,6 @@ from lightning_pipe2bw.recipes.gpt.config import (
     StrategyConfig,
     TrainerConfig,
 )
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _tables(text: str) -> dict[str, dict[str, str]]:

@@ -13,12 +13,13 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from helpers import ROOT
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_pipe2bw.recipes.gpt.cli import expand_strategy_names, main
 from lightning_pipe2bw.recipes.gpt.model import GPT
 
-TESTS = Path(__file__).resolve().parent
+TESTS = ROOT / "tests"
 TINY_MODEL = {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 32}
 TINY_DATA = {"block_size": 32, "batch_size": 8, "max_bytes": 200_000, "train_samples": 64}
 QUIET_TRAINER = [
@@ -129,7 +130,7 @@ def test_fit_two_stages_from_the_command_line(tmp_path: Path) -> None:
         "--trainer.strategy.microbatches=4",
         "--trainer.max_steps=3",
         "--trainer.enable_checkpointing=false",
-        "--trainer.callbacks+=test_cli.StageProbe",
+        "--trainer.callbacks+=unit.test_cli.StageProbe",
     ]  # fmt: skip
     proc = _run_cli(args, tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -156,7 +157,7 @@ def test_fit_from_a_yaml_config(tmp_path: Path) -> None:
             "enable_progress_bar": False,
             "limit_val_batches": 0,
             "default_root_dir": str(tmp_path),
-            "callbacks": [{"class_path": "test_cli.StageProbe"}],
+            "callbacks": [{"class_path": "unit.test_cli.StageProbe"}],
         },
         "model": {"class_path": "GPT", "init_args": TINY_MODEL},
         "data": {"init_args": TINY_DATA},
@@ -188,7 +189,7 @@ def test_fit_from_a_yaml_config(tmp_path: Path) -> None:
 
 
 def test_example_config_parses(capsys: pytest.CaptureFixture[str]) -> None:
-    example = TESTS.parent / "examples" / "cli_gpt.yaml"
+    example = ROOT / "examples" / "cli_gpt.yaml"
     config = _print_config(["--config", str(example), "--trainer.max_steps=7"], capsys)
     assert config["trainer"]["max_steps"] == 7
     assert config["trainer"]["strategy"]["init_args"]["schedule"] == "2bw"

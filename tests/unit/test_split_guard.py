@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from helpers import hf_models
 from helpers.models import quiet_trainer
-from test_real_models import M, _DescribedModule, image_loader
+from ranks.test_real_models import M, _DescribedModule, image_loader
 from torch import Tensor, nn
 
 from lightning_pipe2bw import Pipe2BWStrategy, PipeModel
@@ -147,7 +147,7 @@ def test_a_forward_the_split_cannot_carry_is_refused(kind: str, says: str) -> No
 def _opt_late(check: bool) -> dict[str, Any]:
     """OPT built in configure_model: on the meta device, so no forward can be watched before the
     split; the registration order puts its final norm on the first stage."""
-    from test_real_models import _BuiltLate
+    from ranks.test_real_models import _BuiltLate
 
     torch.set_num_threads(1)
     module = _BuiltLate("opt")
