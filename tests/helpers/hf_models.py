@@ -187,7 +187,7 @@ def train_reference(
     """One device, the whole model (``build()``, called twice: it must seed itself): AdamW on
     the gradient accumulated over ``m`` micro-batches of each batch (micro-batch i's loss
     weighted by its share); with ``delayed``, 2BW's rule W(t+1) = W(t) - step(grad f(W(t-1))),
-    W(-1) = W(0), with its delay ``correction`` (as ``models.reference_2bw``). The final state
+    W(-1) = W(0), with its delay ``correction`` (as ``helpers.models.reference_2bw``). The final state
     dict."""
     model, shadow = build().train(), build().train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)

@@ -1,8 +1,8 @@
 """Bad input gets a clear ValueError/TypeError that names the value and the fix, on every rank,
 before any rank can block in a collective or a receive.
 
-Errors from a constructor or pure function are checked in this process. Errors that arise in
-``trainer.fit`` are checked on real ranks of the session's gloo pool: ``_on_rank_fit`` catches
+Errors from a constructor or pure function: ``tests/unit/test_bad_input.py``. Errors that arise
+in ``trainer.fit`` are checked on real ranks of the session's gloo pool: ``_on_rank_fit`` catches
 the exception on each rank and returns its type and message, so the test sees every rank's error
 and the pool stays usable (a task that fails in the pool tears it down, which costs a restart).
 Errors in the user's step are checked on a 1-rank pool, where the one stage is both first and
@@ -34,8 +34,6 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 from lightning_pipe2bw import Pipe2BWStrategy
-from lightning_pipe2bw.partition import make_partition
-from lightning_pipe2bw.schedule import SCHEDULES
 
 TIMEOUT = 60  # seconds; a rank that hangs fails the test instead of stalling the session
 
@@ -275,92 +273,6 @@ def fit_ok(pool: Any, model: str, strategy_kwargs: dict[str, Any], **kwargs: Any
 # ----------------------------------------------------------------------------- constructor checks
 
 
-@pytest.mark.parametrize("schedule", ["zb", "1F1B", "", "pipe_dream"])
-def test_unknown_schedule(schedule: str) -> None:
-    with pytest.raises(ValueError) as info:
-        Pipe2BWStrategy(schedule=schedule)
-    message = str(info.value)
-    assert f"unknown schedule {schedule!r}" in message
-    for name in SCHEDULES:
-        assert repr(name) in message
-
-
-@pytest.mark.parametrize("microbatches", [0, -2, 2.0, "4", True])
-def test_bad_microbatches(microbatches: Any) -> None:
-    with pytest.raises(ValueError) as info:
-        Pipe2BWStrategy(microbatches=microbatches)
-    assert str(info.value) == f"microbatches must be a positive int, got {microbatches!r}"
-
-
-@pytest.mark.parametrize("start_method", ["thread", "Spawn", ""])
-def test_bad_start_method(start_method: str) -> None:
-    with pytest.raises(ValueError) as info:
-        Pipe2BWStrategy(start_method=start_method)  # type: ignore[arg-type]
-    message = str(info.value)
-    assert repr(start_method) in message
-    for valid in ("popen", "spawn", "fork", "forkserver"):
-        assert repr(valid) in message
-
-
-@pytest.mark.parametrize("balance", [[4, 0, 4], [5, -1, 4], [0]])
-def test_balance_with_empty_stage(balance: list[int]) -> None:
-    with pytest.raises(ValueError) as info:
-        Pipe2BWStrategy(balance=balance)
-    message = str(info.value)
-    assert "at least one block" in message
-    assert str(balance) in message
-
-
-@pytest.mark.parametrize("balance", [[4.0, 4.0], [4, "4"], [True, 7], [4, None], b"44"])
-def test_balance_with_non_int_entries(balance: Any) -> None:
-    with pytest.raises(TypeError) as info:
-        Pipe2BWStrategy(balance=balance)
-    message = str(info.value)
-    assert "balance must be a list of block counts per stage" in message
-    assert repr(balance) in message
-
-
-def test_balance_string_that_is_no_mode() -> None:
-    with pytest.raises(ValueError) as info:
-        Pipe2BWStrategy(balance="44")  # type: ignore[arg-type]
-    message = str(info.value)
-    assert "balance='44' is not a balance mode ('uniform', 'params', 'auto')" in message
-    assert "a list of block counts per stage such as [3, 5]" in message
-
-
-@pytest.mark.parametrize(
-    ("blocks", "stages", "balance", "texts"),
-    [
-        (8, 2, [3, 3], ["module has 8 blocks but balance sums to 6"]),
-        (8, 2, [5, 5], ["module has 8 blocks but balance sums to 10"]),
-        (8, 3, [4, 4], ["balance has 2 entries but the pipeline has 3 stages"]),
-        (
-            8,
-            2,
-            [1, 2, 0],
-            ["3 entries", "sums to 3", "at least one block", "has 0"],
-        ),
-    ],
-)
-def test_make_partition_lists_every_problem(
-    blocks: int, stages: int, balance: list[int], texts: list[str]
-) -> None:
-    with pytest.raises(ValueError) as info:
-        make_partition(blocks, stages, balance)
-    message = str(info.value)
-    assert message.startswith("invalid balance: ")
-    for text in texts:
-        assert text in message
-
-
-def test_make_partition_more_stages_than_blocks() -> None:
-    with pytest.raises(ValueError) as info:
-        make_partition(3, 4, None)
-    message = str(info.value)
-    assert "the body has 3 blocks but the pipeline has 4 stages" in message
-    assert "use at most 3 devices/stages" in message
-
-
 # ----------------------------------------------------------------------------- set-up errors (2 ranks)
 
 
@@ -392,12 +304,6 @@ def test_balance_fewer_stages_than_devices(pools: Any) -> None:
         "pipelines of 2 stages"
     )
     assert "use data_parallel=2 (2 pipelines of 1 stages) or devices=1" in message
-
-
-def test_empty_balance() -> None:
-    for empty in ([], (), iter([])):
-        with pytest.raises(ValueError, match=r"balance=\[\] lists no stage; give one block count"):
-            Pipe2BWStrategy(balance=empty)
 
 
 def test_accumulate_grad_batches(pools: Any) -> None:

@@ -12,8 +12,7 @@ import pytest
 from helpers import workers
 from helpers.models import max_abs_diff
 
-from lightning_pipe2bw import ActivationBalancer, Pipe2BWStrategy
-from lightning_pipe2bw.callbacks.balancer import ActivationBudget, evict_share
+from lightning_pipe2bw import ActivationBalancer
 
 STEPS = 3
 
@@ -93,29 +92,6 @@ def test_each_memory_plan_lever_is_exact_and_frees_stage_memory(
         assert after[1] > before[1]  # the partner holds them
     else:
         assert after[1] == before[1]
-
-
-def test_balanced_share_matches_the_pair_model() -> None:
-    # p = 4: stage 0 stashes 4, its partner 1; stage 1 stashes 3, its partner 2
-    assert evict_share(ActivationBudget(), 4, 1) == pytest.approx(3 / 7)
-    assert evict_share(ActivationBudget(), 3, 2) == pytest.approx(1 / 5)
-    assert evict_share(ActivationBudget(microbatches=2.5), 4, 1) == pytest.approx(0.5)
-    assert evict_share(ActivationBudget(bytes=250), 4, 1, saved_bytes=100) == pytest.approx(0.5)
-    assert evict_share(ActivationBudget(microbatches=8), 4, 1) == 0.0
-    assert evict_share(ActivationBudget(microbatches=1), 4, 1) == 1.0
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"memory_plan": {0: "spill"}}, "memory_plan[0] = 'spill' is not a policy"),
-        ({"memory_plan": {"first": "swap"}}, "memory_plan key 'first' is not a block index"),
-        ({"balance_activations": 0.5}, "budget in micro-batches must be a number >= 1"),
-    ],
-)
-def test_bad_memory_options_fail_at_construction(kwargs: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        Pipe2BWStrategy(**kwargs)
 
 
 @pytest.mark.parametrize(

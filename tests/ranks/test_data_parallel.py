@@ -64,13 +64,6 @@ def test_pipedream_with_data_parallel_is_refused(pools) -> None:
         assert "schedule='pipedream'" in message and "data_parallel" in message, message
 
 
-def test_data_parallel_must_divide_the_devices() -> None:
-    from lightning_pipe2bw import Pipe2BWStrategy
-
-    with pytest.raises(ValueError, match="data_parallel must be a positive int"):
-        Pipe2BWStrategy(data_parallel=0)
-
-
 def _predict_with_replicas() -> str:
     import torch.distributed as dist
     from helpers.models import RegressionModel, loader, quiet_trainer

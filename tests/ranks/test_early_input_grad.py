@@ -176,8 +176,3 @@ def test_stages_whose_backward_must_run_once_do_not_split(pools: Any) -> None:
     _assert_same_training(recomputed, plain)
 
 
-def test_the_option_takes_a_bool() -> None:
-    from lightning_pipe2bw import Pipe2BWStrategy
-
-    with pytest.raises(TypeError, match="early_input_grad must be True or False, got 'yes'"):
-        Pipe2BWStrategy(schedule="1f1b", early_input_grad="yes")  # type: ignore[arg-type]

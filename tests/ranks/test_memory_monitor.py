@@ -74,11 +74,3 @@ def test_monitor_logs_every_stage_and_changes_nothing(
     assert all(float(r["memory/stage1/params"]) == peaks[1]["params"] for r in logged)
 
 
-def test_monitor_needs_the_pipeline_strategy(tmp_path: Path) -> None:
-    from helpers.models import RegressionModel, loader, quiet_trainer
-
-    from lightning_pipe2bw import StageMemoryMonitor
-
-    trainer = quiet_trainer(devices=1, max_steps=1, callbacks=[StageMemoryMonitor()])
-    with pytest.raises(ValueError, match="StageMemoryMonitor reports pipeline stages"):
-        trainer.fit(RegressionModel(), loader(8))

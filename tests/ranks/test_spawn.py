@@ -10,7 +10,6 @@ import pytest
 import torch
 from helpers.models import RegressionModel, loader, max_abs_diff, quiet_trainer, reference_2bw
 from lightning.pytorch import Callback
-from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 
 import lightning_pipe2bw
@@ -22,12 +21,6 @@ class SaveAtEnd(Callback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         trainer.save_checkpoint(self.path)
-
-
-def test_names_are_registered() -> None:
-    for name in ("pipe2bw", "pipe2bw_spawn", "pipe_gpipe", "pipe_1f1b"):
-        assert name in StrategyRegistry, name
-    assert StrategyRegistry["pipe_gpipe"]["init_params"] == {"schedule": "gpipe"}
 
 
 def test_spawn_fit_predict_and_checkpoint(tmp_path: Path) -> None:
