@@ -476,7 +476,7 @@ def _on_rank_fit_tied() -> str:
 
 def test_a_parameter_tied_across_stages_is_refused_by_pipedream(pools: Any) -> None:
     """Weight stashing updates each stage on its own: the copies of a tie would drift apart
-    (2bw, 1f1b and gpipe keep them equal: tests/test_real_models.py)."""
+    (2bw, 1f1b and gpipe keep them equal: tests/ranks/test_real_models.py)."""
     for message in pools(2).run(_on_rank_fit_tied, timeout=TIMEOUT):
         assert message.startswith(
             "parameters shared between blocks on different stages (0.weight = 3.weight) need "
