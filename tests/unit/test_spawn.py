@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+import lightning_pipe2bw  # noqa: F401  (importing the package registers the names)
+
 
 def test_names_are_registered() -> None:
     for name in ("pipe2bw", "pipe2bw_spawn", "pipe_gpipe", "pipe_1f1b"):
