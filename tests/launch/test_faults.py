@@ -227,5 +227,3 @@ def test_crash_and_resume_from_last_is_exact(tmp_path: Path, schedule: str) -> N
     diff = max_abs_diff(a, b)
     print(f"CRASH-RESUME {schedule}: max|dW| = {diff:.3e}")
     assert diff <= 1e-6
-
-

@@ -12,10 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_pipe2bw.train import (
-    RESULT_FILE,
-    SUMMARY_FILE,
-)
+from lightning_pipe2bw.train import RESULT_FILE, SUMMARY_FILE
 
 # the smallest real job: 2 stages of a 4-block GPT, a few steps on a slice of the stdlib
 TINY = [

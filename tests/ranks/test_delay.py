@@ -16,11 +16,7 @@ from helpers import workers
 from helpers.models import loader, max_abs_diff, reference_2bw, reference_pipedream
 
 from lightning_pipe2bw import Pipe2BWStrategy
-from lightning_pipe2bw.optim.delay import (
-    CORRECTIONS,
-    DEFAULT_CORRECTION,
-    correction_predicts,
-)
+from lightning_pipe2bw.optim.delay import CORRECTIONS, DEFAULT_CORRECTION, correction_predicts
 
 STEPS = 6
 TOL = 1e-6

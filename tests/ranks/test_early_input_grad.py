@@ -174,5 +174,3 @@ def test_stages_whose_backward_must_run_once_do_not_split(pools: Any) -> None:
     assert all((r["split"], r["repeated"]) == (0, 0) for r in recomputed)
     plain = pools(2).run(_fit, "1f1b", 2, False, "regression", recompute=True)
     _assert_same_training(recomputed, plain)
-
-

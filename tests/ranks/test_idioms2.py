@@ -619,5 +619,3 @@ def test_weight_averaging_covers_the_whole_model(
                 f"IDIOMS2 SWA checkpoint {r['file']}: averaged model max |d| = {average_diff:.2e}"
             )
             assert average_diff <= 1e-6
-
-

@@ -49,5 +49,3 @@ def test_auto_profiles_in_place_blocks(pools) -> None:
     state = results[0]["state"]
     assert max_abs_diff(state, ref) <= 1e-5
     assert int(state["body.1.num_batches_tracked"]) == STEPS * 4
-
-

@@ -72,5 +72,3 @@ def test_monitor_logs_every_stage_and_changes_nothing(
     logged = [r for r in rows if r.get("memory/stage0/activations_peak")]
     assert [int(r["step"]) for r in logged] == [2, 4, 6]
     assert all(float(r["memory/stage1/params"]) == peaks[1]["params"] for r in logged)
-
-

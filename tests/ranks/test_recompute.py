@@ -102,5 +102,3 @@ def test_recompute_leaves_batch_norm_statistics_alone(
         assert int(state[key]) == steps * m, (key, int(state[key]))
     assert diff <= 1e-6
     assert max_abs_diff(state, ref) <= 1e-5
-
-

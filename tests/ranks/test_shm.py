@@ -26,13 +26,7 @@ from lightning_pipe2bw.runtime.shm import (
     shared_memory_problem,
 )
 from lightning_pipe2bw.runtime.transport import wire_device
-from ranks.test_transport import (
-    PAYLOADS,
-    TIMEOUT,
-    assert_received,
-    failure_after,
-    summarize,
-)
+from ranks.test_transport import PAYLOADS, TIMEOUT, assert_received, failure_after, summarize
 
 pytestmark = pytest.mark.skipif(
     shared_memory_problem(torch.device("cpu")) is not None,

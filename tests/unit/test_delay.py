@@ -9,9 +9,7 @@ from typing import Any
 import pytest
 
 from lightning_pipe2bw import Pipe2BWStrategy
-from lightning_pipe2bw.optim.delay import (
-    canonical_correction,
-)
+from lightning_pipe2bw.optim.delay import canonical_correction
 
 
 @pytest.mark.parametrize(

@@ -65,5 +65,3 @@ def test_readme_lists_every_strategy_option() -> None:
         if name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD
     ]
     assert list(documented) == params
-
-

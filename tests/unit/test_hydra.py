@@ -178,5 +178,3 @@ def test_a_sweep_summary_lists_runs_without_a_result(tmp_path: Path) -> None:
     table = format_table(rows, SweepSummary.columns).splitlines()
     assert len(table) == 2 + 3
     assert table[2].startswith("| 0   | gpipe ")
-
-

@@ -272,5 +272,3 @@ def test_a_buffer_outside_the_body_is_checked() -> None:
 
 
 # ----------------------------------------------------------------------------- real ranks
-
-

@@ -55,5 +55,3 @@ def test_block_costs_scale_by_the_backward_and_keep_the_stage_overhead() -> None
 def test_bad_repartition_options(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Pipe2BWStrategy(**kwargs)
-
-

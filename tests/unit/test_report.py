@@ -133,5 +133,3 @@ def test_the_steady_window_skips_fills_and_validations() -> None:
     assert steady_window(steps[:10], validations, 3) is not None
     assert steady_window(steps[:10], validations, 3).label() == "training steps 6-8"  # type: ignore[union-attr]
     assert steady_window(steps[:3], [], 3) is None  # the first two steps are start-up
-
-

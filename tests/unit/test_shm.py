@@ -9,10 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_pipe2bw.runtime.shm import (
-    create_transport,
-    shared_memory_problem,
-)
+from lightning_pipe2bw.runtime.shm import create_transport, shared_memory_problem
 from lightning_pipe2bw.runtime.transport import P2PTransport
 
 pytestmark = pytest.mark.skipif(

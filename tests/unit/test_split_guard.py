@@ -136,5 +136,3 @@ def test_a_forward_the_split_cannot_carry_is_refused(kind: str, says: str) -> No
         observe(model, "layers", lambda: model(torch.randn(2, 4)))
     assert str(info.value).startswith(says), str(info.value)
     assert "PipeModel" in str(info.value)
-
-

@@ -341,5 +341,3 @@ def test_merge_outputs_different_structures_are_listed() -> None:
 
 
 # ----------------------------------------------------------------------------- unchanged headers
-
-

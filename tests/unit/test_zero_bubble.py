@@ -89,5 +89,3 @@ def test_the_validator_checks_input_and_weight_gradients(stage1: str, message: s
     stages = [parse_actions("0F0 0B0"), parse_actions(stage1)]
     with pytest.raises(ScheduleError, match=message):
         validate(zb_h1(2, 1).with_stages(stages))
-
-
