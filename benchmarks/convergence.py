@@ -16,7 +16,7 @@ It runs in two phases:
 1. **curves**: every configuration at every learning rate, trained by the strategy on one
    process (p = 1), two runs at a time with one thread each. The update rules do not depend on
    the number of stages: the tests prove each equal, bit for bit, to its single-process
-   reference at p = 2 and 4 (``tests/test_delay.py``, ``tests/test_exactness.py``), and phase 2
+   reference at p = 2 and 4 (``tests/ranks/test_delay.py``, ``tests/ranks/test_exactness.py``), and phase 2
    checks that 2 stages give this phase's final loss.
 2. **pipeline**: the best learning rate of each configuration (lowest final validation loss),
    trained by the real strategy on 2 processes (2 stages); its final validation loss is checked

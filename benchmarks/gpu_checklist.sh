@@ -16,8 +16,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__, torch.cuda.get_device_name(0))"
 } 2>&1 | tee "$out/gpu_env.txt"
-python3 -m pytest tests/test_cuda.py \
-  "tests/test_measure.py::test_cuda_profiles_a_cpu_model_and_moves_it_back" \
+python3 -m pytest tests/ranks/test_cuda.py \
+  "tests/unit/test_measure.py::test_cuda_profiles_a_cpu_model_and_moves_it_back" \
   -s -q --timeout 200 2>&1 | tee "$out/gpu_checklist.log"
 status=${PIPESTATUS[0]}
 grep -oE "CUDA [A-Z]+ .*|[0-9]+ (passed|failed|skipped).*" "$out/gpu_checklist.log" > "$out/gpu_figures.txt"

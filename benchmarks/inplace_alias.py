@@ -24,7 +24,7 @@ from torch import Tensor, nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from models import BasicBlock  # noqa: E402
+from helpers.models import BasicBlock  # noqa: E402
 
 from lightning_pipe2bw.runtime.inplace import writable  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The test suite's pool of local gloo ranks (``tests/pool.py``), for the benchmarks.
+"""The test suite's pool of local gloo ranks (``tests/helpers/pool.py``), for the benchmarks.
 
 The pool is test and benchmark infrastructure, not part of the library, so it lives with the
 tests; this module puts the tests directory on the path and re-exports it.
@@ -9,8 +9,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+BENCHMARKS = Path(__file__).resolve().parent
+# after this directory, not before it: the tests hold a package named ``ranks`` (tests/ranks), and
+# the pool's workers start with this sys.path and run the benchmark's imports again, so they
+# must find this module under that name
+_at = next(
+    (i + 1 for i, p in enumerate(sys.path) if Path(p).resolve() == BENCHMARKS), len(sys.path)
+)
+sys.path.insert(_at, str(BENCHMARKS.parent / "tests"))
 
-from pool import RankPool, TaskError
+from helpers.pool import RankPool, TaskError  # noqa: E402
 
 __all__ = ["RankPool", "TaskError"]

@@ -20,8 +20,8 @@ half stage's counts one half) and writes
 
 Closed forms at F : B = 1 : 2: GPipe and 1F1B (p - 1)/(m + p - 1); ZB-H1 (p - 1)/(3m + p - 1),
 a third of 1F1B's bubble time; interleaved 1F1B with k stages per rank (p - 1)/(k m + p - 1),
-a k-th of 1F1B's. Nothing here is asserted by tests (``tests/test_schedule.py`` and
-``tests/test_zero_bubble.py`` check the same figures at small sizes).
+a k-th of 1F1B's. Nothing here is asserted by tests (``tests/unit/test_schedule.py`` and
+``tests/unit/test_zero_bubble.py`` check the same figures at small sizes).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The strategy needs a few things Lightning keeps private: its process-group helpers, its
 launchers, the hook-calling functions of its training loop, the training DataLoader before fit
 starts. Every such use goes through this module, under a public name, so that a Lightning
-minor release that renames one breaks this file only; ``tests/test_compat.py`` imports each
+minor release that renames one breaks this file only; ``tests/unit/test_compat.py`` imports each
 name and checks each attribute on real objects, and says which one is gone.
 
 Nothing else in the package imports a private name from ``lightning`` (a layering test checks).
@@ -84,7 +84,7 @@ __all__ = [
     "update_dataloader",
 ]
 
-# every private name this module uses: (module, attribute), checked by tests/test_compat.py
+# every private name this module uses: (module, attribute), checked by tests/unit/test_compat.py
 REQUIRED: tuple[tuple[str, str], ...] = (
     ("lightning.fabric.strategies.registry", "_StrategyRegistry"),
     ("lightning.fabric.utilities.distributed", "_get_default_process_group_backend_for_device"),

@@ -1,33 +1,37 @@
-"""Shared fixtures: a seed, and process pools started once per test session."""
+"""Shared fixtures (a seed, and process pools started once per test session), the helpers
+package on the path, and a marker per kind of test, from the folder it is in:
+
+- ``tests/unit``: one process, no pool of ranks, nothing launched (``-m unit``);
+- ``tests/ranks``: ranks of the session's pool, or ranks a ``Trainer`` spawns (``-m ranks``);
+- ``tests/launch``: real processes launched as a user launches them (``-m launch``).
+"""
 
 from __future__ import annotations
 
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from pool import RankPool
+from helpers.pool import Pools
 
 torch.set_num_threads(1)
 
+TESTS = Path(__file__).resolve().parent
+KINDS = ("unit", "ranks", "launch")  # registered in pyproject.toml's [tool.pytest.ini_options]
 
-class Pools:
-    def __init__(self) -> None:
-        self._pools: dict[int, RankPool] = {}
 
-    def __call__(self, world_size: int) -> RankPool:
-        if world_size not in self._pools:
-            self._pools[world_size] = RankPool(world_size)
-        return self._pools[world_size]
-
-    def close(self) -> None:
-        for pool in self._pools.values():
-            pool.close()
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test with its kind, the name of the folder it is in under ``tests/``."""
+    for item in items:
+        path = Path(item.path).resolve()
+        if path.is_relative_to(TESTS) and (kind := path.relative_to(TESTS).parts[0]) in KINDS:
+            item.add_marker(kind)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ the gradient the user's optimizer receives. Each is a precise rule of the weight
 optimizer's state and the gradients a stage already has when it needs them (while batch t runs,
 a stage holds W(t-1) and the optimizer state after update t-1; batch t-1's gradient is complete
 only when its update is applied), so a single-process loop reproduces it exactly
-(``tests/models.py::reference_2bw``). The notation: ``U(g; S)`` is the user's optimizer's whole
+(``tests/helpers/models.py::reference_2bw``). The notation: ``U(g; S)`` is the user's optimizer's whole
 update (moments, bias correction, decoupled weight decay, learning rate) with gradient ``g`` from
 state ``S``; ``S(t)`` is the state after t updates; batch t's update is the one that makes W(t+1)
 from W(t).

@@ -1,0 +1,89 @@
+"""The Hydra entry point run as a user runs it: a typo on the command line fails clearly, and
+real runs (a single run with popen, a 2-run sweep with spawn) write their results. The configs
+in one process: ``tests/unit/test_hydra.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_pipe2bw.train import RESULT_FILE, SUMMARY_FILE
+
+# the smallest real job: 2 stages of a 4-block GPT, a few steps on a slice of the stdlib
+TINY = [
+    "model=tiny",
+    "trainer.max_steps=3",
+    "trainer.val_check_interval=3",
+    "trainer.num_sanity_val_steps=0",
+    "trainer.enable_checkpointing=false",
+    "trainer.enable_progress_bar=false",
+    "data.max_bytes=200000",
+    "data.batch_size=8",
+    "data.val_samples=8",
+]
+
+
+def _entry_point(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
+    env.pop("LOCAL_RANK", None)  # a leftover rank would make Lightning start no process
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_pipe2bw.train", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_the_command_line_rejects_a_typo(tmp_path: Path) -> None:
+    proc = _entry_point(["strategy.scheduel=1f1b"], tmp_path, timeout=120)
+    assert proc.returncode != 0
+    assert "Key 'scheduel' not in 'StrategyConfig'" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").rglob("*.csv"))
+
+
+@pytest.mark.timeout(300)
+def test_a_single_run_keeps_every_rank_in_one_output_dir(tmp_path: Path) -> None:
+    """popen re-runs the command for rank 1; Lightning pins its Hydra run dir to rank 0's."""
+    run_dir = tmp_path / "run"
+    proc = _entry_point([*TINY, "report=false", f"hydra.run.dir={run_dir}"], tmp_path, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((run_dir / RESULT_FILE).read_text())
+    assert result["start_method"] == "popen"
+    assert result["steps"] == 3 and result["val_loss"] is not None
+    assert (run_dir / "metrics.csv").exists()
+    assert (run_dir / "train_ddp_process_1.log").exists()  # rank 1 ran Hydra in the same dir
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # and created no other
+    # as quiet as one device: none of the warnings that do not apply to the run
+    output = proc.stdout + proc.stderr
+    for noise in ("LeafSpec", "sync_dist=True", "exists and is not empty"):
+        assert noise not in output, (noise, output[-3000:])
+
+
+@pytest.mark.timeout(420)
+def test_a_two_run_sweep_writes_results_and_a_summary(tmp_path: Path) -> None:
+    sweep_dir = tmp_path / "sweep"
+    proc = _entry_point(
+        ["-m", "strategy=1f1b,2bw", *TINY, f"hydra.sweep.dir={sweep_dir}"], tmp_path, timeout=400
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads((sweep_dir / job / RESULT_FILE).read_text()) for job in ("0", "1")]
+    assert [r["schedule"] for r in results] == ["1f1b", "2bw"]
+    for r in results:
+        assert r["start_method"] == "spawn"
+        assert r["steps"] == 3
+        assert r["train_loss"] > 0 and r["val_loss"] > 0 and r["samples_per_s"] > 0
+    summary = (sweep_dir / SUMMARY_FILE).read_text()
+    rows = [
+        line for line in summary.splitlines() if line.startswith("| ") and "schedule" not in line
+    ]
+    assert [row.split("|")[2].strip() for row in rows] == ["1f1b", "2bw"], summary
+    assert "Sweep summary (2 runs" in proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]  # no second sweep folder

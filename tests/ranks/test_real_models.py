@@ -1,0 +1,442 @@
+"""Third-party models trained as they come (Hugging Face GPT-2, Llama, ViT): the module holds the
+model, its step calls it; the strategy finds the layer list, splits it, carries what the layers
+take between stages (hidden state, mask, position ids, rotary cos/sin), and keeps tied weights
+(GPT-2's embedding and head) as one copy per stage, summed gradients and one saved name.
+
+Tolerance: max abs difference <= 1e-5 after 5 AdamW steps against the whole model on one device
+(1f1b: gradient accumulation over the same micro-batches; 2bw: the delayed-update rule)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch
+import torch.distributed as dist
+from helpers import hf_models
+from helpers.models import (
+    RegressionModel,
+    TiedModel,
+    loader,
+    max_abs_diff,
+    quiet_trainer,
+    reference_2bw,
+    reference_train,
+)
+from torch import Tensor, nn
+
+from lightning_pipe2bw import Pipe2BWStrategy, PipeModel
+
+STEPS, M = 5, 4
+TOL = 1e-5
+
+
+def _fit(family: str, schedule: str, **kwargs: Any) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    module = hf_models.HFModule(family)
+    strategy = Pipe2BWStrategy(schedule=schedule, microbatches=M, **kwargs)
+    trainer = quiet_trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=STEPS)
+    trainer.fit(module, hf_models.loader(family, STEPS))
+    whole = {f"model.{k}": v.detach().clone() for k, v in module.model.state_dict().items()}
+    state = strategy.full_state_dict()  # collective
+    return {
+        "state": state if dist.get_rank() == 0 else None,
+        "whole": whole,
+        "type": type(module.model).__name__,
+        "blocks": list(strategy.engine.body.indices) if strategy.engine else [],
+    }
+
+
+# families the intake learns from one observed forward: OPT (final norm registered before the
+# layers), BERT and DistilBERT classifiers (pooler; pre_classifier on the first token), masked
+# language models (BERT, RoBERTa): each trains exactly with zero lines
+LEARNT = [
+    *[(f, "1f1b") for f in ("opt", "bert_cls", "bert_mlm", "distilbert_cls", "roberta_mlm")],
+    *[(f, "2bw") for f in ("opt", "distilbert_cls")],
+]
+
+
+@pytest.mark.parametrize(
+    ("family", "schedule"),
+    [(f, s) for f in ("gpt2", "gpt2_untied", "llama", "llama_masked", "vit") for s in ("1f1b", "2bw")]
+    + LEARNT,
+)
+def test_hf_model_as_it_comes(pools: Any, family: str, schedule: str) -> None:
+    results = pools(2).run(_fit, family, schedule)
+    ref = hf_models.reference(family, STEPS, M, delayed=schedule == "2bw")
+    state = results[0]["state"]
+    diff = max_abs_diff(state, ref)
+    worst = max(state, key=lambda k: (state[k].double() - ref[k].double()).abs().max().item())
+    print(
+        f"{family} {schedule}: max|dW| vs one device {diff:.3e} (at {worst}); "
+        f"blocks {[r['blocks'] for r in results]}"
+    )
+    assert diff <= TOL
+    for r in results:  # after fit: the Hugging Face model again, whole, on every rank
+        assert r["type"] == type(hf_models.FAMILIES[family]()).__name__
+        assert max_abs_diff(r["whole"], ref) <= TOL
+
+
+# ---------------------------------------------------------------------- a tie in a plain body
+def _fit_tied(schedule: str, clip: float | None) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    module = TiedModel()
+    strategy = Pipe2BWStrategy(schedule=schedule, microbatches=M)
+    extra = {"gradient_clip_val": clip} if clip is not None else {}
+    world = dist.get_world_size()
+    trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=STEPS, **extra)
+    trainer.fit(module, loader(8))
+    state = strategy.full_state_dict()
+    return {
+        "state": state if dist.get_rank() == 0 else None,
+        "tied_again": module.body[6].weight is module.body[1].weight,
+    }
+
+
+@pytest.mark.parametrize(
+    ("schedule", "clip"), [("1f1b", None), ("1f1b", 0.05), ("gpipe", None), ("2bw", None)]
+)
+def test_a_weight_tied_across_stages(pools: Any, schedule: str, clip: float | None) -> None:
+    """Each stage trains a copy; the copies' gradients are summed before every update (and
+    counted once by clipping), so the copies stay equal and equal one device with the tie."""
+    results = pools(2).run(_fit_tied, schedule, clip)
+    state = results[0]["state"]
+    norm = ("norm", clip) if clip is not None else None
+    if schedule == "2bw":
+        ref = reference_2bw(STEPS, M, clip=norm, model_name="tied")
+    else:
+        ref = reference_train(STEPS, M, clip=norm, model_name="tied")[0]
+    diff = max_abs_diff(state, ref)
+    print(f"tie {schedule} clip={clip}: max|dW| vs one device {diff:.3e}")
+    assert diff <= TOL
+    assert torch.equal(state["body.1.weight"], state["body.6.weight"])
+    assert all(r["tied_again"] for r in results)  # one parameter again after fit
+
+
+def test_a_weight_tied_within_one_stage_takes_its_version(pools: Any) -> None:
+    """One stage holding both uses: under 2BW both run on the micro-batch's weight version
+    (the version names the shared parameter once), exact against the delayed rule."""
+    state = pools(1).run(_fit_tied, "2bw", None)[0]["state"]
+    diff = max_abs_diff(state, reference_2bw(STEPS, M, model_name="tied"))
+    print(f"tie within a stage, 2bw: max|dW| vs the delayed rule {diff:.3e}")
+    assert diff <= TOL
+
+
+# ---------------------------------------------------------------------- checkpoints and meta
+def _fit_and_save(path: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    module = hf_models.HFModule("gpt2")
+    strategy = Pipe2BWStrategy(schedule="1f1b", microbatches=M)
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=2)
+    trainer.fit(module, hf_models.loader("gpt2", 2))
+    trainer.save_checkpoint(path)
+    x, _ = hf_models.batches("gpt2", 1, seed=5)[0]
+    with torch.no_grad():
+        logits = module.model.eval()(input_ids=x).logits
+    return {"logits": logits}
+
+
+def test_a_checkpoint_keeps_the_model_names_and_loads_on_one_device(pools: Any, tmp_path) -> None:
+    """``trainer.save_checkpoint`` writes the Hugging Face keys (``model.transformer.h.0...``),
+    the tied weight once under both its names (one storage, as one device saves it), and the
+    file loads, strictly, into the model on one device."""
+    path = str(tmp_path / "gpt2.ckpt")
+    results = pools(2).run(_fit_and_save, path)
+    checkpoint = torch.load(path, weights_only=True)
+    state = checkpoint["state_dict"]
+    fresh = hf_models.gpt2()
+    assert set(state) == {f"model.{k}" for k in fresh.state_dict()}
+    wte, head = state["model.transformer.wte.weight"], state["model.lm_head.weight"]
+    assert wte.untyped_storage().data_ptr() == head.untyped_storage().data_ptr()
+    fresh.load_state_dict({k[len("model.") :]: v for k, v in state.items()}, strict=True)
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight  # still tied
+    x, _ = hf_models.batches("gpt2", 1, seed=5)[0]
+    with torch.no_grad():
+        logits = fresh.eval()(input_ids=x).logits
+    for r in results:  # the handed-back model on each rank computes the same
+        assert torch.equal(r["logits"], logits)
+
+
+class _BuiltLate(hf_models.HFModule):
+    """The model built in configure_model: on the meta device, each rank allocating its part."""
+
+    def __init__(self, family: str) -> None:
+        super(hf_models.HFModule, self).__init__()
+        self.family = family
+        self.model: nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = hf_models.FAMILIES[self.family]()
+
+
+def _fit_late(family: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    module = _BuiltLate(family)
+    losses: list[float] = []
+    strategy = Pipe2BWStrategy(schedule="1f1b", microbatches=M)
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=3)
+    trainer.fit(module, hf_models.loader(family, 3))
+    params = [p for p in strategy.engine.body.parameters()]
+    losses.append(float(trainer.callback_metrics.get("train_loss", float("nan"))))
+    return {
+        "finite": all(bool(torch.isfinite(p).all()) for p in params),
+        "largest": max(float(p.abs().max()) for p in params),
+        "loss": losses[0],
+    }
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_model_built_in_configure_model_is_initialised_by_its_own_init(
+    pools: Any, family: str
+) -> None:
+    """GPT-2's Conv1D has no reset_parameters: the model's _init_weights initialises each
+    rank's part (std 0.02), so nothing is left as uninitialised memory."""
+    results = pools(2).run(_fit_late, family)
+    for r in results:
+        assert r["finite"] and r["largest"] < 10, r
+    assert results[0]["loss"] == results[0]["loss"]  # not NaN
+    assert 2.0 < results[0]["loss"] < 6.0, results[0]  # about log(64) = 4.16 at the start
+
+
+# ---------------------------------------------------------------------- a model described by hand
+class _TinyViT(nn.Module):
+    """timm's VisionTransformer in miniature: parameters directly on the model (class token,
+    position table), the blocks in an nn.Sequential called as a whole, a head on the class token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch_embed = nn.Conv2d(3, 16, 4, stride=4)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, 16) * 0.02)
+        self.pos_embed = nn.Parameter(torch.randn(1, 17, 16) * 0.02)
+        self.blocks = nn.Sequential(
+            *[nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True) for _ in range(4)]
+        )
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 5)
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        x = self.patch_embed(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        return self.blocks(x)  # type: ignore[no-any-return]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.norm(self.forward_features(x))[:, 0])  # type: ignore[no-any-return]
+
+
+def vit_head(model: nn.Module, hidden: Tensor, args: Any, kwargs: Any) -> Tensor:
+    return model.head(model.norm(hidden)[:, 0])  # type: ignore[no-any-return, operator]
+
+
+class _DescribedModule(RegressionModel):
+    def __init__(self, post: tuple[str, ...] = ("norm", "head")) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        del self.body
+        self.net = _TinyViT()
+        self.post = post
+
+    def pipeline_body(self) -> PipeModel:
+        return PipeModel(
+            self.net,
+            blocks="blocks",
+            pre=["patch_embed", "cls_token", "pos_embed"],
+            post=list(self.post),
+            head=vit_head,
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _images(n: int = 5) -> list[tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(n)]
+
+
+def image_loader(n: int = 5) -> torch.utils.data.DataLoader[Any]:
+    """:func:`_images` as a loader of batches of 8."""
+    xs, ys = zip(*_images(n), strict=True)
+    return torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=8
+    )
+
+
+def _fit_described(schedule: str, post: tuple[str, ...] = ("norm", "head")) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    module = _DescribedModule(post)
+    strategy = Pipe2BWStrategy(schedule=schedule, microbatches=M)
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=STEPS)
+    try:
+        trainer.fit(module, image_loader())
+    except ValueError as err:
+        return {"error": str(err)}
+    state = strategy.full_state_dict()
+    return {"state": state if dist.get_rank() == 0 else None}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_a_model_described_with_pipe_model(pools: Any, schedule: str) -> None:
+    """A model the strategy does not know, described in pipeline_body(): parameters as ``pre``,
+    a Sequential of blocks called as a whole, a head function; exact against one device."""
+    results = pools(2).run(_fit_described, schedule)
+
+    def cross_entropy(net: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        return nn.functional.cross_entropy(net(x), y)
+
+    state = hf_models.train_reference(
+        lambda: _DescribedModule().net, _images(), M, cross_entropy, lr=1e-3,
+        delayed=schedule == "2bw",
+    )  # fmt: skip
+    ref = {f"net.{k}": v for k, v in state.items()}
+    diff = max_abs_diff(results[0]["state"], ref)
+    print(f"described {schedule}: max|dW| vs one device {diff:.3e}")
+    assert diff <= TOL
+
+
+def test_a_parameter_in_no_part_is_named(pools: Any) -> None:
+    for r in pools(2).run(_fit_described, "1f1b", ("head",)):
+        assert r["error"].startswith(
+            "parameters of _TinyViT in none of its pipeline parts: ['norm.weight', 'norm.bias']"
+        ), r
+
+
+def _fit_auto(family: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    module = hf_models.HFModule(family)
+    strategy = Pipe2BWStrategy(schedule="2bw", balance="auto")
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=10)
+    trainer.fit(module, hf_models.loader(family, 10))
+    assert strategy.plan is not None and strategy.plan_check is not None
+    return {"balance": strategy.plan.best.balance, "check": strategy.plan_check.result}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "vit"])
+def test_balance_auto_plans_a_real_model_and_reports_how_far_to_trust_it(
+    pools: Any, family: str
+) -> None:
+    """The planner profiles the model's blocks (the first one on the step's own arguments) and
+    the run reports its measured throughput against the prediction."""
+    results = pools(2).run(_fit_auto, family)
+    check = results[0]["check"]
+    print(f"auto {family}: balance {results[0]['balance']}, {check}")
+    assert sum(results[0]["balance"]) == 6  # first block, 4 layers, last block
+    assert check is not None and check["measured"] > 0 and check["steps"] == 5
+    assert abs(check["ratio"] - check["measured"] / check["predicted"]) < 1e-9
+
+
+def _fit_resume(
+    path: str, steps: int, resume: bool, state_dict_type: str, family: str = "gpt2"
+) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    module = hf_models.HFModule(family)
+    strategy = Pipe2BWStrategy(schedule="2bw", microbatches=M, state_dict_type=state_dict_type)
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=steps)
+    # one batch per epoch: the checkpoint falls on an epoch's end, where Lightning resumes
+    trainer.fit(module, hf_models.loader(family, 1), ckpt_path=path if resume else None)
+    if not resume:
+        trainer.save_checkpoint(path)
+    state = strategy.full_state_dict()
+    return {"state": state if dist.get_rank() == 0 else None}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt2_untied"])
+@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
+def test_a_run_resumed_from_a_checkpoint_goes_on_exactly(
+    pools: Any, tmp_path, state_dict_type: str, family: str
+) -> None:
+    """GPT-2 (tied) under 2BW: 2 steps, a checkpoint, 3 more steps from it equal 5 straight
+    steps (the checkpoint keeps the model's names, both weight versions and the tie)."""
+    path = str(tmp_path / ("ckpt" if state_dict_type == "sharded" else "gpt2.ckpt"))
+    pool = pools(2)
+    args = (state_dict_type, family)
+    straight = pool.run(_fit_resume, path + ".unused", STEPS, False, *args)[0]["state"]
+    pool.run(_fit_resume, path, 2, False, *args)
+    resumed = pool.run(_fit_resume, path, STEPS, True, *args)[0]["state"]
+    diff = max_abs_diff(resumed, straight)
+    print(f"resume {family} {state_dict_type}: max|dW| vs straight {diff:.3e}")
+    assert diff <= 1e-6
+
+
+# ---------------------------------------------------------------------- live repartitioning
+def _slow_layer(module: nn.Module, args: Any, output: Any) -> None:
+    time.sleep(0.01)  # a layer much slower than the others: the split should change
+
+
+def _fit_moving(repartition: bool) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    module = hf_models.HFModule("gpt2")
+    for layer in module.model.transformer.h[:2]:  # both on stage 0 with the even split
+        layer.register_forward_hook(_slow_layer)
+    extra = {"repartition_every": 2} if repartition else {}
+    strategy = Pipe2BWStrategy(schedule="2bw", microbatches=M, **extra)
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=STEPS)
+    trainer.fit(module, hf_models.loader("gpt2", STEPS))
+    state = strategy.full_state_dict()
+    return {
+        "state": state if dist.get_rank() == 0 else None,
+        "balance": list(strategy.partition.balance) if strategy.partition else [],
+        "whole": {f"model.{k}": v.clone() for k, v in module.model.state_dict().items()},
+        "tied": module.model.lm_head.weight is module.model.transformer.wte.weight,
+    }
+
+
+def test_live_repartitioning_moves_a_models_layers_and_changes_no_weight(pools: Any) -> None:
+    """Two slow GPT-2 layers on stage 0: blocks move to stage 1 at a flush point, with their
+    weights, 2BW's second version and the optimizer state; the weights equal the run without
+    moving, and after fit the model object is whole again, tie included."""
+    pool = pools(2)
+    still = pool.run(_fit_moving, False)
+    moved = pool.run(_fit_moving, True)
+    print(f"repartition: balance {still[0]['balance']} -> {moved[0]['balance']}")
+    assert moved[0]["balance"] != still[0]["balance"] == [3, 3]
+    assert max_abs_diff(moved[0]["state"], still[0]["state"]) == 0.0
+    for r in moved:
+        assert max_abs_diff(r["whole"], still[0]["state"]) == 0.0 and r["tied"]
+
+
+class _Predicting(hf_models.HFModule):
+    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, _ = batch
+        return self.model(input_ids=x).logits  # type: ignore[no-any-return]
+
+
+def _fit_validate_predict() -> dict[str, Any]:
+    torch.set_num_threads(1)
+    module = _Predicting("gpt2")
+    strategy = Pipe2BWStrategy(schedule="1f1b", microbatches=2)
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=2, limit_val_batches=2)
+    data = hf_models.loader("gpt2", 2)
+    trainer.fit(module, data, data)
+    validated = trainer.validate(module, data)
+    predicted = trainer.predict(module, data)
+    return {"val": validated[0]["val_loss"], "pred": predicted, "model": module.model}
+
+
+def test_validate_and_predict_a_model_as_it_comes(pools: Any) -> None:
+    """The evaluation loops run the model's own call too: the validation loss and the
+    predicted logits (merged over micro-batches, in batch order) equal the trained model's on
+    one device."""
+    results = pools(2).run(_fit_validate_predict)
+    model = results[0]["model"].eval()
+    data = hf_models.batches("gpt2", 2)
+    with torch.no_grad():
+        logits = [model(input_ids=x).logits for x, _ in data]
+        loss = sum(float(model(input_ids=x, labels=y).loss) for x, y in data) / len(data)
+    for r in results:
+        assert all(torch.equal(a, b) for a, b in zip(r["pred"], logits, strict=True))
+        assert abs(r["val"] - loss) < 1e-6
+
+
+def test_the_model_may_be_named_as_the_body(pools: Any) -> None:
+    """``Pipe2BWStrategy(body="model")`` names the Hugging Face model instead of finding it."""
+    results = pools(2).run(_fit, "llama", "1f1b", body="model")
+    assert max_abs_diff(results[0]["state"], hf_models.reference("llama", STEPS, M)) == 0.0

@@ -1,0 +1,33 @@
+"""ZB-H1's runs on the pool equal single-device gradient accumulation bitwise (tolerance 0: its
+``F``, ``I`` and ``W`` run in micro-batch order on every stage). The schedule itself:
+``tests/unit/test_zero_bubble.py``."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import workers
+from helpers.models import isclose, make_loader, max_abs_diff, reference_train
+
+STEPS = 6
+
+
+CASES = [(p, m) for p in (2, 4) for m in (p, 2 * p, 4 * p)]
+
+
+@pytest.mark.parametrize(("p", "m"), CASES, ids=[f"p{p}-m{m}" for p, m in CASES])
+def test_zb_h1_equals_single_device_bitwise(pools, p: int, m: int) -> None:
+    """6 AdamW steps, batch 16: max|dW| = 0 against one device accumulating the same
+    micro-batches, and the backwards were really cut (SplitBackward) on every stage but the
+    first, which sends no gradient and leaves each whole backward to its W."""
+    samples = 16 * STEPS  # one epoch
+    results = pools(p).run(workers.fit, "zb-h1", m, STEPS, batch_size=16, samples=samples)
+    data = make_loader("regression", 16, n=samples)
+    ref_state, ref_losses = reference_train(STEPS, m, batch_size=16, data=data)
+    diff = max_abs_diff(results[0]["state"], ref_state)
+    print(f"EXACTNESS zb-h1 p={p} m={m}: max|dW| = {diff:.3e}")
+    assert diff == 0.0
+    for result in results:  # the logged loss (summed over micro-batches in another order)
+        assert all(isclose(a, b) for a, b in zip(result["losses"], ref_losses, strict=True))
+    for result in results:
+        cut = 0 if result["stage"] == 0 else STEPS * m
+        assert result["split_backwards"] == cut, result["stage"]

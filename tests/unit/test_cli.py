@@ -1,0 +1,96 @@
+"""The main job's Lightning CLI (``python -m lightning_pipe2bw.recipes.gpt.cli``, the library's
+CLI with the GPT as defaults), in this process: strategy options in each form and a config file.
+Real two-process fits from the command line: ``tests/launch/test_cli.py``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import yaml
+from helpers import ROOT
+
+from lightning_pipe2bw.recipes.gpt.cli import expand_strategy_names, main
+
+TINY_MODEL = {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 32}
+TINY_DATA = {"block_size": 32, "batch_size": 8, "max_bytes": 200_000, "train_samples": 64}
+QUIET_TRAINER = [
+    "--trainer.accelerator=cpu",
+    "--trainer.devices=2",
+    "--trainer.logger=false",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+    "--trainer.limit_val_batches=0",
+]
+
+
+def _options(prefix: str, values: dict[str, Any]) -> list[str]:
+    return [f"--{prefix}.{key}={value}" for key, value in values.items()]
+
+
+TINY = _options("model", TINY_MODEL) + _options("data", TINY_DATA)
+
+
+def _print_config(args: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", *args, "--print_config"])
+    assert exit_info.value.code in (0, None)
+    config: dict[str, Any] = yaml.safe_load(capsys.readouterr().out)
+    return config
+
+
+@pytest.mark.parametrize(
+    ("args", "schedule", "start_method"),
+    [
+        ("--trainer.strategy=Pipe2BWStrategy --trainer.strategy.schedule=1f1b", "1f1b", "popen"),
+        ("--trainer.strategy.schedule=1f1b", "1f1b", "popen"),  # the default strategy class
+        ("--trainer.strategy=pipe2bw --trainer.strategy.schedule=1f1b", "1f1b", "popen"),
+        ("--trainer.strategy pipe_gpipe", "gpipe", "popen"),
+        ("--trainer.strategy=pipe2bw_spawn", "2bw", "spawn"),
+    ],
+)
+def test_print_config_lists_the_strategy_options(
+    args: str, schedule: str, start_method: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _print_config([*args.split(), "--trainer.strategy.microbatches=4"], capsys)
+    strategy = config["trainer"]["strategy"]
+    assert strategy["class_path"] == "lightning_pipe2bw.Pipe2BWStrategy"
+    init = strategy["init_args"]
+    for key in ("schedule", "microbatches", "flush_every", "balance", "body", "start_method"):
+        assert key in init, key
+    assert init["schedule"] == schedule
+    assert init["start_method"] == start_method
+    assert init["microbatches"] == 4
+    # the defaults: the package's GPT on its standard-library text
+    assert config["model"]["class_path"] == "lightning_pipe2bw.recipes.gpt.GPT"
+    assert config["model"]["init_args"]["n_layer"] == 4
+    assert config["data"]["class_path"] == "lightning_pipe2bw.recipes.gpt.StdlibTextDataModule"
+
+
+def test_other_strategy_names_stay_strings(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _print_config(["--trainer.strategy=ddp"], capsys)["trainer"]["strategy"] == "ddp"
+    argv = ["fit", "--trainer.strategy", "ddp", "--trainer.strategy=pipe_1f1b", "--model.lr=1"]
+    expanded = expand_strategy_names(argv)
+    assert expanded[:3] + expanded[4:] == argv[:3] + argv[4:]
+    name, form = expanded[3].split("=", 1)
+    assert name == "--trainer.strategy"
+    assert json.loads(form) == {
+        "class_path": "lightning_pipe2bw.Pipe2BWStrategy",
+        "init_args": {"schedule": "1f1b"},
+    }
+
+
+def test_main_with_args_refuses_a_popen_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)  # set by the CLI's seed_everything
+    args = ["fit", *QUIET_TRAINER, "--trainer.strategy=pipe2bw", *TINY]
+    with pytest.raises(ValueError, match="start_method=spawn"):
+        main(args)
+
+
+def test_example_config_parses(capsys: pytest.CaptureFixture[str]) -> None:
+    example = ROOT / "examples" / "cli_gpt.yaml"
+    config = _print_config(["--config", str(example), "--trainer.max_steps=7"], capsys)
+    assert config["trainer"]["max_steps"] == 7
+    assert config["trainer"]["strategy"]["init_args"]["schedule"] == "2bw"
+    assert config["model"]["init_args"]["n_layer"] == 4

@@ -1,0 +1,67 @@
+"""The documentation's option tables agree with the code they describe."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import MISSING, fields
+from typing import Any
+
+import pytest
+import yaml
+from helpers import ROOT
+
+from lightning_pipe2bw import Pipe2BWStrategy
+from lightning_pipe2bw.recipes.gpt.config import (
+    DataConfig,
+    ModelConfig,
+    StrategyConfig,
+    TrainerConfig,
+)
+
+
+def _tables(text: str) -> dict[str, dict[str, str]]:
+    """``{section heading: {key: default cell}}`` for every ``| key | default | ...`` table."""
+    out: dict[str, dict[str, str]] = {}
+    section = ""
+    for line in text.splitlines():
+        if line.startswith("#"):
+            section = line.lstrip("#").strip()
+        match = re.match(r"\| `([^`]+)` \| ([^|]*) \|", line)
+        if match:
+            out.setdefault(section, {})[match.group(1)] = match.group(2).strip()
+    return out
+
+
+def _default(field: Any) -> Any:
+    return field.default if field.default is not MISSING else field.default_factory()
+
+
+@pytest.mark.parametrize(
+    ("prefix", "schema"),
+    [
+        ("strategy", StrategyConfig),
+        ("model", ModelConfig),
+        ("data", DataConfig),
+        ("trainer", TrainerConfig),
+    ],
+)
+def test_configuration_reference_matches_the_dataclasses(prefix: str, schema: type) -> None:
+    tables = _tables((ROOT / "docs" / "configuration.md").read_text())
+    section = next(name for name in tables if name.startswith(prefix + " "))
+    documented = tables[section]
+    assert list(documented) == [f.name for f in fields(schema)], section
+    for f in fields(schema):
+        cell = documented[f.name].strip("`")
+        assert yaml.safe_load(cell) == _default(f), (section, f.name, cell, _default(f))
+
+
+def test_readme_lists_every_strategy_option() -> None:
+    tables = _tables((ROOT / "README.md").read_text())
+    documented = next(t for t in tables.values() if "schedule" in t and "balance" in t)
+    params = [
+        name
+        for name, p in inspect.signature(Pipe2BWStrategy.__init__).parameters.items()
+        if name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD
+    ]
+    assert list(documented) == params

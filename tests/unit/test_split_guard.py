@@ -1,0 +1,138 @@
+"""The intake learns a model's structure from one observed forward, and the guard against a split
+that trains silently wrong (``check_split``, on by default):
+
+- at set-up, the split model (its blocks run one after the other in the process) must return
+  what the whole model returns on the first micro-batch (rtol 1e-4, atol 1e-5);
+- at the first update, every trainable parameter must have a gradient on some stage (on real
+  ranks: ``tests/ranks/test_split_guard.py``).
+
+OPT is the case that trained silently wrong before: it registers its final norm before its layer
+list, and registration order put that norm on the first stage, where nothing ran it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch
+from helpers import hf_models
+from torch import Tensor, nn
+
+from lightning_pipe2bw.partition.hf import pipe_model_for
+from lightning_pipe2bw.partition.observe import SplitError, observe
+from lightning_pipe2bw.partition.split import check_split
+from lightning_pipe2bw.runtime.stage import BodyInput
+
+
+def _opt_call() -> tuple[nn.Module, BodyInput]:
+    torch.manual_seed(0)
+    model = hf_models.opt()
+    x, y = hf_models.batches("opt", 1)[0]
+    return model, BodyInput((), {"input_ids": x[:2], "labels": y[:2]})
+
+
+def test_the_forward_shows_where_registration_order_misleads() -> None:
+    model, call = _opt_call()
+    static = pipe_model_for(model)  # no forward watched: registration order
+    learnt = pipe_model_for(model, call)
+    assert static is not None and learnt is not None
+    assert "model.decoder.final_layer_norm" in static.pre
+    assert "model.decoder.final_layer_norm" in learnt.post
+    assert "model.decoder.final_layer_norm" not in learnt.pre
+    check_split(learnt, learnt.body(), call)  # the learnt split computes what the model does
+
+
+def test_the_set_up_check_catches_a_split_that_computes_something_else() -> None:
+    """The guard's first half on the split registration order gives OPT: the final norm never
+    runs, so the loss and the logits differ from the whole model's."""
+    model, call = _opt_call()
+    static = pipe_model_for(model)
+    assert static is not None
+    with pytest.raises(SplitError) as info:
+        check_split(static, static.body(), call)
+    message = str(info.value)
+    print(f"GUARD set-up: {message[:300]}")
+    assert message.startswith(
+        "the pipeline split of OPTForCausalLM computes something else than the whole model on "
+        "the first micro-batch (logits: max |difference|"
+    )
+    assert "loss: max |difference|" in message
+    assert "'model.decoder.final_layer_norm'" in message  # where it was put, named
+    assert "check_split=False" in message
+
+
+class _UsesShared(nn.Module):
+    """A layer that calls a module it does not hold (a module shared by layers)."""
+
+    def __init__(self, shared: nn.Module) -> None:
+        super().__init__()
+        self.own = nn.Linear(4, 4)
+        object.__setattr__(self, "other", shared)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.other(self.own(x))  # type: ignore[no-any-return, operator]
+
+
+class _Odd(nn.Module):
+    """Layers that call a module outside them, a module run between two layers, or a norm run
+    before and after the layers."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.norm = nn.LayerNorm(4)
+        self.shared = nn.Linear(4, 4)
+        if kind == "inside":
+            self.layers = nn.ModuleList([_UsesShared(self.shared) for _ in range(3)])
+        else:
+            self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.norm(x)
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if self.kind == "between" and i == 0:
+                x = self.shared(x)
+        return self.norm(x) if self.kind == "twice" else self.shared(x)
+
+
+def test_a_module_without_parameters_may_run_anywhere() -> None:
+    """A dropout (or rotary table) without parameters is on every stage: one instance used
+    before the layers, between them and after them, or by every layer, is no problem."""
+
+    class _Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.drop = nn.Dropout(0.0)
+            self.embed = nn.Linear(4, 4)
+            self.layers = nn.ModuleList([_UsesShared(self.drop) for _ in range(3)])
+            self.head = nn.Linear(4, 4)
+
+        def forward(self, x: Tensor) -> Tensor:
+            x = self.drop(self.embed(x))
+            for i, layer in enumerate(self.layers):
+                x = layer(x)
+                x = self.drop(x) if i == 0 else x
+            return self.head(self.drop(x))  # type: ignore[no-any-return]
+
+    model = _Shared()
+    seen = observe(model, "layers", lambda: model(torch.randn(2, 4)))
+    assert seen.before == ["drop", "embed"] and seen.after == ["head"], (seen.before, seen.after)
+
+
+@pytest.mark.parametrize(
+    ("kind", "says"),
+    [
+        ("inside", "layer 0 of _Odd ('layers') calls 'shared', which is not part of it (and 2 more)"),
+        ("between", "'shared' of _Odd runs after and between the layers"),
+        ("twice", "'norm' of _Odd runs after and before the layers"),
+    ],
+)
+def test_a_forward_the_split_cannot_carry_is_refused(kind: str, says: str) -> None:
+    model = _Odd(kind)
+    with pytest.raises(SplitError) as info:
+        observe(model, "layers", lambda: model(torch.randn(2, 4)))
+    assert str(info.value).startswith(says), str(info.value)
+    assert "PipeModel" in str(info.value)
