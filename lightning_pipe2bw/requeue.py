@@ -27,6 +27,7 @@ reported and left alone: those runs have nothing to resume.
 from __future__ import annotations
 
 import signal
+import threading
 import weakref
 from types import FrameType
 from typing import Any
@@ -86,6 +87,8 @@ class RequeueRelay:
         signum = environment.requeue_signal
         if signum is None or not dist.is_initialized():
             return
+        if threading.current_thread() is not threading.main_thread():
+            return  # handlers can only be set from the main thread (Lightning set none either)
         current = signal.getsignal(signum)
         if current is _dispatch or not callable(current):
             return  # ours already, or Lightning registered none (yet)
