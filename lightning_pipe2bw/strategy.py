@@ -321,7 +321,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         self._step_extra: Any = None
         # SIGTERM / SIGINT end every rank within seconds (see pipeline.signals)
         self._signals = SignalGuard(self._describe, self._on_forced_exit)
-        # SLURM's requeue warning answered at a step boundary (see pipeline.requeue)
+        # SLURM's requeue warning answered at a step boundary (see requeue.py)
         self._requeue = RequeueRelay(self._describe)
 
     @classmethod

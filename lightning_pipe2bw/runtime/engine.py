@@ -446,7 +446,6 @@ class PipelineEngine:
         else:
             roots, received = _received_grads(slot)
             seeds = list(received)
-        split = None
         if leaves and roots and self._can_split_backward(i, roots):
             split = SplitBackward.plan(roots, seeds, leaves)
             if split is not None:
