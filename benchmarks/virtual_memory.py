@@ -6,7 +6,8 @@ it prints every rank's peak bytes saved for backward (``engine.stats.peak_activa
 counted exactly through saved_tensors_hooks, both stages of a rank together) and the max / min
 ratio over ranks. A V (``zb-v``: rank r holds stages r and 2p - 1 - r) stashes about as much on
 every rank by its placement alone; 1F1B's first stage stashes p micro-batches, its last one,
-which BPipe (``balance_activations=True``) evens out by moving activations between ranks.
+which BPipe (``balance_activations=True``) evens out by moving activations between ranks;
+``2bw-v`` is PipeDream-2BW on the same V.
 
 Writes ``benchmarks/results/virtual_memory.json``::
 
@@ -33,19 +34,29 @@ RUNS: dict[str, tuple[str, dict[str, Any]]] = {
     "2bw + BPipe": ("2bw", {"balance_activations": True}),
     "interleaved-1f1b": ("interleaved-1f1b", {}),
     "zb-v": ("zb-v", {}),
+    "2bw-v": ("2bw-v", {}),
 }
 
 
 def run_own_batches(*args: Any, **kwargs: Any) -> dict[str, Any]:
-    """``run_ours`` with each batch in its own storage: ``schedules.Batches`` hands out slices
-    of the whole data set, which the first stage's input and the last stage's target would keep
-    alive (and the stash would count) in full."""
+    """``run_ours`` with each micro-batch in its own storage. ``schedules.Batches`` hands out
+    slices of the whole data set and the strategy splits a batch into views of it; the stash
+    counts a saved tensor's whole storage once per micro-batch (exact for activations, which
+    are their own storages), so the first stage's inputs and the last stage's targets would
+    count the data set once per micro-batch in flight: bytes that exist once."""
+    import lightning_pipe2bw.pipeline.stage_runtime as stage_runtime
+    from lightning_pipe2bw.runtime.microbatch import split_batch
 
     def own(self: Any, index: int) -> tuple[Any, ...]:
         rows = slice(index * self.batch_size, (index + 1) * self.batch_size)
         return tuple(t[rows].clone() for t in self.tensors)
 
+    def split_own(batch: Any, m: int) -> Any:
+        micro, sizes = split_batch(batch, m)
+        return [tuple(t.clone() for t in mb) for mb in micro], sizes
+
     schedules.Batches.__getitem__ = own  # type: ignore[method-assign]
+    stage_runtime.split_batch = split_own  # type: ignore[assignment]
     return run_ours(*args, **kwargs)
 
 

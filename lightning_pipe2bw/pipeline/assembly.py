@@ -249,7 +249,10 @@ def build_runtime(
     virtual = None
     if topology.placement is not None:
         virtual = VirtualStages(
-            topology.stages_here, topology.num_virtual, topology.neighbour_ranks()
+            topology.stages_here,
+            topology.num_virtual,
+            topology.neighbour_ranks(),
+            topology.placement,
         )
     engine = PipelineEngine(
         body,
@@ -271,7 +274,7 @@ def build_runtime(
     runtime_optimizers = list(optimizers)
     driver: Driver
     if training and options.is_async:
-        driver_cls = TwoBWDriver if options.schedule == "2bw" else PipeDreamDriver
+        driver_cls = PipeDreamDriver if options.schedule == "pipedream" else TwoBWDriver
         driver = driver_cls(
             engine,
             unwrap_optimizer(optimizers[0]),

@@ -131,8 +131,9 @@ class PipeOptions:
 
     @property
     def is_async(self) -> bool:
-        """Whether batches follow one another without a flush (``2bw``, ``pipedream``)."""
-        return self.schedule in ("2bw", "pipedream")
+        """Whether batches follow one another without a flush (``2bw``, ``2bw-v``,
+        ``pipedream``)."""
+        return self.schedule in ("2bw", "2bw-v", "pipedream")
 
     @property
     def correction(self) -> str:
@@ -140,7 +141,7 @@ class PipeOptions:
         schedule's default (``2bw``: ``DEFAULT_CORRECTION``; the others: ``"none"``)."""
         if self.delay_correction != "auto":
             return self.delay_correction
-        return DEFAULT_CORRECTION if self.schedule == "2bw" else "none"
+        return DEFAULT_CORRECTION if self.schedule in ("2bw", "2bw-v") else "none"
 
     def num_microbatches(self, num_stages: int) -> int:
         """Micro-batches per batch: the option, or one per stage."""
@@ -431,7 +432,7 @@ def _correction_problems(schedule: str, correction: str) -> list[Problem]:
     """A correction the schedule has no use for, or cannot apply."""
     if correction in ("auto", "none"):
         return []
-    if schedule not in ("2bw", "pipedream"):
+    if schedule not in ("2bw", "2bw-v", "pipedream"):
         return [
             Problem(
                 "delay_correction",
@@ -522,12 +523,12 @@ def run_problems(
                 "remove `self.automatic_optimization = False` from the LightningModule",
             )
         )
-    if name == "2bw" and m < num_stages:
+    if name in ("2bw", "2bw-v") and m < num_stages:
         problems.append(
             Problem(
                 "microbatches",
                 m,
-                f"schedule='2bw' needs at least as many micro-batches as stages, got "
+                f"schedule={name!r} needs at least as many micro-batches as stages, got "
                 f"microbatches={m} for {num_stages} stages; use microbatches={num_stages} or more",
             )
         )

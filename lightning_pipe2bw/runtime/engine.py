@@ -73,6 +73,7 @@ class VirtualStages:
     stages: tuple[int, ...]
     num_stages: int
     ranks: Mapping[int, int | None]
+    placement: tuple[int, ...] | None = None  # the place in the pipeline of every stage
 
 
 @dataclass

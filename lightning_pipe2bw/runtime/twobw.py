@@ -17,6 +17,7 @@ from lightning_pipe2bw.runtime.versions import TwoBWOptimizer, WeightVersions, u
 from lightning_pipe2bw.schedule import (
     Action,
     OneFOneBStream,
+    PlacedStream,
     add_offload,
     with_communication,
 )
@@ -68,6 +69,8 @@ class TwoBWDriver:
         self.segment_start = 0  # first batch since the last flush
         self.next_update = 0  # the oldest batch whose update has not been applied
         self.versions, self.optimizer = self._wrap(optimizer)
+        # a batch's weight version is free once its last backward ran on every stage here
+        self._ended: dict[int, int] = {}
         self.stream = self._new_stream()
         self._due = DueGradient()
         # on a rank other than the last stage's: the first report of the fit, received in its
@@ -121,17 +124,25 @@ class TwoBWDriver:
         frees its weight version for an update in place (1F1B runs a batch's backwards in
         micro-batch order)."""
         if action.ends_backward and (action.microbatch + 1) % self.m == 0:
-            self.versions.finish(self.batch_of(action.microbatch))
+            batch = self.batch_of(action.microbatch)
+            ended = self._ended.pop(batch, 0) + 1
+            if ended == len(self.engine.virtual.stages):
+                self.versions.finish(batch)
+            else:
+                self._ended[batch] = ended
         if self.version_log is not None:
             self.version_log.append(len(self.versions.live_versions()))
 
-    def _new_stream(self) -> OneFOneBStream:
+    def _new_stream(self) -> OneFOneBStream | PlacedStream:
         seg, m = self.segment_start, self.m
-        return OneFOneBStream(
-            self.engine.stage,
-            self.engine.num_stages,
-            lambda k: WeightVersions.version_for(seg + k // m),
-        )
+
+        def version(k: int) -> int:
+            return WeightVersions.version_for(seg + k // m)
+
+        placement = self.engine.virtual.placement
+        if placement is not None:  # several stages per rank (2BW on a V)
+            return PlacedStream(placement, self.engine.stage, version)
+        return OneFOneBStream(self.engine.stage, self.engine.num_stages, version)
 
     def _weights_for(self, microbatch: int) -> Mapping[str, Tensor]:
         return self.versions.weights_for(self.batch_of(microbatch))
@@ -149,7 +160,10 @@ class TwoBWDriver:
         backward: Callable[[Tensor], None],
     ) -> dict[int, Any]:
         p, stage = self.engine.num_stages, self.engine.stage
-        comm = [c for a in actions for c in with_communication(a, p)]
+        if isinstance(self.stream, PlacedStream):  # its actions include the messages
+            comm = list(actions)
+        else:
+            comm = [c for a in actions for c in with_communication(a, p)]
         if self.evicting:
             comm = add_offload(comm, stage, p, self.evicting)
         return self.engine.execute(

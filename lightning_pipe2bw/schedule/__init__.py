@@ -36,7 +36,7 @@ from .offload import (
 )
 from .passes import early_input_grads, split_backward
 from .simulate import Costs, DeadlockError, SimResult, simulate
-from .stream import OneFOneBStream
+from .stream import OneFOneBStream, PlacedStream
 from .validate import ScheduleError, validate
 from .virtual import (
     VIRTUAL_SCHEDULES,
@@ -58,6 +58,7 @@ __all__ = [
     "Costs",
     "DeadlockError",
     "OneFOneBStream",
+    "PlacedStream",
     "Schedule",
     "ScheduleError",
     "SimResult",

@@ -21,13 +21,15 @@ import heapq
 from collections.abc import Sequence
 
 from .action import Action, ActionKind
-from .generators import Schedule, check_sizes
+from .generators import Schedule, check_sizes, two_bw_version
+from .stream import PlacedStream
 
 __all__ = [
     "VIRTUAL_SCHEDULES",
     "interleaved_1f1b",
     "looped_placement",
     "placement_of",
+    "two_bw_v",
     "v_placement",
     "virtual_schedule",
     "zb_v",
@@ -202,9 +204,33 @@ def _list_schedule(
 # Schedules with several stages per rank, by name (ranks, micro-batches) -> Schedule. The
 # engine runs one stage per rank today, so these are not in ``SCHEDULES`` (what the strategy
 # accepts) yet: the simulator, the validator and the planner's tables use them.
+def two_bw_v(num_ranks: int, num_microbatches: int, num_batches: int = 2) -> Schedule:
+    """PipeDream-2BW on a V (rank r holds stages r and 2p - 1 - r) over ``num_batches``
+    batches of m micro-batches, flushed only at the end: each rank's :class:`PlacedStream`
+    (1F1B over the 2p stages, a rank's two stages merged in the order of their ideal start
+    times, messages included), cut after each batch's forwards as the driver cuts it. Actions
+    carry the weight version of their batch (:func:`two_bw_version`). Needs m >= p, as 2BW
+    does, so that a batch's backwards are done on every rank once the next batch has been
+    admitted (the gradient the delayed update applies is complete). Every rank holds at most
+    2p + 1 stage micro-batches, half-size ones: about 1F1B's first-stage peak (p whole ones), on
+    every rank alike."""
+    check_sizes(num_ranks, num_microbatches)
+    p, m = num_ranks, num_microbatches
+    if m < p:
+        raise ValueError(f"2BW on a V needs at least p = {p} micro-batches per batch, got m={m}")
+    placement = v_placement(p)
+    lanes = []
+    for r in range(p):
+        stream = PlacedStream(placement, r, lambda k: two_bw_version(k, m))
+        lane = [a for t in range(1, num_batches + 1) for a in stream.window(t * m)]
+        lanes.append((*lane, *stream.drain()))
+    return Schedule("2bw-v", 2 * p, m * num_batches, tuple(lanes), placement=placement)
+
+
 VIRTUAL_SCHEDULES = {
     "interleaved-1f1b": interleaved_1f1b,
     "zb-v": zb_v,
+    "2bw-v": two_bw_v,
 }
 
 # the stages per rank of interleaved 1F1B when the strategy runs it
@@ -216,7 +242,7 @@ def placement_of(name: str, num_ranks: int) -> tuple[int, ...] | None:
     or None for a schedule with one stage per rank."""
     if name == "interleaved-1f1b":
         return looped_placement(num_ranks, INTERLEAVED_CHUNKS)
-    if name == "zb-v":
+    if name in ("zb-v", "2bw-v"):
         return v_placement(num_ranks)
     return None
 

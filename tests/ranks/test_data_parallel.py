@@ -36,13 +36,13 @@ def _global_batches(replicas: int, local_batch: int) -> list[Any]:
     return batches
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "2bw", "interleaved-1f1b", "zb-v"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "2bw", "interleaved-1f1b", "zb-v", "2bw-v"])
 def test_two_replicas_of_two_stages_equal_one_device(pools, schedule: str) -> None:
     results = pools(4).run(workers.fit, schedule, 2, STEPS, batch_size=LOCAL_BATCH, data_parallel=2)
     # ranks 0-1 are replica 0 (rank 0 runs the last place), ranks 2-3 replica 1
     assert [r["stage"] for r in results] == [1, 0, 1, 0]
     batches = _global_batches(2, LOCAL_BATCH)
-    if schedule == "2bw":
+    if schedule in ("2bw", "2bw-v"):
         ref = reference_2bw(STEPS, 4, data=batches)
     else:
         ref, _ = reference_train(STEPS, 4, data=batches)
@@ -51,7 +51,7 @@ def test_two_replicas_of_two_stages_equal_one_device(pools, schedule: str) -> No
     assert diff <= TOL
     # and it is not the result of training on one replica's half alone
     halves = [(x[:LOCAL_BATCH], y[:LOCAL_BATCH]) for x, y in batches]
-    if schedule == "2bw":
+    if schedule in ("2bw", "2bw-v"):
         half = reference_2bw(STEPS, 2, data=halves)
     else:
         half, _ = reference_train(STEPS, 2, data=halves)

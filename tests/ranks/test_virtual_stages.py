@@ -8,7 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import workers
-from helpers.models import RegressionModel, isclose, make_loader, max_abs_diff, reference_train
+from helpers.models import (
+    RegressionModel,
+    isclose,
+    make_loader,
+    max_abs_diff,
+    reference_2bw,
+    reference_train,
+)
 
 STEPS = 6
 
@@ -92,3 +99,27 @@ def test_validation_and_recompute_on_virtual_stages(pools, name: str) -> None:
         expected = torch.nn.functional.mse_loss(model(x), y).item()
     assert isclose(runs[0][-1], expected), (runs[0][-1], expected)
     assert all(r["split_backwards"] == 0 for r in results)
+
+
+V2BW = [(p, m, "adamw") for p in (2, 4) for m in (p, 2 * p, 4 * p)] + [(2, 4, "sgd")]
+
+
+@pytest.mark.parametrize(("p", "m", "optimizer"), V2BW, ids=[f"p{p}-m{m}-{o}" for p, m, o in V2BW])
+def test_2bw_on_a_v_equals_the_delayed_reference(pools, p: int, m: int, optimizer: str) -> None:
+    """PipeDream-2BW with rank r holding stages r and 2p - 1 - r: W(t+1) = W(t) - step(grad
+    f(W(t-1))) like the single-process reference, within 1e-5 after 6 steps (the default delay
+    correction included), with at most two weight versions on every rank."""
+    batch = 16 if m <= 8 else 32
+    samples = batch * STEPS  # one epoch
+    results = pools(p).run(
+        workers.fit, "2bw-v", m, STEPS, optimizer, batch_size=batch, samples=samples
+    )
+    data = make_loader("regression", batch, n=samples)
+    ref = reference_2bw(STEPS, m, batch_size=batch, optimizer=optimizer, data=data)
+    diff = max_abs_diff(results[0]["state"], ref)
+    print(f"EXACTNESS 2bw-v p={p} m={m} {optimizer}: max|dW| = {diff:.3e}")
+    assert diff <= 1e-5
+    flush, _ = reference_train(STEPS, m, batch_size=batch, optimizer=optimizer, data=data)
+    assert max_abs_diff(results[0]["state"], flush) > 1e-3  # the delay is real
+    for r in results:
+        assert 1 <= max(r["versions"]) <= 2 and 1 <= r["engine_versions"] <= 2

@@ -122,7 +122,7 @@ def test_unknown_option_names_list_the_valid_ones() -> None:
     [
         (
             {"schedule": "zb"},
-            ("gpipe", "1f1b", "2bw", "pipedream", "zb-h1", "interleaved-1f1b", "zb-v"),
+            ("gpipe", "1f1b", "2bw", "pipedream", "zb-h1", "interleaved-1f1b", "zb-v", "2bw-v"),
         ),
         ({"start_method": "Spawn"}, ("popen", "spawn", "fork", "forkserver")),
         ({"state_dict_type": "dcp"}, ("full", "sharded")),
@@ -366,7 +366,7 @@ def test_the_config_is_checked_by_the_strategy_checks() -> None:
     problems = strategy_problems(bad, world_size=2)
     assert problems == [
         "strategy.schedule='zb' is unknown; valid: gpipe, 1f1b, 2bw, pipedream, zb-h1, "
-        "interleaved-1f1b, zb-v",
+        "interleaved-1f1b, zb-v, 2bw-v",
         "strategy.microbatches: microbatches must be a positive int, got 0",
         "strategy.start_method='thread' is unknown; valid: auto, popen, spawn, fork, forkserver",
     ]
