@@ -259,13 +259,18 @@ def test_a_truncated_checkpoint_is_named(pools: Any, tmp_path: Path) -> None:
         assert "resume from an earlier checkpoint" in message
 
 
-@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-v"])
-def test_virtual_stages_resume_and_reshard(pools: Any, tmp_path: Path, schedule: str) -> None:
+@pytest.mark.parametrize(
+    ("schedule", "plain"), [("interleaved-1f1b", "1f1b"), ("zb-v", "1f1b"), ("2bw-v", "2bw")]
+)
+def test_virtual_stages_resume_and_reshard(
+    pools: Any, tmp_path: Path, schedule: str, plain: str
+) -> None:
     """Two stages per rank: a consolidated checkpoint resumes exactly (the optimizer's state of
-    both stages of a rank travels with it), and a sharded one saved by this placement resumes
-    with another (1F1B, one stage per rank), to the weights of 6 straight steps."""
+    both stages of a rank travels with it; under 2BW, the second weight version too), and a
+    sharded one saved by this placement resumes with one stage per rank (``plain``), to the
+    weights of 6 straight steps of ``plain``."""
     pool = pools(2)
-    straight = pool.run(_fit, "1f1b", 6)[0]
+    straight = pool.run(_fit, plain, 6)[0]
     pool.run(_fit, schedule, 3, str(tmp_path / "full"))
     ckpt = tmp_path / "full" / "step=3.ckpt"
     raw = torch.load(ckpt, weights_only=True)
@@ -273,13 +278,13 @@ def test_virtual_stages_resume_and_reshard(pools: Any, tmp_path: Path, schedule:
     assert (meta["schedule"], meta["balance"]) == (schedule, [2, 2, 2, 2])
     resumed = pool.run(_fit, schedule, 6, None, str(ckpt))[0]
     diff = max_abs_diff(resumed["state"], straight["state"])
-    print(f"RESUME {schedule}: 6 steps of 1f1b vs 3 + checkpoint + 3: max|dW| = {diff:.3e}")
+    print(f"RESUME {schedule}: 6 steps of {plain} vs 3 + checkpoint + 3: max|dW| = {diff:.3e}")
     assert resumed["global_step"] == 6 and diff <= TOL
 
     pool.run(_fit, schedule, 3, str(tmp_path / "sharded"), state_dict_type="sharded")
     sharded = tmp_path / "sharded" / "step=3.ckpt"
     assert len(list(sharded.glob("*.distcp"))) == 2  # one shard per rank
-    for other in ("1f1b", schedule):
+    for other in (plain, schedule):
         resumed = pool.run(_fit, other, 6, None, str(sharded), state_dict_type="sharded")[0]
         diff = max_abs_diff(resumed["state"], straight["state"])
         print(f"RESUME sharded {schedule} -> {other}: max|dW| = {diff:.3e}")

@@ -123,3 +123,18 @@ def test_2bw_on_a_v_equals_the_delayed_reference(pools, p: int, m: int, optimize
     assert max_abs_diff(results[0]["state"], flush) > 1e-3  # the delay is real
     for r in results:
         assert 1 <= max(r["versions"]) <= 2 and 1 <= r["engine_versions"] <= 2
+
+
+def test_2bw_on_a_v_with_a_tied_weight(pools) -> None:
+    """Blocks 1 and 6 share a weight; the V puts both on rank 0: one parameter, one version
+    set, and the delayed reference (which holds one weight) within 1e-6."""
+    samples = 16 * STEPS
+    results = pools(2).run(
+        workers.fit, "2bw-v", 4, STEPS, batch_size=16, samples=samples, model="tied"
+    )
+    data = make_loader("tied", 16, n=samples)
+    ref = reference_2bw(STEPS, 4, batch_size=16, data=data, model_name="tied")
+    diff = max_abs_diff(results[0]["state"], ref)
+    print(f"EXACTNESS 2bw-v tied weights p=2 m=4: max|dW| = {diff:.3e}")
+    assert diff <= 1e-6
+    assert [r["tied_copies"] for r in results] == [0, 0]

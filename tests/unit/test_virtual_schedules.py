@@ -15,6 +15,7 @@ from lightning_pipe2bw.schedule import (
     Action,
     ActionKind,
     Costs,
+    PlacedStream,
     Schedule,
     ScheduleError,
     add_communication,
@@ -26,10 +27,12 @@ from lightning_pipe2bw.schedule import (
     parse_actions,
     parse_stages,
     simulate,
+    two_bw_version,
     v_placement,
     validate,
     zb_v,
 )
+from lightning_pipe2bw.schedule.virtual import two_bw_v
 
 PROPS = settings(max_examples=40, deadline=None, database=None)
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
@@ -267,3 +270,45 @@ def test_forward_only_on_a_placement_runs_each_rank_s_stages_in_stage_order() ->
     """)
     assert not schedule.training and schedule.placement == (0, 1, 1, 0)
     validate(add_communication(schedule))
+
+
+@PROPS
+@given(p=st.integers(1, 5), extra=st.integers(0, 8), batches=st.integers(1, 3))
+def test_2bw_on_a_v_is_valid_balanced_and_due_in_time(p: int, extra: int, batches: int) -> None:
+    """PipeDream-2BW on a V (``two_bw_v``, the rank streams the driver runs): valid, free of
+    deadlock, one FIFO queue per pair of ranks, every rank at most 2p + 1 stage micro-batches in
+    flight; each window computes its batch's losses (the last stage's forwards) and, from the
+    second on, ends with the previous batch's backwards done on the rank (its gradient is due);
+    every action carries its batch's weight version."""
+    m = p + extra
+    schedule = two_bw_v(p, m, batches)
+    validate(schedule)
+    result = simulate(schedule)
+    assert max(result.peak_activations) <= 2 * p + 1
+    sent, got = _pair_orders(schedule)
+    assert sent == got
+    for lane in schedule.stages:
+        for a in lane:
+            assert a.version == two_bw_version(a.microbatch, m)
+    last = 2 * p - 1
+    for r in range(p):
+        stream = PlacedStream(v_placement(p), r)
+        done: set[tuple[int, int]] = set()
+        for t in range(batches):
+            window = stream.window((t + 1) * m)
+            assert all(a.microbatch < (t + 1) * m for a in window)
+            done |= {(a.stage, a.microbatch) for a in window if a.kind is B}
+            if last in stream.stages:
+                forwards = {a.microbatch for a in window if a.kind is F and a.stage == last}
+                assert set(range(t * m, (t + 1) * m)) <= forwards
+            if t:
+                due = {(s, k) for s in stream.stages for k in range((t - 1) * m, t * m)}
+                assert due <= done
+        drained = stream.drain()
+        assert all(a.kind is not F for a in drained)
+        assert stream.window(m)[0].microbatch == 0  # after a flush it starts again
+
+
+def test_2bw_on_a_v_needs_p_microbatches() -> None:
+    with pytest.raises(ValueError, match="at least p = 3 micro-batches"):
+        two_bw_v(3, 2)
