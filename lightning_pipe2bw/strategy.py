@@ -94,9 +94,10 @@ from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
 from lightning_pipe2bw.pipeline.topology import Topology
 from lightning_pipe2bw.requeue import RequeueRelay
 from lightning_pipe2bw.runtime import PipelineEngine, StageBody
-from lightning_pipe2bw.runtime.driver import Driver, DueGradient, Report
+from lightning_pipe2bw.runtime.driver import Driver, DueGradient
 from lightning_pipe2bw.runtime.failure import SignalStop, StageFailure
 from lightning_pipe2bw.runtime.microbatch import batch_size_of
+from lightning_pipe2bw.runtime.stepvalues import StepValues
 from lightning_pipe2bw.schedule import SCHEDULES, ActivationBudget
 from lightning_pipe2bw.steplog import (
     StepRecording,
@@ -728,45 +729,47 @@ class Pipe2BWStrategy(ParallelStrategy):
                 args[0], recording.step, self._backward_microbatch, train=train,
                 loss_root=self._loss_root(module),
             )  # fmt: skip
-        values.update(recording.values())
+        recording.fill(values)
         fingerprint, self._fingerprint = self._fingerprint, None
         fingerprints = self._fingerprints[train]
         if runtime.is_last:
-            values["batch"] = fingerprint
+            values.batch = fingerprint
             if train and self._requeue.active:
                 assert self.groups is not None
-                lag = runtime.driver.report_lag
-                due = self._requeue.decide(self.groups.stage, self.data_parallel, self.root_device, lag)
-                if due is not None:
-                    values["requeue"] = due
+                lag = runtime.driver.values_lag
+                values.requeue = self._requeue.decide(
+                    self.groups.stage, self.data_parallel, self.root_device, lag
+                )
         else:
             fingerprints.ran(fingerprint)
         settle = train and compat.ends_epoch(module.trainer)
         self._ends_epoch = train and compat.last_batch_of_epoch(module.trainer)
-        reports = runtime.deliver(values, train=train, settle=settle)
-        for report in reports:
+        delivered = runtime.deliver_values(values, train=train, settle=settle)
+        for step_values in delivered:
             if not runtime.is_last:
                 loader = self._loader_names.get(hook, _LOADERS.get(hook, hook))
-                fingerprints.compare(report.get("batch"), self.stage, loader)
-            recording.apply(report, self.root_device)
-            self._requeue.note(report)
+                fingerprints.compare(step_values.batch, self.stage, loader)
+            recording.apply(step_values, self.root_device)
+            self._requeue.note(step_values)
         if train:
-            return self._training_output(reports)
-        return apply_to_collection(reports[-1]["output"], Tensor, lambda t: t.to(self.root_device))
+            return self._training_output(delivered)
+        return apply_to_collection(delivered[-1].output, Tensor, lambda t: t.to(self.root_device))
 
-    def _training_output(self, reports: list[Report]) -> Any:
+    def _training_output(self, delivered: list[StepValues]) -> Any:
         """What the training step returns to Lightning on this rank: the loss of the newest
-        report, with the step's other values when it returned a dict (NaN where no report has
-        arrived yet: 2BW's first step of an epoch on a rank other than 0)."""
+        step's values delivered, with the step's other values when it returned a dict (NaN where
+        none have arrived yet: 2BW's first step of an epoch on a rank other than 0)."""
         device = self.root_device
-        if reports:
-            loss = scalar_on(device, reports[-1]["loss"])
-            extra = self._step_extra = reports[-1].get("extra")
+        if delivered:
+            loss = delivered[-1].loss
+            assert loss is not None, "a training step's values carry its loss"
+            loss = scalar_on(device, loss)
+            extra = self._step_extra = delivered[-1].extra
         else:
             loss = scalar_on(device, math.nan)
             if self._step_extra is None:
                 ahead = self._runtime.driver.preview
-                self._step_extra = ahead.get("extra") if ahead is not None else None
+                self._step_extra = ahead.extra if ahead is not None else None
             extra = _missing_like(self._step_extra) if self._step_extra is not None else None
         if extra is None:
             return loss
