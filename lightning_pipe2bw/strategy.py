@@ -47,6 +47,7 @@ from lightning_pipe2bw import compat
 from lightning_pipe2bw.agreement import agree_on_inf_checks, check_same_setup, make_clipping_global
 from lightning_pipe2bw.averaging import average_stages, averaging_callbacks, whole_averages
 from lightning_pipe2bw.callbacks.summary import use_pipeline_summary
+from lightning_pipe2bw.callbacks.view import PipelineView
 from lightning_pipe2bw.hooklogs import StageLogs, logs_in_gradient_hooks
 from lightning_pipe2bw.launcher import (
     PipePopenLauncher,
@@ -398,6 +399,12 @@ class Pipe2BWStrategy(ParallelStrategy):
     @property
     def partition(self) -> Partition | None:
         return self.runtime.partition if self.runtime is not None else None
+
+    def pipeline_view(self) -> PipelineView:
+        """What the callbacks read: this rank's place in the pipeline, its engine and driver."""
+        return PipelineView(
+            self.stage, self.num_stages, self.replica, self.root_device, self.engine, self.driver
+        )
 
     @property
     def _runtime(self) -> StageRuntime:

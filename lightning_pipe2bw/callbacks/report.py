@@ -18,6 +18,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_pipe2bw.callbacks.view import pipeline_view
+
 __all__ = [
     "Lane",
     "PipelineReport",
@@ -154,29 +156,30 @@ class StageReport:
 def stage_report(
     trainer: Trainer, pl_module: LightningModule, max_actions: int = 5000
 ) -> StageReport | None:
-    """This rank's :class:`StageReport`, read from a pipeline strategy (``Pipe2BWStrategy``):
-    ``stage``, ``num_stages`` and an ``engine`` with ``body.indices`` and ``stats``. Returns None
-    for a strategy without an engine (not a pipeline, or fit never built one). Local: no
+    """This rank's :class:`StageReport`, read from a pipeline strategy's view
+    (:class:`~lightning_pipe2bw.callbacks.view.PipelineView`: the stage, and the engine's body and
+    ``stats``). Returns None for a strategy without an engine (not a pipeline, or fit never built
+    one). Local: no
     communication. Idle and receive shares cover the whole recorded timeline (the engine keeps
     the most recent 20,000 actions); ``timeline`` keeps the last ``max_actions`` of them."""
-    strategy = trainer.strategy
-    engine = getattr(strategy, "engine", None)
-    stats = getattr(engine, "stats", None)
-    if engine is None or stats is None:
+    view = pipeline_view(trainer)
+    engine = view.engine if view is not None else None
+    if view is None or engine is None:
         return None
-    actions = timed_actions(getattr(stats, "timeline", ()))
+    stats = engine.stats
+    actions = timed_actions(stats.timeline)
     shares = timeline_shares(actions)
-    body = getattr(engine, "body", None)
+    body = engine.body
     return StageReport(
-        stage=int(getattr(strategy, "stage", 0)),
+        stage=view.stage,
         rank=trainer.global_rank,
-        num_stages=int(getattr(strategy, "num_stages", 1)),
+        num_stages=view.num_stages,
         host=socket.gethostname(),
-        blocks=[int(i) for i in getattr(body, "indices", [])],
+        blocks=[int(i) for i in body.indices],
         # the stage's own (after fit the module holds the whole model again)
         parameters=sum(p.numel() for p in (body or pl_module).parameters()),
-        weight_versions=int(getattr(stats, "max_weight_versions", 0)),
-        peak_activation_bytes=int(getattr(stats, "peak_activation_bytes", 0)),
+        weight_versions=stats.max_weight_versions,
+        peak_activation_bytes=stats.peak_activation_bytes,
         idle=shares.idle,
         recv=shares.recv,
         wall_s=shares.wall_s,
