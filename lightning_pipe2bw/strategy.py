@@ -74,6 +74,7 @@ from lightning_pipe2bw.pipeline.autoplan import (
 )
 from lightning_pipe2bw.pipeline.checkpoint import CheckpointFormat, layout_to_adopt
 from lightning_pipe2bw.pipeline.checkpoint_io import gather_state_dict, is_sharded_checkpoint
+from lightning_pipe2bw.pipeline.checks import run_problems
 from lightning_pipe2bw.pipeline.groups import ProcessGroups, choose_backend, gather_stages
 from lightning_pipe2bw.pipeline.intake import (
     check_every_parameter_used,
@@ -86,7 +87,6 @@ from lightning_pipe2bw.pipeline.options import (
     PipeOptions,
     StartMethod,
     raise_problems,
-    run_problems,
 )
 from lightning_pipe2bw.pipeline.peers import PeerDirectory
 from lightning_pipe2bw.pipeline.repartition import Repartition, Repartitioner

@@ -7,14 +7,13 @@ problem. Each problem names the option, its value and the fix (:class:`Problem`)
 that words its messages for its own surface (the Hydra config names ``strategy.<option>``) reads
 the problems from :meth:`PipeOptions.problems` instead.
 
-The checks that need more than the options (the world size, the Trainer) are here too, as pure
-functions of plain values: :func:`run_problems` and :func:`async_problems`; those that need the
-model (block counts, the memory plan against the partition) live with the partition.
+The checks that need more than the options (the layout, the Trainer call, the optimizers, the
+partition) are pure functions of plain values in :mod:`lightning_pipe2bw.pipeline.checks`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Literal, get_args
@@ -25,6 +24,7 @@ from lightning_pipe2bw.optim.delay import (
     canonical_correction,
     correction_predicts,
 )
+from lightning_pipe2bw.pipeline.problems import Problem, raise_problems
 from lightning_pipe2bw.runtime.stash import check_memory_plan
 from lightning_pipe2bw.schedule import SCHEDULES, VIRTUAL_SCHEDULES, ActivationBudget
 
@@ -37,9 +37,7 @@ __all__ = [
     "Problem",
     "StartMethod",
     "StateDictType",
-    "async_problems",
     "raise_problems",
-    "run_problems",
 ]
 
 BalanceMode = Literal["uniform", "params", "auto"]
@@ -51,32 +49,6 @@ STATE_DICT_TYPES: tuple[str, ...] = get_args(StateDictType)
 
 # how long a rank waits for another before the run stops (torch's own default is 30 minutes)
 DEFAULT_TIMEOUT = timedelta(minutes=3)
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One bad option: its name, the value given, and a message that names both and the fix.
-
-    ``choices`` lists the valid names when the value is an unknown name (a front end may word
-    that case itself); ``kind`` is the exception it raises alone (``TypeError`` for a value of
-    the wrong type, ``ValueError`` otherwise)."""
-
-    option: str
-    value: Any
-    message: str
-    kind: type[Exception] = ValueError
-    choices: tuple[str, ...] = ()
-
-
-def raise_problems(problems: Sequence[Problem], title: str = "invalid pipe2bw options") -> None:
-    """Raise nothing for no problem, the problem's own error for one, and one error listing
-    every message for several (a ``TypeError`` only if every problem is one)."""
-    if not problems:
-        return
-    if len(problems) == 1:
-        raise problems[0].kind(problems[0].message)
-    kind = TypeError if all(p.kind is TypeError for p in problems) else ValueError
-    raise kind(f"{title}:\n  - " + "\n  - ".join(p.message for p in problems))
 
 
 def _positive_int(value: Any) -> bool:
@@ -507,98 +479,3 @@ _DEFAULTS: dict[str, Any] = {
     "delay_correction": "auto",
     "check_split": True,
 }
-
-
-# ---------------------------------------------------------------------- checks against a run
-def run_problems(
-    options: PipeOptions,
-    num_stages: int,
-    *,
-    fitting: bool,
-    predicting: bool,
-    automatic_optimization: bool,
-    accumulate_grad_batches: int,
-) -> list[Problem]:
-    """What the options cannot do in this run (a Trainer call on ``num_stages`` stages)."""
-    problems: list[Problem] = []
-    name, m, w = options.schedule, options.num_microbatches(num_stages), options.data_parallel
-    if fitting and not automatic_optimization:
-        problems.append(
-            Problem(
-                "automatic_optimization",
-                False,
-                "pipe2bw drives forward and backward itself and needs automatic optimization; "
-                "remove `self.automatic_optimization = False` from the LightningModule",
-            )
-        )
-    if name == "2bw" and m < num_stages:
-        problems.append(
-            Problem(
-                "microbatches",
-                m,
-                f"schedule='2bw' needs at least as many micro-batches as stages, got "
-                f"microbatches={m} for {num_stages} stages; use microbatches={num_stages} or more",
-            )
-        )
-    if predicting and w > 1:
-        problems.append(
-            Problem(
-                "data_parallel",
-                w,
-                f"trainer.predict with data_parallel={w} would split the data over the replicas "
-                "and return only replica 0's predictions; predict with a strategy of "
-                "data_parallel=1 (the checkpoint loads with any layout)",
-            )
-        )
-    if name == "pipedream" and w > 1:
-        problems.append(
-            Problem(
-                "data_parallel",
-                w,
-                "schedule='pipedream' updates each stage in the middle of the pipeline, with no "
-                "point at which replicas could average their gradients; use schedule='2bw' (or a "
-                "flush schedule) with data_parallel > 1",
-            )
-        )
-    if accumulate_grad_batches != 1:
-        n = accumulate_grad_batches
-        problems.append(
-            Problem(
-                "accumulate_grad_batches",
-                n,
-                f"Trainer(accumulate_grad_batches={n}) is not supported by pipe2bw: a batch "
-                f"already accumulates gradients over its micro-batches. Use a {n}x larger batch "
-                "(and more micro-batches) instead",
-            )
-        )
-    return problems
-
-
-def async_problems(
-    options: PipeOptions, *, num_optimizers: int, clips_gradients: bool, scales_loss: bool
-) -> list[Problem]:
-    """What the schedules without a flush (``2bw``, ``pipedream``) cannot do with the run's
-    optimizers and precision."""
-    name = options.schedule
-    problems: list[Problem] = []
-    if num_optimizers != 1:
-        problems.append(
-            Problem(
-                "schedule",
-                name,
-                f"schedule={name!r} keeps versions of one optimizer's weights, but "
-                f"configure_optimizers returned {num_optimizers}; use one optimizer (with "
-                "parameter groups if needed)",
-            )
-        )
-    elif name == "pipedream" and (clips_gradients or scales_loss):
-        problems.append(
-            Problem(
-                "schedule",
-                name,
-                "schedule='pipedream' applies each stage's update asynchronously, when that "
-                "stage finishes a batch, so no global gradient norm or inf check exists at update "
-                "time; remove gradient_clip_val / 16-mixed, or use schedule='2bw'",
-            )
-        )
-    return problems

@@ -19,9 +19,14 @@ from hypothesis import strategies as st
 from lightning_pipe2bw import Pipe2BWStrategy, PipeOptions
 from lightning_pipe2bw.config import StrategyConfig, build_strategy, strategy_problems
 from lightning_pipe2bw.partition import Partition
-from lightning_pipe2bw.pipeline.assembly import memory_plan_problems
+from lightning_pipe2bw.pipeline.checks import (
+    async_problems,
+    memory_plan_problems,
+    run_problems,
+    runtime_problems,
+)
 from lightning_pipe2bw.pipeline.groups import choose_backend
-from lightning_pipe2bw.pipeline.options import async_problems, raise_problems, run_problems
+from lightning_pipe2bw.pipeline.options import raise_problems
 from lightning_pipe2bw.pipeline.topology import Topology
 from lightning_pipe2bw.schedule import ActivationBudget
 
@@ -305,6 +310,27 @@ def test_memory_plan_against_the_partition(
     (problem,) = memory_plan_problems(PipeOptions.create(**options), Partition((4, 4)), recompute)
     assert text in problem.message
     assert memory_plan_problems(PipeOptions.create(), Partition((4, 4)), True) == []
+
+
+def test_what_a_training_runtime_cannot_run_is_collected() -> None:
+    """The two checks of a stage's runtime (test_balancer.py and test_bad_input.py see them on
+    real ranks) are collected problems, none outside training."""
+    run = {"num_optimizers": 1, "clips_gradients": False, "scales_loss": False}
+    gpipe = PipeOptions.create(schedule="gpipe", balance_activations=True)
+    (problem,) = runtime_problems(gpipe, training=True, **run)
+    assert "the balanced share moves nothing" in problem.message
+    assert runtime_problems(gpipe, training=False, **run) == []
+    pipedream = PipeOptions.create(schedule="pipedream")
+    (problem,) = runtime_problems(pipedream, training=True, shared_across="0.weight = 3.weight", **run)
+    assert problem.message.startswith(
+        "parameters shared between blocks on different stages (0.weight = 3.weight) need "
+        "every copy updated at the same step; schedule='pipedream'"
+    )
+    problems = runtime_problems(
+        pipedream, training=True, shared_across="a", **{**run, "num_optimizers": 2}
+    )
+    assert [p.option for p in problems] == ["schedule", "schedule"]  # listed together
+    assert runtime_problems(PipeOptions.create(), training=True, shared_across="a", **run) == []
 
 
 def test_several_memory_plan_problems_are_listed_together() -> None:
