@@ -83,6 +83,7 @@ from lightning_pipe2bw.pipeline.intake import (
 from lightning_pipe2bw.pipeline.migrate import hand_back, relayout
 from lightning_pipe2bw.pipeline.options import (
     DEFAULT_TIMEOUT,
+    OPTION_NAMES,
     BalanceMode,
     PipeOptions,
     StartMethod,
@@ -286,17 +287,11 @@ class Pipe2BWStrategy(ParallelStrategy):
         check_split: bool = True,
         **kwargs: Any,
     ) -> None:
+        # the keywords are the options' table (pipeline.options.OPTIONS, held to this signature
+        # by tests/unit/test_options.py), given as they are
+        given = {name: value for name, value in locals().items() if name in OPTION_NAMES}
         super().__init__(**kwargs)
-        self.options = PipeOptions.create(
-            schedule=schedule, microbatches=microbatches, flush_every=flush_every,
-            balance=balance, body=body, start_method=start_method,
-            process_group_backend=process_group_backend, timeout=timeout,
-            state_dict_type=state_dict_type, data_parallel=data_parallel, recompute=recompute,
-            memory_plan=memory_plan, balance_activations=balance_activations,
-            repartition_every=repartition_every, repartition_threshold=repartition_threshold,
-            early_input_grad=early_input_grad, delay_correction=delay_correction,
-            check_split=check_split,
-        )  # fmt: skip
+        self.options = PipeOptions.create(**given)
         self._num_nodes = 1
         self._process_group_backend = self.options.process_group_backend
         self.groups: ProcessGroups | None = None  # made at set-up, kept for every Trainer call

@@ -8,6 +8,7 @@ here the arithmetic is checked without starting any process.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from datetime import timedelta
 from typing import Any
 
@@ -26,7 +27,7 @@ from lightning_pipe2bw.pipeline.checks import (
     runtime_problems,
 )
 from lightning_pipe2bw.pipeline.groups import choose_backend
-from lightning_pipe2bw.pipeline.options import raise_problems
+from lightning_pipe2bw.pipeline.options import OPTIONS, raise_problems
 from lightning_pipe2bw.pipeline.topology import Topology
 from lightning_pipe2bw.schedule import ActivationBudget
 
@@ -361,3 +362,15 @@ def test_the_config_is_checked_by_the_strategy_checks() -> None:
     strategy = build_strategy(StrategyConfig(schedule="1f1b", timeout_s=30, memory_plan={1: "swap"}))
     assert strategy.options.timeout == timedelta(seconds=30)
     assert strategy.options.memory_plan == {1: "swap"} and strategy.schedule_name == "1f1b"
+
+
+def test_every_option_is_declared_once_in_the_table() -> None:
+    """The strategy's keywords and defaults, and the Hydra schema's fields, are the table's."""
+    signature = inspect.signature(Pipe2BWStrategy.__init__).parameters
+    keywords = [n for n, p in signature.items() if n != "self" and p.kind is not p.VAR_KEYWORD]
+    assert keywords == [o.name for o in OPTIONS]
+    assert [signature[o.name].default for o in OPTIONS] == [o.default for o in OPTIONS]
+    schema = dataclasses.fields(StrategyConfig)
+    assert [f.name for f in schema] == [o.field_name for o in OPTIONS]
+    assert [f.default for f in schema] == [o.field_default for o in OPTIONS]
+    assert StrategyConfig().timeout_s is None and StrategyConfig().microbatches == 4
