@@ -14,7 +14,6 @@ import atexit
 import functools
 import importlib.metadata
 import logging
-import math
 import os
 import pickle
 import signal
@@ -35,11 +34,9 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 from torch.optim import Optimizer
-from torch.utils import _pytree as pytree
 from torchmetrics import Metric
 from typing_extensions import override
 
@@ -48,6 +45,7 @@ from lightning_pipe2bw.agreement import agree_on_inf_checks, check_same_setup, m
 from lightning_pipe2bw.averaging import average_stages, averaging_callbacks, whole_averages
 from lightning_pipe2bw.callbacks.summary import use_pipeline_summary
 from lightning_pipe2bw.callbacks.view import PipelineView
+from lightning_pipe2bw.delivery import StepDelivery
 from lightning_pipe2bw.hooklogs import StageLogs, logs_in_gradient_hooks
 from lightning_pipe2bw.launcher import (
     PipePopenLauncher,
@@ -57,9 +55,7 @@ from lightning_pipe2bw.launcher import (
     stop_workers,
 )
 from lightning_pipe2bw.loaders import (
-    FingerprintCheck,
     batch_fingerprint,
-    describe_loader,
     last_batch_problem,
     seed_sampler,
 )
@@ -99,12 +95,10 @@ from lightning_pipe2bw.runtime import PipelineEngine, StageBody
 from lightning_pipe2bw.runtime.driver import Driver, DueGradient
 from lightning_pipe2bw.runtime.failure import SignalStop, StageFailure
 from lightning_pipe2bw.runtime.microbatch import batch_size_of
-from lightning_pipe2bw.runtime.stepvalues import StepValues
 from lightning_pipe2bw.schedule import SCHEDULES, ActivationBudget
 from lightning_pipe2bw.steplog import (
     StepRecording,
     quiet_epoch_sync_advice,
-    scalar_on,
     share_metrics,
 )
 
@@ -143,41 +137,6 @@ def _names_lost_ranks(where: str) -> Callable[[_Method], _Method]:
         return cast(_Method, named)
 
     return wrap
-
-
-# the dataloader each pipelined hook reads, for errors
-_LOADERS = {
-    "training_step": "training dataloader",
-    "validation_step": "validation dataloader",
-    "test_step": "test dataloader",
-    "predict_step": "predict dataloader",
-}
-
-
-def _hook_reading(trainer: Trainer) -> str | None:
-    """The pipelined hook that reads the dataloaders Lightning sets up now."""
-    if trainer.training:
-        return "training_step"
-    if trainer.validating or trainer.sanity_checking:
-        return "validation_step"
-    if trainer.testing:
-        return "test_step"
-    return "predict_step" if trainer.predicting else None
-
-
-def _missing_like(value: Any) -> Any:
-    """``value``'s structure with NaN in place of every number and tensor value (None for
-    anything else): what a rank returns for a step whose values have not reached it yet."""
-
-    def blank(leaf: Any) -> Any:
-        if isinstance(leaf, Tensor):
-            dtype = leaf.dtype if leaf.dtype.is_floating_point else torch.get_default_dtype()
-            return torch.full(leaf.shape, math.nan, dtype=dtype)
-        if isinstance(leaf, (int, float)) and not isinstance(leaf, bool):
-            return math.nan
-        return None
-
-    return pytree.tree_map(blank, value)
 
 
 class Pipe2BWStrategy(ParallelStrategy):
@@ -309,13 +268,8 @@ class Pipe2BWStrategy(ParallelStrategy):
         self._ends_epoch = False
         # values logged in the gradient hooks, merged over the stages (None: nothing logs there)
         self._hook_logs: StageLogs | None = None
-        # the fingerprint of the batch Lightning moved to the device last (see loaders), and
-        # those of the batches run and not yet compared with the last stage's (train, eval)
-        self._fingerprint: str | None = None
-        self._fingerprints = {True: FingerprintCheck(), False: FingerprintCheck()}
-        self._loader_names: dict[str, str] = {}  # by the hook that reads it, for errors
-        # the extra values (besides the loss) of the latest training step this rank has seen
-        self._step_extra: Any = None
+        # a step's values, from the last stage to what every rank logs and returns
+        self._delivery = StepDelivery()
         # SIGTERM / SIGINT end every rank within seconds (see pipeline.signals)
         self._signals = SignalGuard(self._describe, self._on_forced_exit)
         # SLURM's requeue warning answered at a step boundary (see requeue.py)
@@ -448,9 +402,8 @@ class Pipe2BWStrategy(ParallelStrategy):
             )
             if problem is not None:
                 raise ValueError(problem)
-        hook = _hook_reading(trainer) if trainer is not None else None
-        if hook is not None:
-            self._loader_names[hook] = f"{_LOADERS[hook]} ({describe_loader(dataloader)})"
+        if trainer is not None:
+            self._delivery.name_loader(trainer, dataloader)
         return seed_sampler(dataloader, int(os.environ.get("PL_GLOBAL_SEED", 0)))
 
     def _trainer(self) -> Trainer | None:
@@ -466,7 +419,7 @@ class Pipe2BWStrategy(ParallelStrategy):
     ) -> Any:
         """Before the batch leaves the host: its fingerprint, which the last stage sends with
         the step's values and the other stages compare with their own (``loaders``)."""
-        self._fingerprint = batch_fingerprint(batch) if self.num_stages > 1 else None
+        self._delivery.fingerprint = batch_fingerprint(batch) if self.num_stages > 1 else None
         return super().batch_to_device(batch, device, dataloader_idx)
 
     @property
@@ -598,8 +551,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         self._agree_across_stages()
         # the guard's second half: every parameter gets a gradient at the first update
         self._use_check = fitting and self.options.check_split
-        self._fingerprints = {True: FingerprintCheck(), False: FingerprintCheck()}
-        self._step_extra = None
+        self._delivery.restart()
         self._hook_logs = None
         if fitting and self.num_stages > 1 and logs_in_gradient_hooks(trainer, module):
             self._hook_logs = self._stage_logs(module)
@@ -732,50 +684,19 @@ class Pipe2BWStrategy(ParallelStrategy):
                 loss_root=self._loss_root(module),
             )  # fmt: skip
         recording.fill(values)
-        fingerprint, self._fingerprint = self._fingerprint, None
-        fingerprints = self._fingerprints[train]
-        if runtime.is_last:
-            values.batch = fingerprint
-            if train and self._requeue.active:
-                assert self.groups is not None
-                lag = runtime.driver.values_lag
-                values.requeue = self._requeue.decide(
-                    self.groups.stage, self.data_parallel, self.root_device, lag
-                )
-        else:
-            fingerprints.ran(fingerprint)
         settle = train and compat.ends_epoch(module.trainer)
         self._ends_epoch = train and compat.last_batch_of_epoch(module.trainer)
-        delivered = runtime.deliver_values(values, train=train, settle=settle)
-        for step_values in delivered:
-            if not runtime.is_last:
-                loader = self._loader_names.get(hook, _LOADERS.get(hook, hook))
-                fingerprints.compare(step_values.batch, self.stage, loader)
-            recording.apply(step_values, self.root_device)
-            self._requeue.note(step_values)
-        if train:
-            return self._training_output(delivered)
-        return apply_to_collection(delivered[-1].output, Tensor, lambda t: t.to(self.root_device))
+        return self._delivery.deliver(
+            runtime, recording, values, hook=hook, train=train, settle=settle,
+            device=self.root_device, requeue=self._requeue,
+            request=self._requeue_request if train and self._requeue.active else None,
+        )  # fmt: skip
 
-    def _training_output(self, delivered: list[StepValues]) -> Any:
-        """What the training step returns to Lightning on this rank: the loss of the newest
-        step's values delivered, with the step's other values when it returned a dict (NaN where
-        none have arrived yet: 2BW's first step of an epoch on a rank other than 0)."""
-        device = self.root_device
-        if delivered:
-            loss = delivered[-1].loss
-            assert loss is not None, "a training step's values carry its loss"
-            loss = scalar_on(device, loss)
-            extra = self._step_extra = delivered[-1].extra
-        else:
-            loss = scalar_on(device, math.nan)
-            if self._step_extra is None:
-                ahead = self._runtime.driver.preview
-                self._step_extra = ahead.extra if ahead is not None else None
-            extra = _missing_like(self._step_extra) if self._step_extra is not None else None
-        if extra is None:
-            return loss
-        return {"loss": loss, **apply_to_collection(extra, Tensor, lambda t: t.to(device))}
+    def _requeue_request(self, lag: int) -> int | None:
+        """On the last stage: the batch at whose start every rank answers SLURM's requeue
+        warning, or None (``RequeueRelay.decide``; ``lag``: the driver's ``values_lag``)."""
+        assert self.groups is not None
+        return self._requeue.decide(self.groups.stage, self.data_parallel, self.root_device, lag)
 
     def _loss_root(self, module: LightningModule) -> Callable[[Tensor], Tensor] | None:
         """What :meth:`_backward_microbatch` differentiates, as a function of the weighted loss
