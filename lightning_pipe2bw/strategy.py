@@ -1,10 +1,11 @@
 """The Lightning seam: ``Pipe2BWStrategy`` turns Lightning's hooks into calls on one pipeline stage.
 
 This module is wiring. What it delegates to knows nothing of Lightning (``docs/design.md``):
-the options and their checks (``pipeline.options``), the process mesh (``pipeline.topology``,
-``pipeline.groups``), the stage's runtime (``pipeline.assembly``: body, engine, driver, stash,
-BPipe link), the checkpoint format (``pipeline.checkpoint``), block migration
-(``pipeline.migrate``) and the rest of ``runtime/``, ``schedule/`` and ``partition/``. Lightning's
+the options and their checks (``pipeline.options``, ``pipeline.checks``), the process mesh
+(``pipeline.topology``, ``pipeline.groups``), the stage's runtime (``pipeline.assembly``: body,
+engine, driver, stash, BPipe link), the checkpoint format (``pipeline.checkpoint``), block
+migration (``pipeline.migrate``) and the rest of ``runtime/``, ``schedule/`` and ``partition/``;
+a step's values reach every rank's logs and return value through ``delivery``. Lightning's
 private API is reached through ``compat`` only.
 """
 
