@@ -1,5 +1,6 @@
-"""The checks of the options against what they run on: the process layout, the Trainer call,
-the optimizers and precision, the partition. Each is a pure function of plain values returning the
+"""The checks of the options against what they run on: the Trainer call, the optimizers and
+precision, the partition (those against the process layout are ``Topology.option_problems``,
+which the layout's rewrite keeps for now). Each is a pure function of plain values returning the
 collected problems (:class:`~lightning_pipe2bw.pipeline.problems.Problem`); the caller raises them
 at once (:func:`~lightning_pipe2bw.pipeline.problems.raise_problems`). The checks of one option's
 value alone live with its declaration (``pipeline/options.py``).
@@ -15,47 +16,10 @@ from lightning_pipe2bw.schedule import ActivationBudget, offload_stages
 
 __all__ = [
     "async_problems",
-    "layout_problems",
     "memory_plan_problems",
     "run_problems",
     "runtime_problems",
 ]
-
-
-def layout_problems(
-    options: PipeOptions, world_size: int, data_parallel: int, num_stages: int
-) -> list[Problem]:
-    """The options that describe another number of stages than the layout's (``world_size``
-    processes, ``data_parallel`` pipelines of ``num_stages`` stages)."""
-    world, w, p = world_size, data_parallel, num_stages
-    problems: list[Problem] = []
-    if options.balance is not None and len(options.balance) != p:
-        stages = len(options.balance)
-        hint = (
-            f"data_parallel={world // stages} ({world // stages} pipelines of {stages} "
-            f"stages) or devices={stages * w}"
-            if world % stages == 0
-            else f"a device count divisible by {stages}"
-        )
-        problems.append(
-            Problem(
-                "balance",
-                options.balance,
-                f"balance={list(options.balance)} describes {stages} stages but {world} "
-                f"devices with data_parallel={w} make pipelines of {p} stages; use {hint}",
-            )
-        )
-    flags = options.recompute
-    if isinstance(flags, tuple) and len(flags) != p:
-        problems.append(
-            Problem(
-                "recompute",
-                flags,
-                f"recompute={list(flags)} has {len(flags)} entries but the pipeline has {p} "
-                "stages; give one bool per stage, or one bool for all",
-            )
-        )
-    return problems
 
 
 def run_problems(

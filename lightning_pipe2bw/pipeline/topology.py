@@ -110,9 +110,35 @@ class Topology:
     # ------------------------------------------------------------------ options vs the layout
     def option_problems(self, options: PipeOptions) -> list[Problem]:
         """The options that describe another number of stages than this layout's."""
-        from lightning_pipe2bw.pipeline.checks import layout_problems
-
-        return layout_problems(options, self.world_size, self.data_parallel, self.num_stages)
+        world, w, p = self.world_size, self.data_parallel, self.num_stages
+        problems: list[Problem] = []
+        if options.balance is not None and len(options.balance) != p:
+            stages = len(options.balance)
+            hint = (
+                f"data_parallel={world // stages} ({world // stages} pipelines of {stages} "
+                f"stages) or devices={stages * w}"
+                if world % stages == 0
+                else f"a device count divisible by {stages}"
+            )
+            problems.append(
+                Problem(
+                    "balance",
+                    options.balance,
+                    f"balance={list(options.balance)} describes {stages} stages but {world} "
+                    f"devices with data_parallel={w} make pipelines of {p} stages; use {hint}",
+                )
+            )
+        flags = options.recompute
+        if isinstance(flags, tuple) and len(flags) != p:
+            problems.append(
+                Problem(
+                    "recompute",
+                    flags,
+                    f"recompute={list(flags)} has {len(flags)} entries but the pipeline has {p} "
+                    "stages; give one bool per stage, or one bool for all",
+                )
+            )
+        return problems
 
     def describe(self) -> str:
         return (
