@@ -58,7 +58,8 @@ WIDTH = 256
 HIDDEN = 1024
 LR = 1e-3
 SEED = 1234
-OUR_SCHEDULES = ("gpipe", "1f1b", "2bw", "pipedream", "zb-h1")
+OUR_SCHEDULES = ("gpipe", "1f1b", "2bw", "pipedream", "zb-h1", "interleaved-1f1b", "zb-v")
+DEFAULT_SCHEDULES = OUR_SCHEDULES[:5]  # one stage per rank; the virtual ones on request
 TRANSPORTS = ("auto", "shm", "gloo")  # PIPE2BW_TRANSPORT (lightning_pipe2bw.runtime.shm)
 # torch.distributed.pipelining classes, without the "Schedule" prefix; the first two run one
 # stage per rank, the others two (looped/interleaved: stages r and r + p; "V": r and 2p - 1 - r)
@@ -642,7 +643,12 @@ def summarize_peer(name: str, m: int, ranks: list[dict[str, Any]], batch_size: i
     )
 
 
-_TORCH_SAME = {"gpipe": "GPipe", "1f1b": "1F1B"}
+_TORCH_SAME = {
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved-1f1b": "Interleaved1F1B",
+    "zb-v": "ZBVZeroBubble",
+}
 
 
 def add_ratios(rows: list[Row]) -> None:
@@ -829,7 +835,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--schedules",
-        default=",".join(OUR_SCHEDULES),
+        default=",".join(DEFAULT_SCHEDULES),
         help="ours, comma separated; a name may end in @gloo or @shm to pick the transport of "
         "that run (PIPE2BW_TRANSPORT; default: auto, shared memory on one host), and gpipe~late "
         "or 1f1b~late runs without early_input_grad",

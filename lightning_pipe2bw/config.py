@@ -122,8 +122,8 @@ def strategy_problems(cfg: StrategyConfig, world_size: int) -> list[str]:
     strategy's own checks, in the config's words)."""
     problems = PipeOptions.problems(**_options(cfg, multirun=False))
     if not problems and world_size >= 1:
-        problems = Topology.problems(world_size, cfg.data_parallel) or Topology(
-            world_size, cfg.data_parallel
+        problems = Topology.problems(world_size, cfg.data_parallel) or Topology.for_schedule(
+            world_size, cfg.data_parallel, 0, cfg.schedule
         ).option_problems(build_options(cfg))
     return [_worded(p) for p in problems]
 

@@ -322,7 +322,9 @@ class Pipe2BWStrategy(ParallelStrategy):
 
     @property
     def topology(self) -> Topology:
-        return Topology(self.world_size, self.options.data_parallel, self.global_rank)
+        return Topology.for_schedule(
+            self.world_size, self.options.data_parallel, self.global_rank, self.options.schedule
+        )
 
     @property
     def num_stages(self) -> int:
@@ -466,6 +468,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         env.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         topology = Topology.create(self.world_size, self.data_parallel, self.global_rank)
+        topology = replace(topology, placement=self.topology.placement)
         raise_problems(topology.option_problems(self.options))
         backend = self._resolve_backend()
         created = not _initialized()
@@ -524,7 +527,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         has_batch_norm = StochasticWeightAveraging.pl_module_contains_batch_norm(module)
         if fitting and self.options.balance_mode == "auto" and not isinstance(ref.module, StageBody):
             self._plan_auto(ref)
-        balance = resolve_balance(self.options, ref, self.num_stages, self.plan)
+        balance = resolve_balance(self.options, ref, self.topology.num_virtual, self.plan)
         recompute = self.plan.best.recompute if self.plan is not None else self.options.recompute
         body, partition = place_stage(
             module, ref, self.options, self.topology, balance, self.root_device, recompute

@@ -33,6 +33,7 @@ def build_stage(
     recompute: bool = False,
     memory_plan: Mapping[int, str] | None = None,
     init: Init | None = None,
+    stages: Sequence[int] | None = None,
 ) -> tuple[StageBody, Partition]:
     """Replace the body ``ref`` of ``module`` by this stage's :class:`StageBody`, which
     recomputes its activations (``recompute``) or follows ``memory_plan``.
@@ -44,13 +45,18 @@ def build_stage(
     a tensor left uninitialised raises :class:`UninitializedError`. A body that
     an earlier ``trainer`` call already partitioned is reused with its blocks, and takes this
     call's ``recompute`` and ``memory_plan``.
+
+    With virtual stages, ``num_stages`` counts the pipeline's stages and ``stages`` names those
+    this rank holds (``stage`` is then the rank's place in the pipeline): the body holds their
+    blocks, stage by stage.
     """
+    held = tuple(stages) if stages is not None else (stage,)
     current = ref.module
     if isinstance(current, StageBody):
-        if current.num_stages != num_stages or current.stage != stage:
+        if current.num_stages != num_stages or current.stages != held:
             raise ValueError(
-                f"this module was partitioned for stage {current.stage} of {current.num_stages}"
-                f" and cannot be re-used as stage {stage} of {num_stages}"
+                f"this module was partitioned for {_stages(current.stages)} of "
+                f"{current.num_stages} and cannot be re-used as {_stages(held)} of {num_stages}"
             )
         current.run_again(recompute, memory_plan)
         return current, Partition(current.balance)
@@ -60,7 +66,7 @@ def build_stage(
     blocks = list(current.children())
     _check_callable_blocks(blocks, ref.path)
     partition = make_partition(len(blocks), num_stages, balance)
-    owned = partition.blocks_of(stage)
+    owned = [i for v in held for i in partition.blocks_of(v)]
     model_body = current if isinstance(current, PipeModelBody) else None
     model = model_body.spec.model if model_body is not None else None
     stage_body = StageBody(
@@ -77,6 +83,7 @@ def build_stage(
         restore=functools.partial(restore_model, model) if model is not None else None,
         release=functools.partial(release, model) if model is not None else None,
         built_on_meta=any(_has_meta(blocks[i]) for i in owned),
+        stages=held,
     )
     if model is not None:
         release(model, [b for i, b in enumerate(blocks) if i not in owned])
@@ -87,6 +94,10 @@ def build_stage(
     if stage_body.built_on_meta:
         retie(stage_body)
     return stage_body, partition
+
+
+def _stages(stages: Sequence[int]) -> str:
+    return f"stage {stages[0]}" if len(stages) == 1 else f"stages {list(stages)}"
 
 
 def retie(body: StageBody) -> None:
@@ -377,7 +388,7 @@ def _natural(path: str) -> tuple[tuple[int, int | str], ...]:
 def _materialize(
     module: nn.Module,
     stage_body: StageBody,
-    owned: range,
+    owned: Sequence[int],
     device: torch.device,
     *,
     model_init: tuple[Init, str] | None = None,

@@ -32,6 +32,7 @@ from lightning_pipe2bw.pipeline.topology import Topology
 from lightning_pipe2bw.runtime import P2PTransport, PipelineEngine, StageBody
 from lightning_pipe2bw.runtime.channel import ObjectChannel
 from lightning_pipe2bw.runtime.driver import Driver, FlushDriver
+from lightning_pipe2bw.runtime.engine import VirtualStages
 from lightning_pipe2bw.runtime.failure import wait_limits
 from lightning_pipe2bw.runtime.peer import PeerLink
 from lightning_pipe2bw.runtime.shm import create_transport
@@ -111,12 +112,13 @@ def place_stage(
             module,
             ref,
             stage,
-            topology.num_stages,
+            topology.num_virtual,
             balance,
             device,
             recompute=flag,
             memory_plan=options.memory_plan,
             init=resolve_init(module),
+            stages=topology.stages_here,
         )
     except UninitializedError as err:
         entries = err.entries
@@ -129,8 +131,8 @@ def place_stage(
         raise UninitializedError(entries)
     raise_problems(memory_plan_problems(options, partition, flag))
     log.info(
-        "pipe2bw: rank %d runs stage %d/%d with blocks %s of %r",
-        topology.rank, stage, topology.num_stages, body.indices, ref.path,
+        "pipe2bw: rank %d runs stages %s/%d with blocks %s of %r",
+        topology.rank, list(topology.stages_here), topology.num_virtual, body.indices, ref.path,
     )  # fmt: skip
     return body, partition
 
@@ -183,6 +185,11 @@ def build_runtime(
         groups.offload(evicting)
     stage, p = topology.stage, topology.num_stages
     timeout_s = options.timeout.total_seconds() if options.timeout is not None else None
+    virtual = None
+    if topology.placement is not None:
+        virtual = VirtualStages(
+            topology.stages_here, topology.num_virtual, topology.neighbour_ranks()
+        )
     engine = PipelineEngine(
         body,
         stage=stage,
@@ -193,6 +200,7 @@ def build_runtime(
         wait_limits=wait_limits(stage, p, timeout_s) if timeout_s is not None else (None, None),
         link=_link(topology, groups, evicting, device, timeout_s),
         evict_share=_evict_share(options, topology, evicting, num_microbatches),
+        virtual=virtual,
     )
     if engine.link is not None:
         log.info(
@@ -250,7 +258,7 @@ def _transport(topology: Topology, device: torch.device, timeout_s: float | None
     """The transport to the neighbour stages: shared memory between CPU processes of one host,
     else the process group (see :func:`~lightning_pipe2bw.runtime.shm.create_transport`; the
     whole world is one pipeline group). Collective when there is more than one stage."""
-    peers = [r for r in (topology.prev_rank, topology.next_rank) if r is not None]
+    peers = topology.peers
     if topology.num_stages == 1 or not (dist.is_available() and dist.is_initialized()):
         return P2PTransport(None, device)
     return create_transport(device, peers, timeout_s)

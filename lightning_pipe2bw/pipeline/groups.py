@@ -102,7 +102,8 @@ class ProcessGroups:
         on first use: every rank asks at the same point of set-up)."""
         if self._metrics is None:
             t = self.topology
-            ranks = sorted(t.rank_of_stage(t.num_stages - 1, r) for r in range(t.data_parallel))
+            last = t.place_of(t.num_virtual - 1)
+            ranks = sorted(t.rank_of_stage(last, r) for r in range(t.data_parallel))
             self._metrics = dist.new_group(ranks)
         return self._metrics
 

@@ -203,23 +203,14 @@ class _Bad(Exception):
 
 
 def _schedule(value: Any) -> dict[str, Any]:
-    if isinstance(value, str) and value in VIRTUAL_SCHEDULES:
-        valid = ", ".join(repr(name) for name in SCHEDULES)
-        raise _Bad(
-            "schedule",
-            value,
-            f"schedule {value!r} runs several stages per rank, which the strategy does not run "
-            f"yet (it exists as a schedule for the simulator: lightning_pipe2bw.schedule."
-            f"VIRTUAL_SCHEDULES); use one of {valid} ('zb-h1': zero bubble, one stage per rank)",
-            choices=tuple(SCHEDULES),
-        )
-    if value not in SCHEDULES:
-        valid = ", ".join(repr(name) for name in SCHEDULES)
+    names = (*SCHEDULES, *VIRTUAL_SCHEDULES)
+    if value not in names:
+        valid = ", ".join(repr(name) for name in names)
         raise _Bad(
             "schedule",
             value,
             f"unknown schedule {value!r}; valid schedules: {valid}",
-            choices=tuple(SCHEDULES),
+            choices=names,
         )
     return {"schedule": value}
 

@@ -136,8 +136,9 @@ class StageRuntime:
     def _forward_schedule(self, num_microbatches: int) -> Schedule:
         m = num_microbatches
         if m not in self._forward_schedules:
+            t = self.topology
             self._forward_schedules[m] = add_communication(
-                forward_only(self.topology.num_stages, m)
+                forward_only(t.num_virtual, m, t.placement)
             )
         return self._forward_schedules[m]
 
@@ -231,8 +232,11 @@ class StageRuntime:
             if isinstance(exception, (SignalStop, KeyboardInterrupt)):
                 say(f"pipe2bw: {record.describe()}")  # a signal: the traceback says nothing
             else:
-                say(f"pipe2bw: {record.describe()}\n" + "".join(traceback.format_exception(exception)))
-        peers = [r for r in (engine.prev_rank, engine.next_rank) if r is not None and r != source]
+                say(
+                    f"pipe2bw: {record.describe()}\n"
+                    + "".join(traceback.format_exception(exception))
+                )
+        peers = [r for r in engine.neighbours if r != source and r != t.rank]
         if engine.link is not None and engine.link.partner != source:
             engine.link.fail(record)  # the partner may be waiting for activations
         try:

@@ -45,14 +45,16 @@ class TiedCopies:
     ) -> None:
         self.copies: list[_Copy] = []
         for tie in body.ties:
-            stages = tie.stages(partition)
+            # the ranks' places in the pipeline: with virtual stages, uses on two stages of one
+            # rank share one parameter (the V puts the first and the last stage on one rank)
+            stages = tuple(sorted({topology.place_of(v) for v in tie.stages(partition)}))
             if len(stages) < 2:
                 continue
             group = groups.tie(stages)  # collective: every rank, every tie, in order
             if topology.stage not in stages:
                 continue
             block, name = next((b, n) for b, n in tie.uses if b in body.indices)
-            primary_stage = partition.stage_of(tie.primary[0])
+            primary_stage = topology.place_of(partition.stage_of(tie.primary[0]))
             self.copies.append(
                 _Copy(
                     tie,

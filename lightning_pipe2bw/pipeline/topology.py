@@ -6,6 +6,12 @@ where it fits, and inside a replica the ranks run the stages in *reverse*: globa
 the last stage, where the loss is computed, so Lightning's progress bar, loggers and checkpoint
 writer (which live on rank 0) see each step's values the moment they exist.
 
+With virtual stages (``placement``) a rank holds several stages of the pipeline: ``stage``
+and ``num_stages`` still count ranks (the rank's place in its pipeline, the pipeline's ranks),
+and :attr:`stages_here` names the stages of the whole pipeline (``len(placement)`` of them) it
+holds. The loss is where the last of them is: on the last rank for a looped placement, on the
+first for a V.
+
 Nothing here talks to other processes: the groups built from this layout are in
 :mod:`lightning_pipe2bw.pipeline.groups`.
 """
@@ -15,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_pipe2bw.pipeline.options import PipeOptions, Problem, raise_problems
+from lightning_pipe2bw.schedule import placement_of
 
 __all__ = ["Topology"]
 
@@ -27,6 +34,8 @@ class Topology:
     world_size: int
     data_parallel: int = 1
     rank: int = 0
+    # virtual stages: the rank (place in the pipeline) of each stage; None: one stage per rank
+    placement: tuple[int, ...] | None = None
 
     @classmethod
     def create(cls, world_size: int, data_parallel: int = 1, rank: int = 0) -> Topology:
@@ -34,6 +43,15 @@ class Topology:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a world of {world_size} processes")
         return cls(world_size, data_parallel, rank)
+
+    @classmethod
+    def for_schedule(
+        cls, world_size: int, data_parallel: int, rank: int, schedule: str
+    ) -> Topology:
+        """The layout for ``schedule``: virtual stages where it holds several per rank (see
+        ``schedule.placement_of``). Unchecked, like the constructor."""
+        p = world_size // data_parallel if data_parallel and world_size % data_parallel == 0 else 1
+        return cls(world_size, data_parallel, rank, placement_of(schedule, max(p, 1)))
 
     @staticmethod
     def problems(world_size: int, data_parallel: int) -> list[Problem]:
@@ -67,11 +85,45 @@ class Topology:
 
     @property
     def is_first(self) -> bool:
-        return self.stage == 0
+        """This rank holds the pipeline's first stage."""
+        return self.stage == self.place_of(0)
 
     @property
     def is_last(self) -> bool:
-        return self.stage == self.num_stages - 1
+        """This rank holds the pipeline's last stage (the loss)."""
+        return self.stage == self.place_of(self.num_virtual - 1)
+
+    # ------------------------------------------------------------------ virtual stages
+    @property
+    def num_virtual(self) -> int:
+        """The pipeline's stages (its ranks', unless a rank holds several)."""
+        return self.num_stages if self.placement is None else len(self.placement)
+
+    def place_of(self, virtual: int) -> int:
+        """The place in the pipeline (``stage``) of the rank that holds stage ``virtual``."""
+        return virtual if self.placement is None else self.placement[virtual]
+
+    @property
+    def stages_here(self) -> tuple[int, ...]:
+        """The stages of the whole pipeline this rank holds, in order."""
+        if self.placement is None:
+            return (self.stage,)
+        return tuple(v for v, place in enumerate(self.placement) if place == self.stage)
+
+    def neighbour_ranks(self) -> dict[int, int | None]:
+        """The global rank of each stage next to one this rank holds (None past either end)."""
+        out: dict[int, int | None] = {}
+        for v in self.stages_here:
+            for other in (v - 1, v + 1):
+                inside = 0 <= other < self.num_virtual
+                out[other] = self.rank_of_stage(self.place_of(other)) if inside else None
+        return out
+
+    @property
+    def peers(self) -> list[int]:
+        """The other ranks this rank exchanges activations or gradients with."""
+        ranks = self.neighbour_ranks().values()
+        return sorted({r for r in ranks if r is not None and r != self.rank})
 
     def rank_of_stage(self, stage: int, replica: int | None = None) -> int:
         """The global rank that runs ``stage`` of ``replica`` (default: this rank's)."""
@@ -91,7 +143,7 @@ class Topology:
     @property
     def last_rank(self) -> int:
         """The rank of this pipeline's last stage (where the loss and the logged values are)."""
-        return self.rank_of_stage(self.num_stages - 1)
+        return self.rank_of_stage(self.place_of(self.num_virtual - 1))
 
     def pipeline_ranks(self, replica: int | None = None) -> list[int]:
         """The ranks of one pipeline replica, in stage order."""
@@ -112,7 +164,20 @@ class Topology:
         """The options that describe another number of stages than this layout's."""
         world, w, p = self.world_size, self.data_parallel, self.num_stages
         problems: list[Problem] = []
-        if options.balance is not None and len(options.balance) != p:
+        if self.placement is not None:
+            problems.extend(self._virtual_problems(options))
+            if options.balance is not None and len(options.balance) != self.num_virtual:
+                stages = len(options.balance)
+                problems.append(
+                    Problem(
+                        "balance",
+                        options.balance,
+                        f"balance={list(options.balance)} describes {stages} stages but "
+                        f"schedule={options.schedule!r} runs {self.num_virtual} stages on the "
+                        f"{p} ranks of each pipeline; give {self.num_virtual} block counts",
+                    )
+                )
+        elif options.balance is not None and len(options.balance) != p:
             stages = len(options.balance)
             hint = (
                 f"data_parallel={world // stages} ({world // stages} pipelines of {stages} "
@@ -138,6 +203,46 @@ class Topology:
                     "stages; give one bool per stage, or one bool for all",
                 )
             )
+        return problems
+
+    def _virtual_problems(self, options: PipeOptions) -> list[Problem]:
+        """What a schedule with several stages per rank does not run with (yet), each with
+        the way out."""
+        name, p = options.schedule, self.num_stages
+        problems: list[Problem] = []
+        m = options.num_microbatches(p)
+        if name == "interleaved-1f1b" and m % p:
+            problems.append(
+                Problem(
+                    "microbatches",
+                    m,
+                    f"schedule='interleaved-1f1b' runs micro-batches in groups of the pipeline's "
+                    f"{p} ranks, got microbatches={m}; use a multiple of {p} (e.g. "
+                    f"microbatches={p * max(1, round(m / p))})",
+                )
+            )
+        refused = [
+            ("balance_mode", options.balance_mode == "auto", "balance='auto' (the planner)",
+             "give balance as a list of block counts per stage, or 'uniform' / 'params'"),
+            ("activation_budget", options.activation_budget is not None,
+             "balance_activations / ActivationBalancer (BPipe)",
+             "a V placement (schedule='zb-v') balances activations by itself"),
+            ("memory_plan", "evict" in (options.memory_plan or {}).values(),
+             "memory_plan 'evict' entries (BPipe)", "use 'swap' or 'recompute' for those blocks"),
+            ("repartition_every", options.repartition_every is not None,
+             "live repartitioning (repartition_every)", "repartition between runs instead"),
+        ]  # fmt: skip
+        for option, given, what, fix in refused:
+            if given:
+                problems.append(
+                    Problem(
+                        option,
+                        getattr(options, option),
+                        f"schedule={name!r} holds {len(self.placement or ())} stages on "
+                        f"{p} ranks, which {what} does not support yet; {fix}, or use a "
+                        "schedule with one stage per rank ('1f1b', 'zb-h1', '2bw')",
+                    )
+                )
         return problems
 
     def describe(self) -> str:

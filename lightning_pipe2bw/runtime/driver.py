@@ -22,12 +22,15 @@ from lightning_pipe2bw.runtime.channel import ObjectChannel
 from lightning_pipe2bw.runtime.engine import PipelineEngine, StepFn
 from lightning_pipe2bw.runtime.stepvalues import StepValues
 from lightning_pipe2bw.schedule import (
+    VIRTUAL_SCHEDULES,
     Action,
     Schedule,
     add_communication,
     add_offload_schedule,
     early_input_grads,
     get_schedule,
+    one_channel_per_pair,
+    virtual_schedule,
 )
 
 __all__ = ["Driver", "DueGradient", "FlushDriver"]
@@ -178,12 +181,18 @@ class FlushDriver:
         actions (built once per size)."""
         m = num_microbatches
         if m not in self._schedules:
-            sched = add_communication(get_schedule(self.schedule_name, self.engine.num_stages, m))
+            p = self.engine.num_stages
+            if self.schedule_name in VIRTUAL_SCHEDULES:
+                compute = virtual_schedule(self.schedule_name, p, m)
+            else:
+                compute = get_schedule(self.schedule_name, p, m)
+            sched = add_communication(compute)
             if self.early_input_grad:
                 sched = early_input_grads(sched)
             if self.evicting:
                 sched = add_offload_schedule(sched, self.evicting)
-            self._schedules[m] = sched
+            # a transport keeps one queue per pair of ranks (virtual stages: see the pass)
+            self._schedules[m] = one_channel_per_pair(sched)
         return self._schedules[m]
 
     def train_batch(

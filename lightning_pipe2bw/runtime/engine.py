@@ -26,7 +26,7 @@ from lightning_pipe2bw.runtime.stash import ActivationStash
 from lightning_pipe2bw.runtime.transport import Transport
 from lightning_pipe2bw.schedule import Action, ActionKind, Schedule
 
-__all__ = ["ActionTiming", "PipelineEngine", "StepFn", "step_loss"]
+__all__ = ["ActionTiming", "PipelineEngine", "StepFn", "VirtualStages", "step_loss"]
 
 _debug_log = logging.getLogger("lightning_pipe2bw.actions")
 
@@ -60,6 +60,19 @@ class ActionTiming:
     action: Action
     start: float
     end: float
+
+
+@dataclass(frozen=True)
+class VirtualStages:
+    """The stages a rank holds (several, with virtual stages) and where their neighbours are.
+
+    ``stages``: the rank's stages of the whole pipeline, in order; ``num_stages``: the
+    pipeline's stages; ``ranks``: the (pipeline group) rank of each stage next to one of them
+    (None: none, past either end)."""
+
+    stages: tuple[int, ...]
+    num_stages: int
+    ranks: Mapping[int, int | None]
 
 
 @dataclass
@@ -181,22 +194,31 @@ class PipelineEngine:
         wait_limits: tuple[float | None, float | None] = (None, None),
         link: PeerLink | None = None,
         evict_share: Callable[[int], float | None] | None = None,
+        virtual: VirtualStages | None = None,
     ) -> None:
         """``wait_limits``: seconds to wait for a forward input and for a backward gradient
         (None: the process group's timeout; see ``failure.wait_limits``). ``link``: BPipe's
         link to the partner stage, if this stage has one; ``evict_share(saved_bytes)``: the
         share of a micro-batch's saved bytes this stage evicts to it (the activation balancer;
-        None: only the memory plan's ``"evict"`` blocks move)."""
+        None: only the memory plan's ``"evict"`` blocks move). ``virtual``: the stages this rank
+        holds when it holds several (``stage`` and ``num_stages`` then count ranks: the rank's
+        place in the pipeline and the pipeline's ranks; ``prev_rank``/``next_rank`` are
+        unused)."""
         self.body = body
         self.stage = stage
         self.num_stages = num_stages
         self.transport = transport
         self.prev_rank = prev_rank
         self.next_rank = next_rank
+        if virtual is None:
+            ranks = {stage - 1: prev_rank, stage + 1: next_rank}
+            virtual = VirtualStages((stage,), num_stages, ranks)
+        self.virtual = virtual
+        self.last_stage = virtual.num_stages - 1
         self.stats = EngineStats()
         self.wait_limits = wait_limits
         self.record_timeline = True
-        self.slots: dict[int, _Slot] = {}  # in-flight micro-batches, by id
+        self.slots: dict[tuple[int, int], _Slot] = {}  # in-flight (stage, micro-batch)
         # saved activations: counted, and moved by the memory plan and the balancer
         self.stash = ActivationStash(transport.device, evictable=evict_share is not None)
         self.link = link
@@ -210,11 +232,18 @@ class PipelineEngine:
 
     @property
     def is_first(self) -> bool:
-        return self.stage == 0
+        """This rank holds the pipeline's first stage (the one that reads the batch)."""
+        return 0 in self.virtual.stages
 
     @property
     def is_last(self) -> bool:
-        return self.stage == self.num_stages - 1
+        """This rank holds the pipeline's last stage (the one that computes the loss)."""
+        return self.last_stage in self.virtual.stages
+
+    @property
+    def neighbours(self) -> list[int]:
+        """The ranks this rank exchanges activations or gradients with."""
+        return sorted({r for r in self.virtual.ranks.values() if r is not None})
 
     def run(
         self,
@@ -243,9 +272,8 @@ class PipelineEngine:
             loss_root=loss_root,
         )
         if self.slots:
-            raise RuntimeError(
-                f"micro-batches {sorted(self.slots)} are still in flight after a flush"
-            )
+            left = sorted(f"{v}:{i}" for v, i in self.slots)
+            raise RuntimeError(f"(stage:micro-batch) {left} are still in flight after a flush")
         if self.link is not None:
             self.link.settle()  # every offload send of the batch has been taken by now
         return [results[i] for i in range(len(microbatches))] if self.is_last else []
@@ -296,7 +324,9 @@ class PipelineEngine:
                 handler = handlers.get(action.kind)
                 if handler is None:  # pragma: no cover - the schedule validator rejects others
                     raise ValueError(f"the engine cannot run action {action}")
-                handler(call, n, action, slots.setdefault(action.microbatch, _Slot()))
+                handler(
+                    call, n, action, slots.setdefault((action.stage, action.microbatch), _Slot())
+                )
                 end = time.perf_counter()
                 if self.debug:
                     _debug_log.info(
@@ -352,32 +382,39 @@ class PipelineEngine:
     # ------------------------------------------------------------------ one handler per kind
     def _recv_f(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
         slot.inputs, slot.upstream_batch = self.transport.recv(
-            self._peer(self.prev_rank), self.wait_limits[0]
+            self._peer_of(action.stage - 1), self.wait_limits[0]
         )
 
     def _forward_action(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
-        i, train = action.microbatch, call.train
+        v, i, train = action.stage, action.microbatch, call.train
+        key = (v, i)
         if train and self.link is not None and not self.link.holder:
             self.link.settle()  # earlier evictions have left before new saves
-        if not self.is_first:
-            self._check_same_batch(slot, call.microbatches[i], i)
+        if v != 0:
+            self._check_same_batch(slot, call.microbatches[i], v, i)
         slot.weight = call.loss_weights.get(i, 0.0)
         slot.params = call.weights_for(i) if call.weights_for is not None else None
         if train:
             weights = [*self.body.parameters(), *(slot.params or {}).values()]
-            with self.body.forwarding(i, self.stash), self.stash.recording(i, weights):
-                self._forward(slot, call.microbatches[i], call.step, i)
-            slot.saved_bytes = self.stash.saved_bytes(i)
+            with self.body.forwarding(key, self.stash), self.stash.recording(key, weights):
+                self._forward(slot, call.microbatches[i], call.step, v, i)
+            slot.saved_bytes = self.stash.saved_bytes(key)
         else:
-            self._forward(slot, call.microbatches[i], call.step, i)
-        if self.is_last:
+            self._forward(slot, call.microbatches[i], call.step, v, i)
+        if v == self.last_stage:
             call.results[i] = slot.result
         self.inflight += 1
         self.stats.peak_inflight = max(self.stats.peak_inflight, self.inflight)
         if not train:
             slot.inputs = None
-            if self.is_last:
-                del self.slots[i]
+            if v == self.last_stage:
+                del self.slots[key]
+                self.inflight -= 1
+        if v + 1 in self.virtual.stages:  # the next stage is on this rank: hand over
+            nxt = self.slots.setdefault((v + 1, i), _Slot())
+            nxt.inputs = _handed_over(slot.outputs)
+            if not train:
+                del self.slots[key]
                 self.inflight -= 1
 
     def _send_f(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
@@ -387,28 +424,37 @@ class PipelineEngine:
         i = action.microbatch
         signature = batch_signature(call.microbatches[i]) if i in call.microbatches else None
         self._post_next_receive(call.actions, n)
-        self.transport.send((slot.outputs, signature), self._peer(self.next_rank))
+        self.transport.send((slot.outputs, signature), self._peer_of(action.stage + 1))
         if not call.train:
-            del self.slots[i]
+            del self.slots[(action.stage, i)]
             self.inflight -= 1
 
     def _recv_b(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
-        self.stash.prefetch(action.microbatch)  # swapped activations start coming back
-        slot.grads_in = self.transport.recv(self._peer(self.next_rank), self.wait_limits[1])
+        # swapped activations start coming back
+        self.stash.prefetch((action.stage, action.microbatch))
+        slot.grads_in = self.transport.recv(self._peer_of(action.stage + 1), self.wait_limits[1])
 
-    def _ready_for_backward(self, i: int, slot: _Slot) -> None:
-        self.stash.prefetch(i)
+    def _ready_for_backward(self, v: int, i: int, slot: _Slot) -> None:
+        self.stash.prefetch((v, i))
         if slot.loading:
-            self.stash.restore(i, self._link().loaded(i))
+            self.stash.restore((v, i), self._link().loaded(i))
             slot.loading = False
+
+    def _inputs_grad_ready(self, v: int, i: int, slot: _Slot) -> None:
+        """The gradient of stage ``v``'s inputs is in ``slot.grads_out``: where the previous
+        stage is on this rank, hand it over (it leaves, as a ``SEND_B`` would send it)."""
+        if v - 1 in self.virtual.stages:
+            self.slots[(v - 1, i)].grads_in = slot.grads_out
+            slot.grads_out, slot.sent = None, True
 
     def _backward_action(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
         """B: the whole backward of the micro-batch."""
         assert call.backward is not None, "training needs a backward function"
-        i = action.microbatch
-        self._ready_for_backward(i, slot)
-        self._backward(slot, i, call.backward, input_grads=not self.is_first)
-        self._backward_done(i, slot)
+        v, i = action.stage, action.microbatch
+        self._ready_for_backward(v, i, slot)
+        self._backward(slot, v, i, call.backward, input_grads=v != 0)
+        self._inputs_grad_ready(v, i, slot)
+        self._backward_done(v, i, slot)
 
     def _input_grad(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
         """I: the gradient of the stage's inputs, for the ``SEND_B`` that follows; the weights'
@@ -430,13 +476,13 @@ class PipelineEngine:
         where the engine cannot reproduce the backward (``loss_root`` None: a LightningModule
         or a precision plugin that overrides ``backward``): ``I`` runs it whole."""
         assert call.backward is not None, "training needs a backward function"
-        i = action.microbatch
-        self._ready_for_backward(i, slot)
-        if self.is_first:
+        v, i = action.stage, action.microbatch
+        self._ready_for_backward(v, i, slot)
+        if v == 0:
             slot.weights_left = _WHOLE
             return
         leaves = _grad_leaves(slot.inputs)
-        if self.is_last:
+        if v == self.last_stage:
             if call.loss_root is None:
                 roots: list[Tensor] = []
                 seeds: list[Tensor | None] = []
@@ -446,7 +492,7 @@ class PipelineEngine:
         else:
             roots, received = _received_grads(slot)
             seeds = list(received)
-        if leaves and roots and self._can_split_backward(i, roots):
+        if leaves and roots and self._can_split_backward((v, i), roots):
             split = SplitBackward.plan(roots, seeds, leaves)
             if split is not None:
                 grads = split.inputs_pass()
@@ -462,61 +508,65 @@ class PipelineEngine:
                 grads = None
             if grads is not None:
                 slot.grads_out = _filled(grads, leaves)
+                self._inputs_grad_ready(v, i, slot)
                 return
         del roots, seeds
-        self._backward(slot, i, call.backward, input_grads=True)  # whole, here
+        self._backward(slot, v, i, call.backward, input_grads=True)  # whole, here
         slot.weights_left = None
+        self._inputs_grad_ready(v, i, slot)
 
     def _weight_grad(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
         """W: the weights' gradients of a micro-batch whose ``I`` ran (what it left to do)."""
         assert call.backward is not None, "training needs a backward function"
-        i, left = action.microbatch, slot.weights_left
+        v, i, left = action.stage, action.microbatch, slot.weights_left
         if isinstance(left, SplitBackward):
             left.weights_pass()
         elif left is _WHOLE:
-            self._backward(slot, i, call.backward, input_grads=False)
+            self._backward(slot, v, i, call.backward, input_grads=False)
         slot.weights_left = None
-        self._backward_done(i, slot)
+        self._backward_done(v, i, slot)
 
     def _send_b(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
         self._post_next_receive(call.actions, n)
-        self.transport.send(slot.grads_out, self._peer(self.prev_rank))
+        self.transport.send(slot.grads_out, self._peer_of(action.stage - 1))
         slot.grads_out, slot.sent = None, True
         if slot.done:
-            del self.slots[action.microbatch]
+            del self.slots[(action.stage, action.microbatch)]
 
     def _evict(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
-        i = action.microbatch
+        v, i = action.stage, action.microbatch
         # what the engine holds anyway: sending it would free nothing
         keep = (slot.inputs, slot.outputs, call.microbatches.get(i))
-        share = self.evict_share(self.stash.saved_bytes(i))
-        self._link().evict(i, self.stash.evict(i, share, keep))
+        share = self.evict_share(self.stash.saved_bytes((v, i)))
+        self._link().evict(i, self.stash.evict((v, i), share, keep))
 
     def _load(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
-        self._link().load(action.microbatch, self.stash.away_size(action.microbatch))
+        self._link().load(
+            action.microbatch, self.stash.away_size((action.stage, action.microbatch))
+        )
         slot.loading = True
 
     def _return(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
         self._link().give_back(action.microbatch)
 
-    def _backward_done(self, i: int, slot: _Slot) -> None:
+    def _backward_done(self, v: int, i: int, slot: _Slot) -> None:
         """The micro-batch's weights' gradients are in: release its activations; its slot goes
         once its inputs' gradient has left too (the first stage sends none)."""
-        if self.is_last:
+        if v == self.last_stage:
             slot.result = _detach_all(slot.result)
         slot.inputs = slot.outputs = slot.grads_in = slot.params = None
-        self.stash.release(i)
+        self.stash.release((v, i))
         self.inflight -= 1
         slot.done = True
-        if self.is_first or slot.sent:
-            del self.slots[i]
+        if v == 0 or slot.sent:
+            del self.slots[(v, i)]
 
     def _lost_peer(self, action: Action, error: BaseException) -> StageFailure:
         """The error for a receive or send that failed because the peer's process is gone or
         stopped answering (the process group's timeout passed)."""
         toward_prev = action.kind in (ActionKind.RECV_F, ActionKind.SEND_B)
-        peer = self.prev_rank if toward_prev else self.next_rank
-        peer_stage = self.stage - 1 if toward_prev else self.stage + 1
+        peer_stage = action.stage - 1 if toward_prev else action.stage + 1
+        peer = self.virtual.ranks.get(peer_stage)
         assert peer is not None
         if "timed out" in str(error).lower():
             what = (
@@ -534,7 +584,7 @@ class PipelineEngine:
             verb = "lost rank {peer} (stage {peer_stage})"
         record = FailureRecord(rank=peer, stage=peer_stage, action="an unknown action", error=what)
         message = (
-            f"{verb.format(peer=peer, peer_stage=peer_stage)} while this stage ({self.stage}) ran "
+            f"{verb.format(peer=peer, peer_stage=peer_stage)} while this stage ({action.stage}) ran "
             f"action {action}: {type(error).__name__}: {error}. {record.describe()}"
         )
         return StageFailure(message, record, source=peer)
@@ -548,15 +598,16 @@ class PipelineEngine:
         for k in range(n + 1, len(actions)):
             kind = actions[k].kind
             if kind is ActionKind.RECV_F:
-                self.transport.post(self._peer(self.prev_rank))
+                self.transport.post(self._peer_of(actions[k].stage - 1))
             elif kind is ActionKind.RECV_B:
-                self.transport.post(self._peer(self.next_rank))
+                self.transport.post(self._peer_of(actions[k].stage + 1))
             elif kind in _COMM_KINDS:
                 continue
             return
 
-    @staticmethod
-    def _peer(rank: int | None) -> int:
+    def _peer_of(self, stage: int) -> int:
+        """The rank that holds ``stage`` (a neighbour of one of this rank's stages)."""
+        rank = self.virtual.ranks.get(stage)
         assert rank is not None, "the schedule asked a stage to talk past the end of the pipeline"
         return rank
 
@@ -589,22 +640,26 @@ class PipelineEngine:
         stats.activation_bytes = stash.resident_bytes + partner
         stats.peak_activation_bytes = max(stats.peak_activation_bytes, stats.activation_bytes)
 
-    def _check_same_batch(self, slot: _Slot, microbatch: Any, index: int) -> None:
-        upstream, mine = slot.upstream_batch, batch_signature(microbatch)
-        if upstream is not None and tuple(upstream) != mine:
+    def _check_same_batch(self, slot: _Slot, microbatch: Any, v: int, index: int) -> None:
+        upstream = slot.upstream_batch
+        if upstream is None:
+            return
+        mine = batch_signature(microbatch)
+        if tuple(upstream) != mine:
             raise ValueError(
-                f"the ranks read different batches: stage {self.stage - 1} split micro-batch "
-                f"{index} into tensors of shapes {list(upstream)}, this stage ({self.stage}) into "
+                f"the ranks read different batches: stage {v - 1} split micro-batch "
+                f"{index} into tensors of shapes {list(upstream)}, this stage ({v}) into "
                 f"{list(mine)}. Every rank must load the same batches in the same order (the same "
                 "dataset, seed and sampler; pipe2bw already makes a RandomSampler agree)"
             )
 
-    def _forward(self, slot: _Slot, microbatch: Any, step: StepFn, index: int) -> None:
+    def _forward(self, slot: _Slot, microbatch: Any, step: StepFn, v: int, index: int) -> None:
         body = self.body
+        first, last = v == 0, v == self.last_stage
         # the received leaves stay in slot.inputs (their .grad is the gradient sent upstream);
         # the blocks run on aliases of them, which an in-place first block may modify
-        if not self.is_first and not self.is_last:
-            slot.outputs = body.run_blocks(writable(slot.inputs), slot.params)
+        if not first and not last:
+            slot.outputs = body.run_blocks(writable(slot.inputs), slot.params, stage=v)
             return
 
         def call(stage_body: StageBody, x: Any) -> Any:
@@ -614,13 +669,13 @@ class PipelineEngine:
                     "the pipeline body was called twice in one step; pipe2bw runs the body once per "
                     "micro-batch, so call self.body(x) / self(x) exactly once in each step"
                 )
-            if self.is_first:
-                out = stage_body.run_blocks(x, slot.params, call=x)
-                if self.is_last:
+            if first:
+                out = stage_body.run_blocks(x, slot.params, call=x, stage=v)
+                if last:
                     return out
                 slot.outputs = out
                 raise _BodyReached
-            return stage_body.run_blocks(writable(slot.inputs), slot.params, call=x)
+            return stage_body.run_blocks(writable(slot.inputs), slot.params, call=x, stage=v)
 
         body.set_call(call)
         try:
@@ -636,25 +691,31 @@ class PipelineEngine:
             )
 
     def _backward(
-        self, slot: _Slot, index: int, backward: Callable[[Tensor], None], input_grads: bool
+        self,
+        slot: _Slot,
+        v: int,
+        index: int,
+        backward: Callable[[Tensor], None],
+        input_grads: bool,
     ) -> None:
-        """The whole backward of micro-batch ``index`` (the weights' gradients accumulate into
-        ``.grad``); with ``input_grads``, keep the gradient of the stage's inputs to send."""
-        if self.is_last:
+        """The whole backward of micro-batch ``index`` on stage ``v`` (the weights' gradients
+        accumulate into ``.grad``); with ``input_grads``, keep the gradient of the stage's
+        inputs to send."""
+        if v == self.last_stage:
             backward(_loss_of(slot.result, index) * slot.weight)
         else:
             outs, grads = _received_grads(slot)
             if outs:
                 torch.autograd.backward(outs, grads)
-        if input_grads and not self.is_first:
+        if input_grads and v != 0:
             leaves = _grad_leaves(slot.inputs)
             slot.grads_out = _filled([x.grad for x in leaves], leaves)
 
-    def _can_split_backward(self, index: int, roots: Sequence[Tensor]) -> bool:
+    def _can_split_backward(self, key: tuple[int, int], roots: Sequence[Tensor]) -> bool:
         body = self.body
         if body.recompute or any(p != "keep" for p in body.policy.values()):
             return False
-        micro = self.stash.micro.get(index)
+        micro = self.stash.micro.get(key)
         if micro is not None and micro.storages:  # swapped or evictable activations
             return False
         if _global_backward_hooks() or any(
@@ -700,6 +761,20 @@ def _has_custom_function(roots: Sequence[Tensor]) -> bool:
             return True
         todo.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
     return False
+
+
+def _handed_over(payload: Any) -> Any:
+    """What the next stage on the same rank receives: what a transport would deliver (a copy,
+    whose tensors that required grad are leaves that require grad), so that each stage's
+    backward stops at its inputs as it does across ranks, and the next stage may modify its
+    input in place without touching what this stage saved."""
+
+    def copy(x: Any) -> Any:
+        if not isinstance(x, Tensor):
+            return x
+        return x.detach().clone().requires_grad_(x.requires_grad)
+
+    return pytree.tree_map(copy, payload)
 
 
 def _detach_all(payload: Any) -> Any:

@@ -80,14 +80,15 @@ class RemoteBlock(nn.Module):
     It is not registered anywhere (no state-dict entry); calling it, or reading an attribute the
     real block would have, raises an error naming the stage that holds it."""
 
-    def __init__(self, index: int, stage: int, here: int, indices: list[int]) -> None:
+    def __init__(self, index: int, stage: int, here: Sequence[int], indices: list[int]) -> None:
         super().__init__()
         self.index, self.stage, self.here, self.here_blocks = index, stage, here, indices
 
     def _where(self) -> str:
+        runs = f"stage {self.here[0]}" if len(self.here) == 1 else f"stages {list(self.here)}"
         return (
             f"block {self.index} of the pipeline body lives on stage {self.stage}; this rank runs "
-            f"stage {self.here} and holds blocks {self.here_blocks} only"
+            f"{runs} and holds blocks {self.here_blocks} only"
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -142,6 +143,7 @@ class StageBody(nn.Module):
         restore: Callable[[Mapping[int, nn.Module]], nn.Module] | None = None,
         release: Callable[[list[nn.Module]], None] | None = None,
         built_on_meta: bool = False,
+        stages: Sequence[int] | None = None,
     ) -> None:
         """``takes_any_call``: the body is a model's (``partition.pipemodel``): its call takes any
         arguments, passed on as a :class:`BodyInput`; ``owner``: then the block that holds each
@@ -151,10 +153,13 @@ class StageBody(nn.Module):
         block (the hand-back), ``release``: drops blocks from it (a block that leaves this stage
         frees its memory). ``ties``: the parameters several blocks of the whole body share
         (``partition.ties.Tie``); ``built_on_meta``: its blocks were built in
-        ``configure_model`` (on the meta device)."""
+        ``configure_model`` (on the meta device). ``stages``: with virtual stages, the stages
+        of the whole pipeline this rank holds (``num_stages`` and ``balance`` then count those
+        stages; ``stage`` is the rank's place in the pipeline); default: ``(stage,)``."""
         super().__init__()
         self.stage = stage
         self.num_stages = num_stages
+        self.stages: tuple[int, ...] = tuple(stages) if stages is not None else (stage,)
         self.balance = balance  # blocks per stage of the whole pipeline
         self.indices: list[int] = []
         for index, block in blocks:
@@ -167,7 +172,7 @@ class StageBody(nn.Module):
         self.memory_plan: dict[int, str] = dict(memory_plan or {})
         # during a training forward: the stash told which block runs, and the micro-batch
         self.stash: ActivationStash | None = None
-        self.microbatch: int | None = None
+        self.microbatch: tuple[int, int] | None = None  # (stage, micro-batch)
         # with ``timing``, each block's forward time during training, summed (live
         # repartitioning reads and resets it); CUDA events are summed when read
         self.timing = False
@@ -234,7 +239,7 @@ class StageBody(nn.Module):
             return self.block(index)
         ends = itertools.accumulate(self.balance)
         stage = next((s for s, end in enumerate(ends) if index < end), self.num_stages - 1)
-        return RemoteBlock(index, stage, self.stage, list(self.indices))
+        return RemoteBlock(index, stage, self.stages, list(self.indices))
 
     def __getitem__(self, idx: int | slice) -> nn.Module:
         """Block ``idx`` of the whole body (see the class notes); a slice is an
@@ -295,7 +300,7 @@ class StageBody(nn.Module):
         return {i: self.memory_plan[i] for i in self.indices if i in self.memory_plan}
 
     @contextmanager
-    def forwarding(self, microbatch: int, stash: ActivationStash) -> Iterator[None]:
+    def forwarding(self, microbatch: tuple[int, int], stash: ActivationStash) -> Iterator[None]:
         """The training forward of ``microbatch``: its saved activations go to ``stash``, and
         block times are recorded (when :attr:`timing` is on)."""
         self.microbatch, self.stash = microbatch, stash
@@ -304,11 +309,24 @@ class StageBody(nn.Module):
         finally:
             self.microbatch, self.stash = None, None
 
+    def segment(self, stage: int) -> list[int]:
+        """The owned blocks of ``stage`` (one of :attr:`stages`), in order: all of them when
+        the rank holds one stage."""
+        if len(self.stages) == 1:
+            return self.indices
+        start = sum(self.balance[:stage])
+        return [i for i in self.indices if start <= i < start + self.balance[stage]]
+
     def run_blocks(
-        self, x: Any, weights: Mapping[str, Tensor] | None = None, call: Any = None
+        self,
+        x: Any,
+        weights: Mapping[str, Tensor] | None = None,
+        call: Any = None,
+        stage: int | None = None,
     ) -> Any:
         """Apply the owned blocks in order, with ``nn.Sequential`` semantics (one input each);
-        ``call``: the step's :class:`BodyInput`, for a block that takes it (a model's head).
+        ``call``: the step's :class:`BodyInput`, for a block that takes it (a model's head);
+        ``stage``: only that stage's blocks (virtual stages; None: every owned block).
 
         ``weights`` (names as in ``self.named_parameters()``) replace the parameters for this
         call, block by block, as ``torch.func.functional_call(block, weights, strict=False)``
@@ -325,9 +343,10 @@ class StageBody(nn.Module):
         """
         if not self.takes_any_call:
             call = None  # only a model's head takes the step's arguments
+        indices = self.indices if stage is None else self.segment(stage)
         if self.recompute and torch.is_grad_enabled():
-            return self._checkpoint(tuple(self.indices), self._apply_blocks, x, weights, call)
-        return self._apply_blocks(x, weights, call)
+            return self._checkpoint(tuple(indices), self._apply_blocks, x, weights, call, indices)
+        return self._apply_blocks(x, weights, call, indices)
 
     def _checkpoint(
         self, region: tuple[int, ...], fn: Callable[..., Any], x: Any, *args: Any
@@ -396,10 +415,17 @@ class StageBody(nn.Module):
 
         return checkpoint(run, x, *args, use_reentrant=False)
 
-    def _apply_blocks(self, x: Any, weights: Mapping[str, Tensor] | None, call: Any = None) -> Any:
+    def _apply_blocks(
+        self,
+        x: Any,
+        weights: Mapping[str, Tensor] | None,
+        call: Any = None,
+        indices: Sequence[int] | None = None,
+    ) -> Any:
         stash = self.stash
         by_block = self._weights_by_block(weights) if weights is not None else {}
-        for index, block in zip(self.indices, self.children(), strict=True):
+        for index in self.indices if indices is None else indices:
+            block = self.block(index)
             own = by_block.get(index, {}) if weights is not None else None
             policy = self.memory_plan.get(index, "keep")
             if stash is not None:
@@ -531,6 +557,8 @@ class StageBody(nn.Module):
         return self._call(self, call)
 
     def extra_repr(self) -> str:
+        if len(self.stages) > 1:
+            return f"stages={list(self.stages)}/{self.num_stages}, blocks={self.indices}"
         return f"stage={self.stage}/{self.num_stages}, blocks={self.indices}"
 
 

@@ -91,6 +91,11 @@ class _Micro:
     away_size: int = 0  # the size of the buffer they were sent in (with alignment)
 
 
+# a stage's micro-batch: (stage, micro-batch), what the stash counts saved bytes by (a rank with
+# virtual stages holds one micro-batch's activations for each of its stages)
+MicroKey = tuple[int, int]
+
+
 class ActivationStash:
     """Records what autograd saves during each micro-batch's forward and keeps it for the
     backward: in place (``keep``), in a host pool (``swap``), or at the partner stage
@@ -110,7 +115,7 @@ class ActivationStash:
 
     def __init__(self, device: torch.device, evictable: bool = False) -> None:
         self.device = device
-        self.micro: dict[int, _Micro] = {}
+        self.micro: dict[MicroKey, _Micro] = {}
         # keep / recompute / swap / evict: the running block's, set by the stage body
         self.current_policy: str | None = None
         self.evictable = evictable  # every storage may be evicted (the balancer's fraction)
@@ -121,7 +126,7 @@ class ActivationStash:
 
     # ------------------------------------------------------------------ forward
     @contextmanager
-    def recording(self, microbatch: int, weights: Iterable[Tensor]) -> Iterator[None]:
+    def recording(self, microbatch: MicroKey, weights: Iterable[Tensor]) -> Iterator[None]:
         """Record what the forward of ``microbatch`` saves for its backward."""
         skip = {t.untyped_storage().data_ptr() for t in weights}
         micro = self.micro.setdefault(microbatch, _Micro())
@@ -174,7 +179,7 @@ class ActivationStash:
             if rec.policy == "swap" and rec.where == "device":
                 self._swap_out(micro, rec)
 
-    def note_held(self, microbatch: int, tensors: Any) -> None:
+    def note_held(self, microbatch: MicroKey, tensors: Any) -> None:
         """Count tensors the forward holds for the backward outside autograd's saved tensors
         (the inputs ``torch.utils.checkpoint`` keeps to recompute a block)."""
         micro = self.micro.setdefault(microbatch, _Micro())
@@ -185,7 +190,7 @@ class ActivationStash:
                     micro.counted[storage.data_ptr()] = storage.nbytes()
                     self._add(micro, storage.nbytes(), "device")
 
-    def saved_bytes(self, microbatch: int) -> int:
+    def saved_bytes(self, microbatch: MicroKey) -> int:
         """All bytes ``microbatch`` saved, wherever they are now."""
         micro = self.micro.get(microbatch)
         return 0 if micro is None else micro.resident + micro.host + micro.away
@@ -227,7 +232,7 @@ class ActivationStash:
         rec.data = host
         self._move(micro, rec, "host")
 
-    def prefetch(self, microbatch: int) -> None:
+    def prefetch(self, microbatch: MicroKey) -> None:
         """Start copying ``microbatch``'s swapped storages back (before its backward)."""
         micro = self.micro.get(microbatch)
         if micro is None:
@@ -253,7 +258,7 @@ class ActivationStash:
             self._side = torch.cuda.Stream(self.device)
         return self._side
 
-    def evict(self, microbatch: int, fraction: float | None, keep: Any = ()) -> Tensor | None:
+    def evict(self, microbatch: MicroKey, fraction: float | None, keep: Any = ()) -> Tensor | None:
         """Take storages of ``microbatch`` off this stage, newest first, and return their bytes
         packed in one uint8 buffer for the partner (None if nothing is taken). With
         ``fraction``, about that share of the micro-batch's saved bytes (the storages whose
@@ -301,12 +306,12 @@ class ActivationStash:
         micro.away_size = size
         return flat
 
-    def away_size(self, microbatch: int) -> int:
+    def away_size(self, microbatch: MicroKey) -> int:
         """The size of the buffer :meth:`evict` sent for ``microbatch`` (0: nothing)."""
         micro = self.micro.get(microbatch)
         return 0 if micro is None else micro.away_size
 
-    def restore(self, microbatch: int, flat: Tensor | None) -> None:
+    def restore(self, microbatch: MicroKey, flat: Tensor | None) -> None:
         """Put back the storages :meth:`evict` took, from the buffer the partner returned."""
         micro = self.micro.get(microbatch)
         expected = self.away_size(microbatch)
@@ -324,7 +329,7 @@ class ActivationStash:
                 self._move(micro, rec, "device")
         micro.away_size = 0
 
-    def release(self, microbatch: int) -> None:
+    def release(self, microbatch: MicroKey) -> None:
         """Forget ``microbatch`` after its backward: autograd has let go of its saved tensors."""
         micro = self.micro.pop(microbatch, None)
         if micro is not None:

@@ -12,7 +12,7 @@ from .action import (
     parse_stages,
     partner,
 )
-from .comm import add_communication, with_communication
+from .comm import add_communication, one_channel_per_pair, with_communication
 from .generators import (
     SCHEDULES,
     Schedule,
@@ -38,7 +38,15 @@ from .passes import early_input_grads, split_backward
 from .simulate import Costs, DeadlockError, SimResult, simulate
 from .stream import OneFOneBStream
 from .validate import ScheduleError, validate
-from .virtual import VIRTUAL_SCHEDULES, interleaved_1f1b, looped_placement, v_placement, zb_v
+from .virtual import (
+    VIRTUAL_SCHEDULES,
+    interleaved_1f1b,
+    looped_placement,
+    placement_of,
+    v_placement,
+    virtual_schedule,
+    zb_v,
+)
 from .zerobubble import zb_h1
 
 __all__ = [
@@ -67,12 +75,14 @@ __all__ = [
     "interleaved_1f1b",
     "looped_placement",
     "offload_stages",
+    "one_channel_per_pair",
     "one_f_one_b",
     "parse_action",
     "parse_actions",
     "parse_stages",
     "partner",
     "pipedream",
+    "placement_of",
     "simulate",
     "split_backward",
     "stashed_microbatches",
@@ -80,6 +90,7 @@ __all__ = [
     "two_bw_version",
     "v_placement",
     "validate",
+    "virtual_schedule",
     "with_communication",
     "zb_h1",
     "zb_v",

@@ -192,12 +192,32 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     return Schedule("1f1b", num_stages, num_microbatches, stages)
 
 
-def forward_only(num_stages: int, num_microbatches: int) -> Schedule:
+def forward_only(
+    num_stages: int, num_microbatches: int, placement: tuple[int, ...] | None = None
+) -> Schedule:
     """Evaluation/prediction schedule: every stage runs F0..F(m-1) and no backward.
+
+    With virtual stages (``placement``, see :class:`Schedule`), each rank runs its stages one
+    after the other, every micro-batch through the first, then through the next: in stage
+    order, the order of the whole pipeline, so no rank waits for one that waits for it.
 
     Not in :data:`SCHEDULES` (which lists training schedules); the result has ``training=False``.
     """
     check_sizes(num_stages, num_microbatches)
+    if placement is not None:
+        ranks = max(placement, default=-1) + 1
+        lanes = tuple(
+            tuple(
+                _forward(v, i)
+                for v in range(num_stages)
+                if placement[v] == r
+                for i in range(num_microbatches)
+            )
+            for r in range(ranks)
+        )
+        return Schedule(
+            "forward", num_stages, num_microbatches, lanes, training=False, placement=placement
+        )
     stages = tuple(
         tuple(_forward(s, i) for i in range(num_microbatches)) for s in range(num_stages)
     )

@@ -27,7 +27,9 @@ __all__ = [
     "VIRTUAL_SCHEDULES",
     "interleaved_1f1b",
     "looped_placement",
+    "placement_of",
     "v_placement",
+    "virtual_schedule",
     "zb_v",
 ]
 
@@ -204,3 +206,25 @@ VIRTUAL_SCHEDULES = {
     "interleaved-1f1b": interleaved_1f1b,
     "zb-v": zb_v,
 }
+
+# the stages per rank of interleaved 1F1B when the strategy runs it
+INTERLEAVED_CHUNKS = 2
+
+
+def placement_of(name: str, num_ranks: int) -> tuple[int, ...] | None:
+    """Where schedule ``name`` puts the stages on ``num_ranks`` ranks: the rank of each stage,
+    or None for a schedule with one stage per rank."""
+    if name == "interleaved-1f1b":
+        return looped_placement(num_ranks, INTERLEAVED_CHUNKS)
+    if name == "zb-v":
+        return v_placement(num_ranks)
+    return None
+
+
+def virtual_schedule(name: str, num_ranks: int, num_microbatches: int) -> Schedule:
+    """The compute schedule the strategy runs for virtual-stage schedule ``name``."""
+    if name == "interleaved-1f1b":
+        return interleaved_1f1b(num_ranks, num_microbatches, INTERLEAVED_CHUNKS)
+    if name == "zb-v":
+        return zb_v(num_ranks, num_microbatches)
+    raise ValueError(f"{name!r} is not a schedule with several stages per rank")

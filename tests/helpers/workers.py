@@ -81,6 +81,10 @@ def fit(
             strategy.engine.stats.peak_activation_bytes if strategy.engine else 0
         ),
         "val_runs": record.val_runs,
+        # this rank's copies of parameters shared with blocks on other ranks
+        "tied_copies": len(strategy.runtime.tied.copies)
+        if strategy.runtime is not None and strategy.runtime.tied is not None
+        else 0,
     }
 
 

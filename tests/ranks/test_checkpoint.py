@@ -257,3 +257,30 @@ def test_a_truncated_checkpoint_is_named(pools: Any, tmp_path: Path) -> None:
         ), message
         assert "rank 1 (stage 0) on host HOST: a damaged" in message
         assert "resume from an earlier checkpoint" in message
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-v"])
+def test_virtual_stages_resume_and_reshard(pools: Any, tmp_path: Path, schedule: str) -> None:
+    """Two stages per rank: a consolidated checkpoint resumes exactly (the optimizer's state of
+    both stages of a rank travels with it), and a sharded one saved by this placement resumes
+    with another (1F1B, one stage per rank), to the weights of 6 straight steps."""
+    pool = pools(2)
+    straight = pool.run(_fit, "1f1b", 6)[0]
+    pool.run(_fit, schedule, 3, str(tmp_path / "full"))
+    ckpt = tmp_path / "full" / "step=3.ckpt"
+    raw = torch.load(ckpt, weights_only=True)
+    meta = raw["pipe2bw"]
+    assert (meta["schedule"], meta["balance"]) == (schedule, [2, 2, 2, 2])
+    resumed = pool.run(_fit, schedule, 6, None, str(ckpt))[0]
+    diff = max_abs_diff(resumed["state"], straight["state"])
+    print(f"RESUME {schedule}: 6 steps of 1f1b vs 3 + checkpoint + 3: max|dW| = {diff:.3e}")
+    assert resumed["global_step"] == 6 and diff <= TOL
+
+    pool.run(_fit, schedule, 3, str(tmp_path / "sharded"), state_dict_type="sharded")
+    sharded = tmp_path / "sharded" / "step=3.ckpt"
+    assert len(list(sharded.glob("*.distcp"))) == 2  # one shard per rank
+    for other in ("1f1b", schedule):
+        resumed = pool.run(_fit, other, 6, None, str(sharded), state_dict_type="sharded")[0]
+        diff = max_abs_diff(resumed["state"], straight["state"])
+        print(f"RESUME sharded {schedule} -> {other}: max|dW| = {diff:.3e}")
+        assert diff <= TOL

@@ -36,10 +36,10 @@ def _global_batches(replicas: int, local_batch: int) -> list[Any]:
     return batches
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "2bw"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "2bw", "interleaved-1f1b", "zb-v"])
 def test_two_replicas_of_two_stages_equal_one_device(pools, schedule: str) -> None:
     results = pools(4).run(workers.fit, schedule, 2, STEPS, batch_size=LOCAL_BATCH, data_parallel=2)
-    # ranks 0-1 are replica 0 (rank 0 runs the last stage), ranks 2-3 replica 1
+    # ranks 0-1 are replica 0 (rank 0 runs the last place), ranks 2-3 replica 1
     assert [r["stage"] for r in results] == [1, 0, 1, 0]
     batches = _global_batches(2, LOCAL_BATCH)
     if schedule == "2bw":

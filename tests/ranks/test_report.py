@@ -112,3 +112,18 @@ def test_the_timeline_shows_steady_training_not_the_final_validation(
     for pid in (0, 1):  # both stages run forwards and backwards in the window
         names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == pid}
         assert {"forward", "backward"} <= names, (pid, names)
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "interleaved-1f1b"])
+def test_report_and_memory_monitor_with_two_stages_per_rank(
+    pools: Any, tmp_path: Path, schedule: str
+) -> None:
+    """With virtual stages the report has a row per rank (its place in the pipeline), holding
+    the blocks of both its stages; the timeline is the one that ran (I and W under ZB-V)."""
+    results = pools(2).run(_fit_with_report, schedule, str(tmp_path), 4)
+    rows = json.loads((tmp_path / "report" / "stages.json").read_text())
+    assert rows == results[0]["rows"]
+    assert sorted(b for r in rows for b in r["blocks"]) == list(range(8))
+    first = [0, 1, 6, 7] if schedule == "zb-v" else [0, 1, 4, 5]
+    assert rows[0]["blocks"] == first
+    assert (tmp_path / "report" / "timeline.png").is_file()

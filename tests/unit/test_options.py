@@ -126,7 +126,10 @@ def test_unknown_option_names_list_the_valid_ones() -> None:
 @pytest.mark.parametrize(
     ("raw", "choices"),
     [
-        ({"schedule": "zb"}, ("gpipe", "1f1b", "2bw", "pipedream", "zb-h1")),
+        (
+            {"schedule": "zb"},
+            ("gpipe", "1f1b", "2bw", "pipedream", "zb-h1", "interleaved-1f1b", "zb-v"),
+        ),
         ({"start_method": "Spawn"}, ("popen", "spawn", "fork", "forkserver")),
         ({"state_dict_type": "dcp"}, ("full", "sharded")),
         ({"balance": "even"}, ("uniform", "params", "auto")),
@@ -138,10 +141,35 @@ def test_unknown_names_carry_their_choices(raw: dict[str, Any], choices: tuple[s
     assert repr(next(iter(raw.values()))) in problem.message
 
 
-def test_a_schedule_of_several_stages_per_rank_is_refused_with_the_way_out() -> None:
-    (problem,) = PipeOptions.problems(schedule="zb-v")
-    assert "runs several stages per rank, which the strategy does not run yet" in problem.message
-    assert "'zb-h1': zero bubble, one stage per rank" in problem.message
+def test_schedules_of_several_stages_per_rank_are_accepted_and_placed() -> None:
+    for name in ("interleaved-1f1b", "zb-v"):
+        assert PipeOptions.problems(schedule=name) == []
+    looped = Topology.for_schedule(4, 2, 1, "interleaved-1f1b")  # 2 pipelines of 2 ranks
+    assert looped.placement == (0, 1, 0, 1) and looped.stage == 0
+    assert looped.stages_here == (0, 2) and looped.is_first and not looped.is_last
+    assert looped.last_rank == 0 and looped.peers == [0]
+    v = Topology.for_schedule(4, 1, 3, "zb-v")  # global rank 3 runs the first place
+    assert v.placement == (0, 1, 2, 3, 3, 2, 1, 0)
+    assert v.stages_here == (0, 7) and v.is_first and v.is_last and v.last_rank == 3
+    assert v.peers == [2] and v.neighbour_ranks() == {-1: None, 1: 2, 6: 2, 8: None}
+    assert Topology.for_schedule(4, 1, 0, "1f1b").placement is None
+
+
+def test_what_virtual_stages_do_not_run_yet_is_refused_with_the_way_out() -> None:
+    topology = Topology.for_schedule(2, 1, 0, "zb-v")
+    options = PipeOptions.create(
+        schedule="zb-v", balance_activations=True, repartition_every=5, balance=[2, 2]
+    )
+    problems = {p.option: p.message for p in topology.option_problems(options)}
+    assert set(problems) == {"activation_budget", "repartition_every", "balance"}
+    assert (
+        "a V placement (schedule='zb-v') balances activations by itself"
+        in problems["activation_budget"]
+    )
+    assert "give 4 block counts" in problems["balance"]
+    odd = PipeOptions.create(schedule="interleaved-1f1b", microbatches=3)
+    (problem,) = Topology.for_schedule(2, 1, 0, "interleaved-1f1b").option_problems(odd)
+    assert problem.option == "microbatches" and "use a multiple of 2" in problem.message
 
 
 def test_settings_are_plain_and_equal_for_equal_options() -> None:
@@ -235,7 +263,9 @@ def test_data_parallel_that_does_not_divide_the_world() -> None:
         ),
     ],
 )
-def test_balance_for_another_number_of_stages(world: int, balance: list[int], expected: str) -> None:
+def test_balance_for_another_number_of_stages(
+    world: int, balance: list[int], expected: str
+) -> None:
     """The messages test_bad_input.py sees on two real ranks, checked without them."""
     (problem,) = Topology.create(world).option_problems(PipeOptions.create(balance=balance))
     assert problem.message == expected
@@ -276,7 +306,9 @@ def test_run_problems() -> None:
     assert few.startswith("schedule='2bw' needs at least as many micro-batches as stages")
     (predict,) = _run(PipeOptions.create(data_parallel=2), fitting=False, predicting=True)
     assert predict.startswith("trainer.predict with data_parallel=2")
-    both = _run(PipeOptions.create(schedule="pipedream", data_parallel=2), accumulate_grad_batches=3)
+    both = _run(
+        PipeOptions.create(schedule="pipedream", data_parallel=2), accumulate_grad_batches=3
+    )
     assert len(both) == 2 and both[0].startswith("schedule='pipedream' updates each stage")
 
 
@@ -294,8 +326,16 @@ def test_async_problems() -> None:
 @pytest.mark.parametrize(
     ("options", "recompute", "text"),
     [
-        ({"memory_plan": {9: "swap"}}, False, "memory_plan names block 9, but the body has 8 blocks"),
-        ({"memory_plan": {6: "evict"}}, False, "block 6 runs on stage 1 of 2, which has no partner"),
+        (
+            {"memory_plan": {9: "swap"}},
+            False,
+            "memory_plan names block 9, but the body has 8 blocks",
+        ),
+        (
+            {"memory_plan": {6: "evict"}},
+            False,
+            "block 6 runs on stage 1 of 2, which has no partner",
+        ),
         ({"memory_plan": {1: "swap"}}, True, "give either recompute or a memory_plan"),
         (
             {"memory_plan": {1: "evict"}, "balance_activations": True},
@@ -340,7 +380,9 @@ def test_several_memory_plan_problems_are_listed_together() -> None:
     assert len(problems) == 3
     with pytest.raises(ValueError) as info:
         raise_problems(problems)
-    assert "block 5 runs on stage 1" in str(info.value) and "block 6 runs on stage 1" in str(info.value)
+    assert "block 5 runs on stage 1" in str(info.value) and "block 6 runs on stage 1" in str(
+        info.value
+    )
 
 
 # ----------------------------------------------------------------------------- the Hydra config
@@ -350,7 +392,8 @@ def test_the_config_is_checked_by_the_strategy_checks() -> None:
     bad = StrategyConfig(schedule="zb", start_method="thread", microbatches=0)
     problems = strategy_problems(bad, world_size=2)
     assert problems == [
-        "strategy.schedule='zb' is unknown; valid: gpipe, 1f1b, 2bw, pipedream, zb-h1",
+        "strategy.schedule='zb' is unknown; valid: gpipe, 1f1b, 2bw, pipedream, zb-h1, "
+        "interleaved-1f1b, zb-v",
         "strategy.microbatches: microbatches must be a positive int, got 0",
         "strategy.start_method='thread' is unknown; valid: auto, popen, spawn, fork, forkserver",
     ]
@@ -359,7 +402,9 @@ def test_the_config_is_checked_by_the_strategy_checks() -> None:
     (stages,) = strategy_problems(StrategyConfig(balance=[1, 2, 3]), world_size=2)
     assert stages.startswith("strategy.balance: balance=[1, 2, 3] describes 3 stages")
     assert strategy_problems(StrategyConfig(balance="params"), world_size=2) == []
-    strategy = build_strategy(StrategyConfig(schedule="1f1b", timeout_s=30, memory_plan={1: "swap"}))
+    strategy = build_strategy(
+        StrategyConfig(schedule="1f1b", timeout_s=30, memory_plan={1: "swap"})
+    )
     assert strategy.options.timeout == timedelta(seconds=30)
     assert strategy.options.memory_plan == {1: "swap"} and strategy.schedule_name == "1f1b"
 
