@@ -1,8 +1,9 @@
 """Typed Hydra structured configs for the strategy and the Trainer, and their builders.
 
-:class:`StrategyConfig` mirrors ``Pipe2BWStrategy``'s options in types Hydra can hold (a timeout
-in seconds, a start method that may be ``"auto"``). It is checked by the same code as the
-strategy: :func:`strategy_problems` builds :class:`~lightning_pipe2bw.pipeline.options.PipeOptions`
+:class:`StrategyConfig` holds ``Pipe2BWStrategy``'s options in types Hydra can hold (a timeout
+in seconds, a start method that may be ``"auto"``); it is made from the options' table
+(``pipeline.options.OPTIONS``), so a new option needs no line here. It is checked by the same
+code as the strategy: :func:`strategy_problems` builds :class:`~lightning_pipe2bw.pipeline.options.PipeOptions`
 and the process layout from it and words their problems for a config (``strategy.<option>``);
 :func:`build_strategy` builds the strategy from the same options. A recipe composes these with
 its own model and data configs (see ``lightning_pipe2bw.recipes.gpt.config``).
@@ -10,11 +11,10 @@ its own model and data configs (see ``lightning_pipe2bw.recipes.gpt.config``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any
+from dataclasses import dataclass, field, make_dataclass
+from typing import TYPE_CHECKING, Any
 
-from lightning_pipe2bw.pipeline.options import BALANCE_MODES, DEFAULT_TIMEOUT, PipeOptions, Problem
+from lightning_pipe2bw.pipeline.options import BALANCE_MODES, OPTIONS, PipeOptions, Problem
 from lightning_pipe2bw.pipeline.topology import Topology
 from lightning_pipe2bw.strategy import Pipe2BWStrategy
 
@@ -33,40 +33,32 @@ __all__ = [
 START_METHODS = ("auto", "popen", "spawn", "fork", "forkserver")
 
 
-@dataclass
-class StrategyConfig:
-    """``Pipe2BWStrategy``'s options (``configs/strategy/<schedule>.yaml``)."""
+def _strategy_config() -> type:
+    """``StrategyConfig``, made from the options' table (``pipeline.options.OPTIONS``)."""
+    cls = make_dataclass(
+        "StrategyConfig",
+        [(o.field_name, o.config_type, field(default=o.field_default)) for o in OPTIONS],
+    )
+    cls.__module__ = __name__
+    cls.__doc__ = (
+        "``Pipe2BWStrategy``'s options (``configs/strategy/<schedule>.yaml``), one field per "
+        "option of ``lightning_pipe2bw.pipeline.options.OPTIONS``:\n\n"
+        + "\n".join(f"- ``{o.field_name}``: {o.note}" for o in OPTIONS if o.note)
+    )
+    return cls
 
-    schedule: str = "2bw"
-    microbatches: int | None = 4
-    flush_every: int | None = None
-    # blocks per stage, e.g. [3, 3], or a mode: "uniform", "params", "auto" (profile and plan)
-    balance: Any = None
-    body: str | None = None
-    # "auto": "popen" for a single run, "spawn" under --multirun (see resolve_start_method)
-    start_method: str = "auto"
-    process_group_backend: str | None = None  # None: gloo on CPU, nccl on CUDA
-    timeout_s: float | None = None  # process-group timeout; None: the strategy default (3 min)
-    state_dict_type: str = "full"  # "full": one consolidated file; "sharded": DCP directory
-    data_parallel: int = 1  # pipeline replicas (devices must be a multiple)
-    # recompute activations in the backward: a bool, or one per stage; null: off, or the
-    # planner's choice with balance=auto
-    recompute: Any = None
-    # per block index: "keep", "recompute", "swap" (to host) or "evict" (to the partner stage)
-    memory_plan: Any = None
-    # BPipe: true (the balanced share), or a budget in micro-batches per evicting stage
-    balance_activations: Any = None
-    # vPipe: check the stages' measured times every this many steps and move blocks (null: off)
-    repartition_every: int | None = None
-    repartition_threshold: float = 0.15  # move when the slowest stage is this much over the best
-    # flush schedules: send the last (GPipe: and the first) micro-batch's input gradient before
-    # the weights' gradients
-    early_input_grad: bool = True
-    # 2bw/pipedream: auto (the schedule's default), none, predict, error_feedback or nesterov
-    delay_correction: str = "auto"
-    # models that are not an nn.Sequential: check the split's output against the whole model's
-    # at set-up, and that every parameter gets a gradient at the first update
-    check_split: bool = True
+
+if TYPE_CHECKING:
+
+    class StrategyConfig:
+        """(For the type checker: the dataclass below, whose fields the options' table makes.)"""
+
+        def __init__(self, **fields: Any) -> None: ...
+
+        def __getattr__(self, name: str) -> Any: ...
+
+else:
+    StrategyConfig = _strategy_config()
 
 
 @dataclass
@@ -107,32 +99,9 @@ def resolve_start_method(method: str, multirun: bool) -> str:
 
 def _options(cfg: StrategyConfig, multirun: bool) -> dict[str, Any]:
     """``cfg`` as the strategy's keyword arguments (Hydra's containers made plain)."""
-    balance = cfg.balance
-    if balance is not None and not isinstance(balance, str):
-        balance = list(balance)
-    recompute = cfg.recompute
-    if recompute is not None and not isinstance(recompute, bool):
-        recompute = list(recompute)
-    return {
-        "schedule": cfg.schedule,
-        "microbatches": cfg.microbatches,
-        "flush_every": cfg.flush_every,
-        "balance": balance,
-        "body": cfg.body,
-        "start_method": resolve_start_method(cfg.start_method, multirun),
-        "process_group_backend": cfg.process_group_backend,
-        "timeout": timedelta(seconds=cfg.timeout_s) if cfg.timeout_s is not None else DEFAULT_TIMEOUT,
-        "state_dict_type": cfg.state_dict_type,
-        "data_parallel": cfg.data_parallel,
-        "recompute": recompute,
-        "memory_plan": None if cfg.memory_plan is None else dict(cfg.memory_plan.items()),
-        "balance_activations": cfg.balance_activations,
-        "repartition_every": cfg.repartition_every,
-        "repartition_threshold": cfg.repartition_threshold,
-        "early_input_grad": cfg.early_input_grad,
-        "delay_correction": cfg.delay_correction,
-        "check_split": cfg.check_split,
-    }
+    options = {o.name: o.configured(getattr(cfg, o.field_name)) for o in OPTIONS}
+    options["start_method"] = resolve_start_method(options["start_method"], multirun)
+    return options
 
 
 def _worded(problem: Problem) -> str:

@@ -39,6 +39,7 @@ from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_pipe2bw.runtime.failure import say
+from lightning_pipe2bw.runtime.stepvalues import StepValues
 
 __all__ = ["RequeueRelay"]
 
@@ -128,7 +129,7 @@ class RequeueRelay:
     def decide(self, replicas: Any, data_parallel: int, device: torch.device, lag: int) -> int | None:
         """On the last stage, once per training step: the batch (counted from the fit's start)
         at whose start every rank answers a request, or None. ``lag``: the driver's
-        ``report_lag``. With data parallelism every replica's last stage calls this in the same
+        ``values_lag``. With data parallelism every replica's last stage calls this in the same
         step (a collective among them), and they return the same answer."""
         asked = False
         if not self._asked:
@@ -142,9 +143,9 @@ class RequeueRelay:
         self._asked = True
         return self.batch + lag + 1  # every rank has this step's values by then
 
-    def note(self, report: dict[str, Any]) -> None:
+    def note(self, values: StepValues) -> None:
         """A step's values, delivered to this rank: the request they carry, if any."""
-        due = report.get("requeue")
+        due = values.requeue
         if due is not None:
             self.due = int(due)
 
@@ -156,8 +157,8 @@ class RequeueRelay:
 
     def answer(self) -> None:
         """On every rank at the same boundary (a batch's start, or the fit's end, where every
-        report has arrived): Lightning's handler, which writes the HPC checkpoint (a collective
-        of every rank) and then asks SLURM for the requeue from global rank 0."""
+        step's values have arrived): Lightning's handler, which writes the HPC checkpoint (a
+        collective of every rank) and then asks SLURM for the requeue from global rank 0."""
         if self.due is None or self.signum is None:
             return
         self.due = None

@@ -39,6 +39,7 @@ from torchmetrics import Metric
 
 from lightning_pipe2bw.compat import metric_batch_value, set_metric_batch_value, set_metric_state
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, merge_outputs
+from lightning_pipe2bw.runtime.stepvalues import StepValues
 
 __all__ = [
     "LogRecord",
@@ -404,11 +405,11 @@ class StepRecording:
     stage to the same values on every rank.
 
     :meth:`step` is the user's step for one micro-batch; while the ``with`` block runs (the
-    pipeline runs the batch), ``self.log`` is recorded. :meth:`values` (on the last stage)
-    gives what to deliver: the logged values, the items appended to the module's lists, the
-    logged Metrics' states. :meth:`apply` takes a delivered report on any rank: the lists and
-    Metric copies are brought up to date (not on the last stage, where they are), and the
-    values logged with Lightning's own ``self.log``."""
+    pipeline runs the batch), ``self.log`` is recorded. :meth:`fill` (on the last stage) adds
+    what to deliver to the step's values: the logged values, the items appended to the module's
+    lists, the logged Metrics' states. :meth:`apply` takes delivered values on any rank: the
+    lists and Metric copies are brought up to date (not on the last stage, where they are), and
+    the values logged with Lightning's own ``self.log``."""
 
     def __init__(
         self, module: LightningModule, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -435,23 +436,25 @@ class StepRecording:
     def __exit__(self, *exc: Any) -> None:
         self.recorder.__exit__(*exc)
 
-    def values(self) -> dict[str, Any]:
-        """What the last stage delivers besides the loss or the outputs (on another stage:
-        nothing, and what its partial steps appended to the module's lists is dropped)."""
+    def fill(self, values: StepValues) -> None:
+        """Add what the last stage delivers besides the loss or the outputs to ``values`` (on
+        another stage: nothing, and what its partial steps appended to the module's lists is
+        dropped)."""
         if not self.last_stage:
             self.outputs.discard()
-            return {}
-        return {
-            "logs": self.recorder.summary(),
-            "appended": StepOutputs.to_cpu(self.outputs.collect(self.sizes)),
-            "metrics": self.states.take(self.recorder.metrics()),
-        }
+            return
+        values.logs = self.recorder.summary()
+        values.appended = StepOutputs.to_cpu(self.outputs.collect(self.sizes))
+        values.metrics = self.states.take(self.recorder.metrics())
 
-    def apply(self, report: dict[str, Any], device: torch.device) -> None:
-        """Bring this rank up to ``report`` and log its values (the recorder is gone now)."""
+    def apply(self, values: StepValues, device: torch.device) -> None:
+        """Bring this rank up to the last stage's ``values`` and log them (the recorder is gone
+        now)."""
+        assert values.logs is not None, "the last stage's values of a step carry its logs"
         if self.last_stage:
             metrics = self.recorder.metrics()
         else:
-            StepOutputs.apply(self.module, report["appended"], device)
-            metrics = MetricStates.apply(self.module, report["metrics"], device)
-        replay(self.module.log, report["logs"], device, metrics)
+            assert values.appended is not None and values.metrics is not None
+            StepOutputs.apply(self.module, values.appended, device)
+            metrics = MetricStates.apply(self.module, values.metrics, device)
+        replay(self.module.log, values.logs, device, metrics)

@@ -1,10 +1,11 @@
 """The Lightning seam: ``Pipe2BWStrategy`` turns Lightning's hooks into calls on one pipeline stage.
 
 This module is wiring. What it delegates to knows nothing of Lightning (``docs/design.md``):
-the options and their checks (``pipeline.options``), the process mesh (``pipeline.topology``,
-``pipeline.groups``), the stage's runtime (``pipeline.assembly``: body, engine, driver, stash,
-BPipe link), the checkpoint format (``pipeline.checkpoint``), block migration
-(``pipeline.migrate``) and the rest of ``runtime/``, ``schedule/`` and ``partition/``. Lightning's
+the options and their checks (``pipeline.options``, ``pipeline.checks``), the process mesh
+(``pipeline.topology``, ``pipeline.groups``), the stage's runtime (``pipeline.assembly``: body,
+engine, driver, stash, BPipe link), the checkpoint format (``pipeline.checkpoint``), block
+migration (``pipeline.migrate``) and the rest of ``runtime/``, ``schedule/`` and ``partition/``;
+a step's values reach every rank's logs and return value through ``delivery``. Lightning's
 private API is reached through ``compat`` only.
 """
 
@@ -14,7 +15,6 @@ import atexit
 import functools
 import importlib.metadata
 import logging
-import math
 import os
 import pickle
 import signal
@@ -35,11 +35,9 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 from torch.optim import Optimizer
-from torch.utils import _pytree as pytree
 from torchmetrics import Metric
 from typing_extensions import override
 
@@ -47,6 +45,8 @@ from lightning_pipe2bw import compat
 from lightning_pipe2bw.agreement import agree_on_inf_checks, check_same_setup, make_clipping_global
 from lightning_pipe2bw.averaging import average_stages, averaging_callbacks, whole_averages
 from lightning_pipe2bw.callbacks.summary import use_pipeline_summary
+from lightning_pipe2bw.callbacks.view import PipelineView
+from lightning_pipe2bw.delivery import StepDelivery
 from lightning_pipe2bw.hooklogs import StageLogs, logs_in_gradient_hooks
 from lightning_pipe2bw.launcher import (
     PipePopenLauncher,
@@ -56,9 +56,7 @@ from lightning_pipe2bw.launcher import (
     stop_workers,
 )
 from lightning_pipe2bw.loaders import (
-    FingerprintCheck,
     batch_fingerprint,
-    describe_loader,
     last_batch_problem,
     seed_sampler,
 )
@@ -73,6 +71,7 @@ from lightning_pipe2bw.pipeline.autoplan import (
 )
 from lightning_pipe2bw.pipeline.checkpoint import CheckpointFormat, layout_to_adopt
 from lightning_pipe2bw.pipeline.checkpoint_io import gather_state_dict, is_sharded_checkpoint
+from lightning_pipe2bw.pipeline.checks import run_problems
 from lightning_pipe2bw.pipeline.groups import ProcessGroups, choose_backend, gather_stages
 from lightning_pipe2bw.pipeline.intake import (
     check_every_parameter_used,
@@ -81,11 +80,11 @@ from lightning_pipe2bw.pipeline.intake import (
 from lightning_pipe2bw.pipeline.migrate import hand_back, relayout
 from lightning_pipe2bw.pipeline.options import (
     DEFAULT_TIMEOUT,
+    OPTION_NAMES,
     BalanceMode,
     PipeOptions,
     StartMethod,
     raise_problems,
-    run_problems,
 )
 from lightning_pipe2bw.pipeline.peers import PeerDirectory
 from lightning_pipe2bw.pipeline.repartition import Repartition, Repartitioner
@@ -94,14 +93,13 @@ from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
 from lightning_pipe2bw.pipeline.topology import Topology
 from lightning_pipe2bw.requeue import RequeueRelay
 from lightning_pipe2bw.runtime import PipelineEngine, StageBody
-from lightning_pipe2bw.runtime.driver import Driver, DueGradient, Report
+from lightning_pipe2bw.runtime.driver import Driver, DueGradient
 from lightning_pipe2bw.runtime.failure import SignalStop, StageFailure
 from lightning_pipe2bw.runtime.microbatch import batch_size_of
 from lightning_pipe2bw.schedule import SCHEDULES, ActivationBudget
 from lightning_pipe2bw.steplog import (
     StepRecording,
     quiet_epoch_sync_advice,
-    scalar_on,
     share_metrics,
 )
 
@@ -140,41 +138,6 @@ def _names_lost_ranks(where: str) -> Callable[[_Method], _Method]:
         return cast(_Method, named)
 
     return wrap
-
-
-# the dataloader each pipelined hook reads, for errors
-_LOADERS = {
-    "training_step": "training dataloader",
-    "validation_step": "validation dataloader",
-    "test_step": "test dataloader",
-    "predict_step": "predict dataloader",
-}
-
-
-def _hook_reading(trainer: Trainer) -> str | None:
-    """The pipelined hook that reads the dataloaders Lightning sets up now."""
-    if trainer.training:
-        return "training_step"
-    if trainer.validating or trainer.sanity_checking:
-        return "validation_step"
-    if trainer.testing:
-        return "test_step"
-    return "predict_step" if trainer.predicting else None
-
-
-def _missing_like(value: Any) -> Any:
-    """``value``'s structure with NaN in place of every number and tensor value (None for
-    anything else): what a rank returns for a step whose values have not reached it yet."""
-
-    def blank(leaf: Any) -> Any:
-        if isinstance(leaf, Tensor):
-            dtype = leaf.dtype if leaf.dtype.is_floating_point else torch.get_default_dtype()
-            return torch.full(leaf.shape, math.nan, dtype=dtype)
-        if isinstance(leaf, (int, float)) and not isinstance(leaf, bool):
-            return math.nan
-        return None
-
-    return pytree.tree_map(blank, value)
 
 
 class Pipe2BWStrategy(ParallelStrategy):
@@ -284,17 +247,11 @@ class Pipe2BWStrategy(ParallelStrategy):
         check_split: bool = True,
         **kwargs: Any,
     ) -> None:
+        # the keywords are the options' table (pipeline.options.OPTIONS, held to this signature
+        # by tests/unit/test_options.py), given as they are
+        given = {name: value for name, value in locals().items() if name in OPTION_NAMES}
         super().__init__(**kwargs)
-        self.options = PipeOptions.create(
-            schedule=schedule, microbatches=microbatches, flush_every=flush_every,
-            balance=balance, body=body, start_method=start_method,
-            process_group_backend=process_group_backend, timeout=timeout,
-            state_dict_type=state_dict_type, data_parallel=data_parallel, recompute=recompute,
-            memory_plan=memory_plan, balance_activations=balance_activations,
-            repartition_every=repartition_every, repartition_threshold=repartition_threshold,
-            early_input_grad=early_input_grad, delay_correction=delay_correction,
-            check_split=check_split,
-        )  # fmt: skip
+        self.options = PipeOptions.create(**given)
         self._num_nodes = 1
         self._process_group_backend = self.options.process_group_backend
         self.groups: ProcessGroups | None = None  # made at set-up, kept for every Trainer call
@@ -312,13 +269,8 @@ class Pipe2BWStrategy(ParallelStrategy):
         self._ends_epoch = False
         # values logged in the gradient hooks, merged over the stages (None: nothing logs there)
         self._hook_logs: StageLogs | None = None
-        # the fingerprint of the batch Lightning moved to the device last (see loaders), and
-        # those of the batches run and not yet compared with the last stage's (train, eval)
-        self._fingerprint: str | None = None
-        self._fingerprints = {True: FingerprintCheck(), False: FingerprintCheck()}
-        self._loader_names: dict[str, str] = {}  # by the hook that reads it, for errors
-        # the extra values (besides the loss) of the latest training step this rank has seen
-        self._step_extra: Any = None
+        # a step's values, from the last stage to what every rank logs and returns
+        self._delivery = StepDelivery()
         # SIGTERM / SIGINT end every rank within seconds (see pipeline.signals)
         self._signals = SignalGuard(self._describe, self._on_forced_exit)
         # SLURM's requeue warning answered at a step boundary (see requeue.py)
@@ -400,6 +352,12 @@ class Pipe2BWStrategy(ParallelStrategy):
     def partition(self) -> Partition | None:
         return self.runtime.partition if self.runtime is not None else None
 
+    def pipeline_view(self) -> PipelineView:
+        """What the callbacks read: this rank's place in the pipeline, its engine and driver."""
+        return PipelineView(
+            self.stage, self.num_stages, self.replica, self.root_device, self.engine, self.driver
+        )
+
     @property
     def _runtime(self) -> StageRuntime:
         assert self.runtime is not None, "the pipeline stage is built at set-up"
@@ -447,9 +405,8 @@ class Pipe2BWStrategy(ParallelStrategy):
             )
             if problem is not None:
                 raise ValueError(problem)
-        hook = _hook_reading(trainer) if trainer is not None else None
-        if hook is not None:
-            self._loader_names[hook] = f"{_LOADERS[hook]} ({describe_loader(dataloader)})"
+        if trainer is not None:
+            self._delivery.name_loader(trainer, dataloader)
         return seed_sampler(dataloader, int(os.environ.get("PL_GLOBAL_SEED", 0)))
 
     def _trainer(self) -> Trainer | None:
@@ -465,7 +422,7 @@ class Pipe2BWStrategy(ParallelStrategy):
     ) -> Any:
         """Before the batch leaves the host: its fingerprint, which the last stage sends with
         the step's values and the other stages compare with their own (``loaders``)."""
-        self._fingerprint = batch_fingerprint(batch) if self.num_stages > 1 else None
+        self._delivery.fingerprint = batch_fingerprint(batch) if self.num_stages > 1 else None
         return super().batch_to_device(batch, device, dataloader_idx)
 
     @property
@@ -598,8 +555,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         self._agree_across_stages()
         # the guard's second half: every parameter gets a gradient at the first update
         self._use_check = fitting and self.options.check_split
-        self._fingerprints = {True: FingerprintCheck(), False: FingerprintCheck()}
-        self._step_extra = None
+        self._delivery.restart()
         self._hook_logs = None
         if fitting and self.num_stages > 1 and logs_in_gradient_hooks(trainer, module):
             self._hook_logs = self._stage_logs(module)
@@ -731,49 +687,20 @@ class Pipe2BWStrategy(ParallelStrategy):
                 args[0], recording.step, self._backward_microbatch, train=train,
                 loss_root=self._loss_root(module),
             )  # fmt: skip
-        values.update(recording.values())
-        fingerprint, self._fingerprint = self._fingerprint, None
-        fingerprints = self._fingerprints[train]
-        if runtime.is_last:
-            values["batch"] = fingerprint
-            if train and self._requeue.active:
-                assert self.groups is not None
-                lag = runtime.driver.report_lag
-                due = self._requeue.decide(self.groups.stage, self.data_parallel, self.root_device, lag)
-                if due is not None:
-                    values["requeue"] = due
-        else:
-            fingerprints.ran(fingerprint)
+        recording.fill(values)
         settle = train and compat.ends_epoch(module.trainer)
         self._ends_epoch = train and compat.last_batch_of_epoch(module.trainer)
-        reports = runtime.deliver(values, train=train, settle=settle)
-        for report in reports:
-            if not runtime.is_last:
-                loader = self._loader_names.get(hook, _LOADERS.get(hook, hook))
-                fingerprints.compare(report.get("batch"), self.stage, loader)
-            recording.apply(report, self.root_device)
-            self._requeue.note(report)
-        if train:
-            return self._training_output(reports)
-        return apply_to_collection(reports[-1]["output"], Tensor, lambda t: t.to(self.root_device))
+        return self._delivery.deliver(
+            runtime, recording, values, hook=hook, train=train, settle=settle,
+            device=self.root_device, requeue=self._requeue,
+            request=self._requeue_request if train and self._requeue.active else None,
+        )  # fmt: skip
 
-    def _training_output(self, reports: list[Report]) -> Any:
-        """What the training step returns to Lightning on this rank: the loss of the newest
-        report, with the step's other values when it returned a dict (NaN where no report has
-        arrived yet: 2BW's first step of an epoch on a rank other than 0)."""
-        device = self.root_device
-        if reports:
-            loss = scalar_on(device, reports[-1]["loss"])
-            extra = self._step_extra = reports[-1].get("extra")
-        else:
-            loss = scalar_on(device, math.nan)
-            if self._step_extra is None:
-                ahead = self._runtime.driver.preview
-                self._step_extra = ahead.get("extra") if ahead is not None else None
-            extra = _missing_like(self._step_extra) if self._step_extra is not None else None
-        if extra is None:
-            return loss
-        return {"loss": loss, **apply_to_collection(extra, Tensor, lambda t: t.to(device))}
+    def _requeue_request(self, lag: int) -> int | None:
+        """On the last stage: the batch at whose start every rank answers SLURM's requeue
+        warning, or None (``RequeueRelay.decide``; ``lag``: the driver's ``values_lag``)."""
+        assert self.groups is not None
+        return self._requeue.decide(self.groups.stage, self.data_parallel, self.root_device, lag)
 
     def _loss_root(self, module: LightningModule) -> Callable[[Tensor], Tensor] | None:
         """What :meth:`_backward_microbatch` differentiates, as a function of the weighted loss

@@ -7,10 +7,9 @@ here for the callback's users.
 
 from __future__ import annotations
 
-from typing import Any
-
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from lightning_pipe2bw.callbacks.view import pipeline_strategy
 from lightning_pipe2bw.schedule.offload import ActivationBudget, evict_share, stashed_microbatches
 
 __all__ = ["ActivationBalancer", "ActivationBudget", "evict_share", "stashed_microbatches"]
@@ -37,10 +36,10 @@ class ActivationBalancer(Callback):
         self.budget = ActivationBudget(budget_microbatches, budget_bytes)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        strategy: Any = trainer.strategy
-        if not hasattr(strategy, "activation_budget"):
+        strategy = pipeline_strategy(trainer)
+        if strategy is None:
             raise ValueError(
                 "ActivationBalancer moves activations between pipeline stages; use it with "
-                f"strategy='pipe2bw' (got {type(strategy).__name__})"
+                f"strategy='pipe2bw' (got {type(trainer.strategy).__name__})"
             )
         strategy.activation_budget = self.budget

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_pipe2bw.callbacks.view import pipeline_strategy, pipeline_view
 from lightning_pipe2bw.partition.measure import storage_bytes
 
 __all__ = ["StageMemoryMonitor", "stage_memory"]
@@ -41,11 +42,11 @@ def stage_memory(trainer: Trainer) -> dict[str, int]:
     under BPipe; the peak since the previous call, which resets it), the partner's bytes held
     here and this stage's bytes swapped to host memory (memory plan ``"swap"``),
     bytes of sends not yet completed, and on CUDA the allocator's peak and reserved bytes."""
-    strategy: Any = trainer.strategy
+    view = pipeline_view(trainer)
     module = trainer.lightning_module
-    engine = getattr(strategy, "engine", None)
+    engine = view.engine if view is not None else None
     params = list(module.parameters())
-    driver = getattr(strategy, "driver", None)
+    driver = view.driver if view is not None else None
     buffers = driver.weight_buffers if driver is not None else 1
     states = [t for opt in trainer.optimizers for s in opt.state.values() for t in s.values()]
     param_bytes = storage_bytes(params)
@@ -70,7 +71,7 @@ def stage_memory(trainer: Trainer) -> dict[str, int]:
         out["activations_partner"] = stats.partner_bytes
         out["activations_host"] = stats.host_bytes
         out["p2p_in_flight"] = engine.transport.pending_bytes
-    device = strategy.root_device
+    device = view.root_device if view is not None else trainer.strategy.root_device
     if device.type == "cuda":
         out["cuda_allocated_peak"] = torch.cuda.max_memory_allocated(device)
         out["cuda_reserved"] = torch.cuda.memory_reserved(device)
@@ -102,7 +103,7 @@ class StageMemoryMonitor(Callback):
         self.plot_path: Path | None = None
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not hasattr(trainer.strategy, "engine"):
+        if pipeline_strategy(trainer) is None:
             raise ValueError(
                 "StageMemoryMonitor reports pipeline stages; use it with strategy='pipe2bw' "
                 f"(got {type(trainer.strategy).__name__})"
@@ -119,8 +120,9 @@ class StageMemoryMonitor(Callback):
         self._collect(trainer)
 
     def _collect(self, trainer: Trainer) -> None:
-        strategy: Any = trainer.strategy
-        mine = (strategy.replica, strategy.stage, stage_memory(trainer))
+        view = pipeline_view(trainer)
+        assert view is not None, "on_fit_start checked the strategy"
+        mine = (view.replica, view.stage, stage_memory(trainer))
         everyone: list[Any] = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             everyone = [None] * dist.get_world_size()

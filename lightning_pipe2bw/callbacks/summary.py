@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.model_summary.model_summary import get_human_re
 from torch import nn
 
 from lightning_pipe2bw import compat
+from lightning_pipe2bw.callbacks.view import pipeline_view
 from lightning_pipe2bw.runtime.stage import StageBody
 
 __all__ = ["PipelineModelSummary", "use_pipeline_summary"]
@@ -40,9 +41,9 @@ class PipelineModelSummary(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not compat.summary_depth(self.inner):
             return
-        strategy: Any = trainer.strategy
-        engine = strategy.engine
-        rows = _stage_rows(pl_module, engine.body, strategy.stage, strategy.replica)
+        view = pipeline_view(trainer)
+        assert view is not None and view.engine is not None, "set up by a pipeline strategy"
+        rows = _stage_rows(pl_module, view.engine.body, view.stage, view.replica)
         everyone: list[Any] = [rows]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             everyone = [None] * dist.get_world_size() if trainer.is_global_zero else []

@@ -22,13 +22,10 @@ from lightning_pipe2bw.partition import BodyRef, Partition, build_stage
 from lightning_pipe2bw.partition.balance import balance_by_params
 from lightning_pipe2bw.partition.build import Init, Uninitialized, UninitializedError
 from lightning_pipe2bw.partition.plans import PlanResult
+from lightning_pipe2bw.pipeline.checks import memory_plan_problems, runtime_problems
 from lightning_pipe2bw.pipeline.groups import ProcessGroups
-from lightning_pipe2bw.pipeline.options import (
-    PipeOptions,
-    Problem,
-    async_problems,
-    raise_problems,
-)
+from lightning_pipe2bw.pipeline.options import PipeOptions
+from lightning_pipe2bw.pipeline.problems import raise_problems
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
 from lightning_pipe2bw.pipeline.ties import TiedCopies
 from lightning_pipe2bw.pipeline.topology import Topology
@@ -39,11 +36,9 @@ from lightning_pipe2bw.runtime.engine import VirtualStages
 from lightning_pipe2bw.runtime.failure import wait_limits
 from lightning_pipe2bw.runtime.peer import PeerLink
 from lightning_pipe2bw.runtime.shm import create_transport
-from lightning_pipe2bw.runtime.stash import check_memory_plan
 from lightning_pipe2bw.runtime.twobw import PipeDreamDriver, TwoBWDriver
 from lightning_pipe2bw.runtime.versions import unwrap_optimizer
 from lightning_pipe2bw.schedule import (
-    ActivationBudget,
     evict_share,
     offload_stages,
     stashed_microbatches,
@@ -51,7 +46,6 @@ from lightning_pipe2bw.schedule import (
 
 __all__ = [
     "build_runtime",
-    "memory_plan_problems",
     "place_stage",
     "resolve_balance",
     "resolve_init",
@@ -143,55 +137,6 @@ def place_stage(
     return body, partition
 
 
-def memory_plan_problems(
-    options: PipeOptions, partition: Partition, recompute: bool
-) -> list[Problem]:
-    """What is wrong with the memory plan on this partition (``recompute``: whether this
-    stage recomputes every block anyway)."""
-    plan = options.memory_plan
-    if not plan:
-        return []
-    try:
-        check_memory_plan(plan, partition.num_blocks)
-    except ValueError as err:
-        return [Problem("memory_plan", plan, str(err))]
-    problems: list[Problem] = []
-    if recompute and any(policy != "keep" for policy in plan.values()):
-        problems.append(
-            Problem(
-                "memory_plan",
-                plan,
-                "recompute=True already recomputes every block of the stage; give either "
-                "recompute or a memory_plan (whose 'recompute' entries pick the blocks)",
-            )
-        )
-    p = partition.num_stages
-    evicting = offload_stages(p)
-    for index, policy in sorted(plan.items()):
-        stage = partition.stage_of(index)
-        if policy == "evict" and stage not in evicting:
-            where = f"stages {list(evicting)}" if evicting else "no stage (one stage only)"
-            problems.append(
-                Problem(
-                    "memory_plan",
-                    plan,
-                    f"memory_plan[{index}] = 'evict', but block {index} runs on stage {stage} "
-                    f"of {p}, which has no partner that stashes less: {where} can evict. Use "
-                    "'swap' or 'recompute' for this block",
-                )
-            )
-    if options.activation_budget is not None and "evict" in plan.values():
-        problems.append(
-            Problem(
-                "memory_plan",
-                plan,
-                "the activation balancer chooses what to evict itself; give either "
-                "balance_activations / ActivationBalancer or 'evict' entries in memory_plan",
-            )
-        )
-    return problems
-
-
 def build_runtime(
     *,
     root: nn.Module,
@@ -215,24 +160,18 @@ def build_runtime(
     ``pipedream``, the asynchronous driver, which wraps the one optimizer in ``optimizers`` to
     keep the weight versions) and BPipe's link to the partner stage. Otherwise a forward-only
     runtime (validate, test, predict): no offload, and the flush driver, which never runs."""
-    evicting = frozenset(_evicting_stages(options, partition, training))
-    if training and options.is_async:
-        raise_problems(
-            async_problems(
-                options,
-                num_optimizers=len(optimizers),
-                clips_gradients=clips_gradients,
-                scales_loss=scales_loss,
-            )
-        )
     across = [t for t in body.ties if len(t.stages(partition)) > 1]
-    if across and training and options.schedule == "pipedream":
-        raise ValueError(
-            f"parameters shared between blocks on different stages ({across[0].describe()}) "
-            "need every copy updated at the same step; schedule='pipedream' updates each stage "
-            "on its own. Use '2bw', '1f1b' or 'gpipe', or a balance that puts the blocks "
-            "sharing a parameter on one stage"
+    raise_problems(
+        runtime_problems(
+            options,
+            training=training,
+            num_optimizers=len(optimizers),
+            clips_gradients=clips_gradients,
+            scales_loss=scales_loss,
+            shared_across=across[0].describe() if across else None,
         )
+    )
+    evicting = frozenset(_evicting_stages(options, partition, training))
     # collectives from here on: every rank makes the same groups in the same order
     tied = TiedCopies(body, partition, topology, groups)
     tied.sync_weights()  # the copies start from the primary's value
@@ -312,15 +251,8 @@ def _evicting_stages(options: PipeOptions, partition: Partition, training: bool)
     under a memory plan, none outside training."""
     if not training:
         return set()
-    budget, p = options.activation_budget, partition.num_stages
-    if budget is not None:
-        if options.schedule == "gpipe" and budget == ActivationBudget():
-            raise ValueError(
-                "schedule='gpipe' stashes all m micro-batches on every stage, so the balanced "
-                "share moves nothing; balance activations with '1f1b', '2bw' or 'pipedream', "
-                "or give a budget"
-            )
-        return set(offload_stages(p))
+    if options.activation_budget is not None:  # (not under GPipe: see runtime_problems)
+        return set(offload_stages(partition.num_stages))
     plan = options.memory_plan or {}
     return {partition.stage_of(i) for i, policy in plan.items() if policy == "evict"}
 

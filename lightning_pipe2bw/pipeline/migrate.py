@@ -30,8 +30,8 @@ from torch.optim import Optimizer
 
 from lightning_pipe2bw.partition import make_partition
 from lightning_pipe2bw.partition.ties import share_parameter
-from lightning_pipe2bw.pipeline.assembly import memory_plan_problems
 from lightning_pipe2bw.pipeline.checkpoint_io import to_cpu
+from lightning_pipe2bw.pipeline.checks import memory_plan_problems
 from lightning_pipe2bw.pipeline.options import raise_problems
 from lightning_pipe2bw.pipeline.repartition import (
     load_optimizer_state_by_name,

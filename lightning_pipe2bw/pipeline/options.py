@@ -7,14 +7,13 @@ problem. Each problem names the option, its value and the fix (:class:`Problem`)
 that words its messages for its own surface (the Hydra config names ``strategy.<option>``) reads
 the problems from :meth:`PipeOptions.problems` instead.
 
-The checks that need more than the options (the world size, the Trainer) are here too, as pure
-functions of plain values: :func:`run_problems` and :func:`async_problems`; those that need the
-model (block counts, the memory plan against the partition) live with the partition.
+The checks that need more than the options (the layout, the Trainer call, the optimizers, the
+partition) are pure functions of plain values in :mod:`lightning_pipe2bw.pipeline.checks`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Literal, get_args
@@ -25,21 +24,23 @@ from lightning_pipe2bw.optim.delay import (
     canonical_correction,
     correction_predicts,
 )
+from lightning_pipe2bw.pipeline.problems import Problem, raise_problems
 from lightning_pipe2bw.runtime.stash import check_memory_plan
 from lightning_pipe2bw.schedule import SCHEDULES, VIRTUAL_SCHEDULES, ActivationBudget
 
 __all__ = [
     "BALANCE_MODES",
     "DEFAULT_TIMEOUT",
+    "OPTIONS",
+    "OPTION_NAMES",
     "START_METHODS",
     "BalanceMode",
+    "Option",
     "PipeOptions",
     "Problem",
     "StartMethod",
     "StateDictType",
-    "async_problems",
     "raise_problems",
-    "run_problems",
 ]
 
 BalanceMode = Literal["uniform", "params", "auto"]
@@ -53,34 +54,43 @@ STATE_DICT_TYPES: tuple[str, ...] = get_args(StateDictType)
 DEFAULT_TIMEOUT = timedelta(minutes=3)
 
 
-@dataclass(frozen=True)
-class Problem:
-    """One bad option: its name, the value given, and a message that names both and the fix.
-
-    ``choices`` lists the valid names when the value is an unknown name (a front end may word
-    that case itself); ``kind`` is the exception it raises alone (``TypeError`` for a value of
-    the wrong type, ``ValueError`` otherwise)."""
-
-    option: str
-    value: Any
-    message: str
-    kind: type[Exception] = ValueError
-    choices: tuple[str, ...] = ()
-
-
-def raise_problems(problems: Sequence[Problem], title: str = "invalid pipe2bw options") -> None:
-    """Raise nothing for no problem, the problem's own error for one, and one error listing
-    every message for several (a ``TypeError`` only if every problem is one)."""
-    if not problems:
-        return
-    if len(problems) == 1:
-        raise problems[0].kind(problems[0].message)
-    kind = TypeError if all(p.kind is TypeError for p in problems) else ValueError
-    raise kind(f"{title}:\n  - " + "\n  - ".join(p.message for p in problems))
-
-
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+_SAME: Any = object()  # a config field's default: the option's own
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of the strategy, declared once (:data:`OPTIONS`): its keyword, its default,
+    and its check, which normalises a value into :class:`PipeOptions` fields or raises the
+    option's :class:`Problem`; then how a Hydra config holds it (``config_type``, the config's
+    name and default when they differ, ``from_config``: the config's value as the keyword's)
+    and what the config's reader needs to know (``note``)."""
+
+    name: str
+    default: Any
+    parse: Callable[[Any], dict[str, Any]]
+    config_type: Any
+    config_name: str = ""  # "": the option's name
+    config_default: Any = _SAME
+    from_config: Callable[[Any], Any] | None = None
+    note: str = ""
+
+    @property
+    def field_name(self) -> str:
+        """The option's name in a config."""
+        return self.config_name or self.name
+
+    @property
+    def field_default(self) -> Any:
+        """The option's default in a config."""
+        return self.default if self.config_default is _SAME else self.config_default
+
+    def configured(self, value: Any) -> Any:
+        """A config's value as the strategy's keyword value."""
+        return self.from_config(value) if self.from_config is not None else value
 
 
 @dataclass(frozen=True)
@@ -168,16 +178,15 @@ class PipeOptions:
     # ------------------------------------------------------------------ parsing
     @classmethod
     def _parse(cls, raw: Mapping[str, Any]) -> tuple[PipeOptions | None, list[Problem]]:
-        unknown = sorted(set(raw) - _OPTION_NAMES)
+        unknown = sorted(set(raw) - OPTION_NAMES)
         if unknown:
-            valid = ", ".join(sorted(_OPTION_NAMES))
+            valid = ", ".join(sorted(OPTION_NAMES))
             raise TypeError(f"unknown pipe2bw options {unknown}; valid options: {valid}")
-        given = {**_DEFAULTS, **raw}
         problems: list[Problem] = []
         values: dict[str, Any] = {}
-        for name, parse in _PARSERS:
+        for option in OPTIONS:
             try:
-                values.update(parse(given[name]))
+                values.update(option.parse(raw.get(option.name, option.default)))
             except _Bad as bad:
                 problems.append(bad.problem)
         if problems:
@@ -457,140 +466,98 @@ def _correction_problems(schedule: str, correction: str) -> list[Problem]:
     return []
 
 
-# every option as the user gives it, with its parser, in the order problems are listed
-_PARSERS: tuple[tuple[str, Any], ...] = (
-    ("schedule", _schedule),
-    ("microbatches", _microbatches),
-    ("flush_every", _flush_every),
-    ("balance", _balance),
-    ("body", _body),
-    ("start_method", _start_method),
-    ("process_group_backend", _backend),
-    ("timeout", _timeout),
-    ("state_dict_type", _state_dict_type),
-    ("data_parallel", _data_parallel),
-    ("recompute", _recompute),
-    ("memory_plan", _memory_plan),
-    ("balance_activations", _balance_activations),
-    ("repartition_every", _repartition_every),
-    ("repartition_threshold", _repartition_threshold),
-    ("early_input_grad", _early_input_grad),
-    ("delay_correction", _delay_correction),
-    ("check_split", _check_split),
-)
-_OPTION_NAMES = frozenset(name for name, _ in _PARSERS)
-_DEFAULTS: dict[str, Any] = {
-    "schedule": "2bw",
-    "microbatches": None,
-    "flush_every": None,
-    "balance": None,
-    "body": None,
-    "start_method": "popen",
-    "process_group_backend": None,
-    "timeout": DEFAULT_TIMEOUT,
-    "state_dict_type": "full",
-    "data_parallel": 1,
-    "recompute": None,
-    "memory_plan": None,
-    "balance_activations": None,
-    "repartition_every": None,
-    "repartition_threshold": 0.15,
-    "early_input_grad": True,
-    "delay_correction": "auto",
-    "check_split": True,
-}
+def _listed_unless(kind: type) -> Callable[[Any], Any]:
+    """A config's sequence (Hydra's ``ListConfig``) as a list; None or a ``kind`` as is."""
+    return lambda value: value if value is None or isinstance(value, kind) else list(value)
 
 
-# ---------------------------------------------------------------------- checks against a run
-def run_problems(
-    options: PipeOptions,
-    num_stages: int,
-    *,
-    fitting: bool,
-    predicting: bool,
-    automatic_optimization: bool,
-    accumulate_grad_batches: int,
-) -> list[Problem]:
-    """What the options cannot do in this run (a Trainer call on ``num_stages`` stages)."""
-    problems: list[Problem] = []
-    name, m, w = options.schedule, options.num_microbatches(num_stages), options.data_parallel
-    if fitting and not automatic_optimization:
-        problems.append(
-            Problem(
-                "automatic_optimization",
-                False,
-                "pipe2bw drives forward and backward itself and needs automatic optimization; "
-                "remove `self.automatic_optimization = False` from the LightningModule",
-            )
-        )
-    if name in ("2bw", "2bw-v") and m < num_stages:
-        problems.append(
-            Problem(
-                "microbatches",
-                m,
-                f"schedule={name!r} needs at least as many micro-batches as stages, got "
-                f"microbatches={m} for {num_stages} stages; use microbatches={num_stages} or more",
-            )
-        )
-    if predicting and w > 1:
-        problems.append(
-            Problem(
-                "data_parallel",
-                w,
-                f"trainer.predict with data_parallel={w} would split the data over the replicas "
-                "and return only replica 0's predictions; predict with a strategy of "
-                "data_parallel=1 (the checkpoint loads with any layout)",
-            )
-        )
-    if name == "pipedream" and w > 1:
-        problems.append(
-            Problem(
-                "data_parallel",
-                w,
-                "schedule='pipedream' updates each stage in the middle of the pipeline, with no "
-                "point at which replicas could average their gradients; use schedule='2bw' (or a "
-                "flush schedule) with data_parallel > 1",
-            )
-        )
-    if accumulate_grad_batches != 1:
-        n = accumulate_grad_batches
-        problems.append(
-            Problem(
-                "accumulate_grad_batches",
-                n,
-                f"Trainer(accumulate_grad_batches={n}) is not supported by pipe2bw: a batch "
-                f"already accumulates gradients over its micro-batches. Use a {n}x larger batch "
-                "(and more micro-batches) instead",
-            )
-        )
-    return problems
+def _mapped(value: Any) -> Any:
+    """A config's mapping (Hydra's ``DictConfig``) as a dict."""
+    return None if value is None else dict(value.items())
 
 
-def async_problems(
-    options: PipeOptions, *, num_optimizers: int, clips_gradients: bool, scales_loss: bool
-) -> list[Problem]:
-    """What the schedules without a flush (``2bw``, ``pipedream``) cannot do with the run's
-    optimizers and precision."""
-    name = options.schedule
-    problems: list[Problem] = []
-    if num_optimizers != 1:
-        problems.append(
-            Problem(
-                "schedule",
-                name,
-                f"schedule={name!r} keeps versions of one optimizer's weights, but "
-                f"configure_optimizers returned {num_optimizers}; use one optimizer (with "
-                "parameter groups if needed)",
-            )
-        )
-    elif name == "pipedream" and (clips_gradients or scales_loss):
-        problems.append(
-            Problem(
-                "schedule",
-                name,
-                "schedule='pipedream' applies each stage's update asynchronously, when that "
-                "stage finishes a batch, so no global gradient norm or inf check exists at update "
-                "time; remove gradient_clip_val / 16-mixed, or use schedule='2bw'",
-            )
-        )
-    return problems
+def _seconds(value: Any) -> Any:
+    return timedelta(seconds=value) if value is not None else DEFAULT_TIMEOUT
+
+
+# Every option, declared once, in the order of the strategy's signature and of the problems
+# listed. ``PipeOptions.create`` reads the defaults and checks; ``lightning_pipe2bw.config``
+# derives the Hydra schema (``StrategyConfig``) from the ``config_*`` fields; a unit test holds
+# ``Pipe2BWStrategy.__init__``'s keywords and defaults to this table.
+OPTIONS: tuple[Option, ...] = (
+    Option("schedule", "2bw", _schedule, str),
+    Option(
+        "microbatches", None, _microbatches, int | None, config_default=4,
+        note="per batch; at least the number of stages under 2bw",
+    ),
+    Option(
+        "flush_every", None, _flush_every, int | None,
+        note="also drain the pipeline every this many batches (2bw, pipedream)",
+    ),
+    Option(
+        "balance", None, _balance, Any, from_config=_listed_unless(str),
+        note='blocks per stage, e.g. [3, 3], or a mode: "uniform", "params", "auto" (profile and '
+        "plan)",
+    ),
+    Option("body", None, _body, str | None, note="the dotted name of the nn.Sequential body"),
+    Option(
+        "start_method", "popen", _start_method, str, config_default="auto",
+        note='"auto": "popen" for a single run, "spawn" under --multirun '
+        "(config.resolve_start_method)",
+    ),
+    Option(
+        "process_group_backend", None, _backend, str | None,
+        note="None: gloo on CPU, nccl on CUDA",
+    ),
+    Option(
+        "timeout", DEFAULT_TIMEOUT, _timeout, float | None, config_name="timeout_s",
+        config_default=None, from_config=_seconds,
+        note="process-group timeout in seconds; None: the strategy default (3 min)",
+    ),
+    Option(
+        "state_dict_type", "full", _state_dict_type, str,
+        note='"full": one consolidated file; "sharded": a torch.distributed.checkpoint directory',
+    ),
+    Option(
+        "data_parallel", 1, _data_parallel, int,
+        note="pipeline replicas (devices must be a multiple)",
+    ),
+    Option(
+        "recompute", None, _recompute, Any, from_config=_listed_unless(bool),
+        note="recompute activations in the backward: a bool, or one per stage; None: off, or "
+        "the planner's choice with balance=auto",
+    ),
+    Option(
+        "memory_plan", None, _memory_plan, Any, from_config=_mapped,
+        note='per block index: "keep", "recompute", "swap" (to host) or "evict" (to the '
+        "partner stage)",
+    ),
+    Option(
+        "balance_activations", None, _balance_activations, Any,
+        note="BPipe: true (the balanced share), or a budget in micro-batches per evicting stage",
+    ),
+    Option(
+        "repartition_every", None, _repartition_every, int | None,
+        note="vPipe: check the stages' measured times every this many steps and move blocks",
+    ),
+    Option(
+        "repartition_threshold", 0.15, _repartition_threshold, float,
+        note="move when the slowest stage is this much over the best split",
+    ),
+    Option(
+        "early_input_grad", True, _early_input_grad, bool,
+        note="flush schedules: send the last (GPipe: and the first) micro-batch's input "
+        "gradient before the weights' gradients",
+    ),
+    Option(
+        "delay_correction", "auto", _delay_correction, str,
+        note="2bw/pipedream: auto (the schedule's default), none, predict, error_feedback or "
+        "nesterov",
+    ),
+    Option(
+        "check_split", True, _check_split, bool,
+        note="models that are not an nn.Sequential: check the split's output against the whole "
+        "model's at set-up, and that every parameter gets a gradient at the first update",
+    ),
+)  # fmt: skip
+OPTION_NAMES = frozenset(option.name for option in OPTIONS)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import traceback
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -26,7 +26,7 @@ from lightning_pipe2bw.pipeline.groups import (
 from lightning_pipe2bw.pipeline.options import PipeOptions
 from lightning_pipe2bw.pipeline.ties import TiedCopies
 from lightning_pipe2bw.pipeline.topology import Topology
-from lightning_pipe2bw.runtime.driver import Driver, DueGradient, Report
+from lightning_pipe2bw.runtime.driver import Driver, DueGradient
 from lightning_pipe2bw.runtime.engine import PipelineEngine, StepFn, step_loss
 from lightning_pipe2bw.runtime.failure import (
     FailureRecord,
@@ -37,6 +37,7 @@ from lightning_pipe2bw.runtime.failure import (
 )
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, merge_outputs, split_batch
 from lightning_pipe2bw.runtime.stage import StageBody
+from lightning_pipe2bw.runtime.stepvalues import StepValues
 from lightning_pipe2bw.schedule import Schedule, add_communication, forward_only
 
 __all__ = ["StageRuntime"]
@@ -99,12 +100,12 @@ class StageRuntime:
         *,
         train: bool,
         loss_root: Callable[[Tensor], Tensor] | None = None,
-    ) -> Report:
+    ) -> StepValues:
         """Run one batch through the stage: split into micro-batches, the driver (training) or
-        a forward-only schedule. On the last stage: the batch's values, ``{"loss": 0-d float64
-        tensor on the loss's device}`` (the micro-batch losses weighted by size) or
-        ``{"output": merged outputs on the CPU}``;
-        ``{}`` on the other stages. ``loss_root``: see ``PipelineEngine.execute``."""
+        a forward-only schedule. On the last stage: the batch's values, ``loss`` (a 0-d float64
+        tensor on the loss's device: the micro-batch losses weighted by size) and ``extra``, or
+        ``output`` (merged outputs on the CPU); empty values on the other stages. ``loss_root``:
+        see ``PipelineEngine.execute``."""
         size = batch_size_of(batch)
         m = self.num_microbatches if train else min(self.num_microbatches, size)
         microbatches, sizes = split_batch(batch, m)
@@ -122,20 +123,15 @@ class StageRuntime:
                 observer=self.driver.observe,
             )
         if not self.is_last:
-            return {}
+            return StepValues()
         if train:
             # on the loss's device, in float64, so that the step does not wait for the device
             # here (the value reaches the host when another rank needs it)
             losses = [step_loss(r, i).detach().double() for i, r in enumerate(results)]
-            report: Report = {
-                "loss": sum(w * loss for w, loss in zip(weights, losses, strict=True))
-            }
-            extra = _extra_values(results, sizes)
-            if extra is not None:
-                report["extra"] = extra
-            return report
+            loss = cast(Tensor, sum(w * x for w, x in zip(weights, losses, strict=True)))
+            return StepValues(loss=loss, extra=_extra_values(results, sizes))
         merged = merge_outputs(results, sizes)
-        return {"output": apply_to_collection(merged, Tensor, lambda t: t.detach().cpu())}
+        return StepValues(output=apply_to_collection(merged, Tensor, lambda t: t.detach().cpu()))
 
     def _forward_schedule(self, num_microbatches: int) -> Schedule:
         m = num_microbatches
@@ -146,13 +142,15 @@ class StageRuntime:
             )
         return self._forward_schedules[m]
 
-    def deliver(self, values: Report, *, train: bool, settle: bool = False) -> list[Report]:
+    def deliver_values(
+        self, values: StepValues, *, train: bool, settle: bool = False
+    ) -> list[StepValues]:
         """The last stage's values of a step, on every rank of the pipeline, oldest first: a
         training step's through the driver's channel (posted ahead, so they are there when a
         rank needs them; 2BW's one step late, without a barrier, unless ``settle``), others
         broadcast."""
         if train:
-            return self.driver.report(values, settle)
+            return self.driver.deliver_values(values, settle)
         return [broadcast_from_last(values, self.topology, self.groups)]
 
     def average_gradients(self, params: Iterable[Tensor]) -> None:

@@ -18,27 +18,27 @@ __all__ = ["ObjectChannel"]
 # default group with them)
 _FIRST_TAG = 1 << 19
 _REST_TAG = _FIRST_TAG + 1
-# a report's first message: its length (int64), then up to FIRST_BYTES - 8 bytes of it; a larger
-# report sends the rest in a second message
+# an object's first message: its length (int64), then up to FIRST_BYTES - 8 bytes of it; a larger
+# object sends the rest in a second message
 FIRST_BYTES = 4096
 
 
 class ObjectChannel:
-    """One rank posts reports (picklable objects); every other rank receives them in order.
+    """One rank posts picklable objects; every other rank receives them in order.
 
-    The source does not wait: each report goes out with non-blocking sends, whose buffers are kept
-    until the sends are done; only when ``max_unread`` reports are still unread does it wait for
-    the oldest (which bounds memory; in the strategy the receivers are one report behind). A
+    The source does not wait: each object goes out with non-blocking sends, whose buffers are kept
+    until the sends are done; only when ``max_unread`` objects are still unread does it wait for
+    the oldest (which bounds memory; in the strategy the receivers are one object behind). A
     receiver blocks only in :meth:`receive`. The channel runs on a gloo group (so CPU objects never
     wait on a GPU stream; ``None``: the default group, which must then be gloo), on tags of its
     own, so its messages never mix with the pipeline's activations and gradients.
 
     Receivers count what the source has posted, or will post, with :meth:`expect` (the two sides
-    post and expect at the same points of the training loop), so :attr:`backlog` tells whether a
-    report is owed. ``expect`` also posts the receive of the report's first message, which
-    holds a report of up to ``FIRST_BYTES - 8`` bytes whole: gloo writes a message at once only
+    post and expect at the same points of the training loop), so :attr:`backlog` tells whether an
+    object is owed. ``expect`` also posts the receive of the object's first message, which
+    holds an object of up to ``FIRST_BYTES - 8`` bytes whole: gloo writes a message at once only
     into a receive that is already posted (otherwise the sender's background thread must deliver
-    it later), so a receiver that expects a report before the source posts it gets it without a
+    it later), so a receiver that expects an object before the source posts it gets it without a
     round trip.
     """
 
@@ -50,10 +50,10 @@ class ObjectChannel:
         self.rank = dist.get_rank()
         # the global ranks of the pipeline (default: the whole world)
         self.members = list(range(dist.get_world_size())) if members is None else list(members)
-        self.backlog = 0  # on a receiver: reports expected and not yet received
-        self._sends: deque[list[tuple[dist.Work, torch.Tensor]]] = deque()  # per report
+        self.backlog = 0  # on a receiver: objects expected and not yet received
+        self._sends: deque[list[tuple[dist.Work, torch.Tensor]]] = deque()  # per object
         self._posted: deque[tuple[dist.Work, torch.Tensor]] = deque()  # first messages expected
-        self.max_unread = 8  # the source waits only when this many reports are still unread
+        self.max_unread = 8  # the source waits only when this many objects are still unread
 
     @property
     def is_source(self) -> bool:
@@ -74,7 +74,7 @@ class ObjectChannel:
         if len(data) > len(head):
             rest = torch.frombuffer(bytearray(data[len(head) :]), dtype=torch.uint8)
             messages.append((rest, _REST_TAG))
-        # keep the sends of the last `max_unread` reports; wait for older ones, which the
+        # keep the sends of the last `max_unread` objects; wait for older ones, which the
         # receivers (one step behind in the strategy) took long ago, so the wait returns at once
         # and the held buffers stay bounded (gloo marks a send complete only once waited for)
         while len(self._sends) >= self.max_unread:
@@ -91,7 +91,7 @@ class ObjectChannel:
         self._sends.append(sends)
 
     def expect(self) -> None:
-        """Note that the source posts one more report, and post its receive (on a receiver)."""
+        """Note that the source posts one more object, and post its receive (on a receiver)."""
         first = torch.empty(FIRST_BYTES, dtype=torch.uint8)
         work = dist.irecv(first, src=self.source, group=self.group, tag=_FIRST_TAG)
         assert work is not None
@@ -99,7 +99,7 @@ class ObjectChannel:
         self.backlog += 1
 
     def receive(self) -> Any:
-        """The oldest report not yet received (on a receiver; blocks until it arrives)."""
+        """The oldest object not yet received (on a receiver; blocks until it arrives)."""
         if self.backlog <= 0:
             raise RuntimeError("no report is owed: receive() without a matching expect()")
         work, first = self._posted.popleft()
@@ -114,7 +114,7 @@ class ObjectChannel:
         return pickle.loads(data)
 
     def drain(self) -> None:
-        """Settle the channel: a receiver takes (and drops) every owed report, the source waits
+        """Settle the channel: a receiver takes (and drops) every owed object, the source waits
         until all its sends are done. Both sides call it at the same point."""
         while self.backlog > 0:
             self.receive()
@@ -130,7 +130,7 @@ def _on_host(tensor: Tensor) -> Tensor:
 class _Pickler(pickle.Pickler):
     """Pickles plain CPU tensors as their bytes, dtype and shape. The default pickling of a
     tensor routes its storage through ``torch.save`` and ``torch.load``, which costs about 0.2 ms
-    a tensor on each side: more than the rest of a step's report, on the critical path of a
+    a tensor on each side: more than the rest of a step's values, on the critical path of a
     pipeline step. The bytes are the tensor's own, so the values arrive bitwise equal."""
 
     def reducer_override(self, obj: Any) -> Any:

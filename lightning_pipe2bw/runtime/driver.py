@@ -20,6 +20,7 @@ from torch import Tensor
 
 from lightning_pipe2bw.runtime.channel import ObjectChannel
 from lightning_pipe2bw.runtime.engine import PipelineEngine, StepFn
+from lightning_pipe2bw.runtime.stepvalues import StepValues
 from lightning_pipe2bw.schedule import (
     VIRTUAL_SCHEDULES,
     Action,
@@ -32,10 +33,7 @@ from lightning_pipe2bw.schedule import (
     virtual_schedule,
 )
 
-__all__ = ["Driver", "DueGradient", "FlushDriver", "Report"]
-
-# the last stage's values of a step (logs, loss or outputs), delivered to every rank
-Report = dict[str, Any]
+__all__ = ["Driver", "DueGradient", "FlushDriver"]
 
 
 @dataclass
@@ -106,10 +104,11 @@ class Driver(Protocol):
         complete and due, or None when no update is left."""
         ...
 
-    def report(self, values: Report, settle: bool = False) -> list[Report]:
-        """Deliver a training step's values from the last stage: the reports this rank logs
-        now, oldest first (none yet, under 2BW's first step). With ``settle`` (the epoch's or
-        the fit's last step) every report owed so far is delivered, this step's included."""
+    def deliver_values(self, values: StepValues, settle: bool = False) -> list[StepValues]:
+        """Deliver a training step's values from the last stage: the steps' values this rank
+        logs now, oldest first (none yet, under 2BW's first step). With ``settle`` (the epoch's
+        or the fit's last step) every step's values owed so far are delivered, this step's
+        included."""
         ...
 
     def close(self) -> None:
@@ -117,15 +116,15 @@ class Driver(Protocol):
         ...
 
     @property
-    def preview(self) -> Report | None:
-        """A step's report this rank received before it is due (2BW's first step: what the
-        steps return, before the first report is delivered); None if none."""
+    def preview(self) -> StepValues | None:
+        """A step's values this rank received before they are due (2BW's first step: what the
+        steps return, before the first step's values are delivered); None if none."""
         ...
 
     @property
-    def report_lag(self) -> int:
-        """How many calls after its own every rank has a step's report (0: in the same call;
-        2BW: 1, the last stage's own report aside)."""
+    def values_lag(self) -> int:
+        """How many calls after its own every rank has a step's values (0: in the same call;
+        2BW: 1, the last stage's own aside)."""
         ...
 
     @property
@@ -237,7 +236,7 @@ class FlushDriver:
     def flush(self, backward: Callable[[Tensor], None]) -> DueGradient | None:
         return None  # every batch is flushed when it ends
 
-    def report(self, values: Report, settle: bool = False) -> list[Report]:
+    def deliver_values(self, values: StepValues, settle: bool = False) -> list[StepValues]:
         """The batch's values, from the last stage to the others, which posted its receive
         before their engine ran: they arrived while those ranks finished their backwards."""
         channel = self.channel
@@ -253,11 +252,11 @@ class FlushDriver:
             self.channel.drain()  # the source waits until its sends are done
 
     @property
-    def preview(self) -> Report | None:
-        return None  # every report arrives in its own step
+    def preview(self) -> StepValues | None:
+        return None  # every step's values arrive in their own step
 
     @property
-    def report_lag(self) -> int:
+    def values_lag(self) -> int:
         return 0
 
     @property

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import mmap
 import os
 import platform
 import select
@@ -36,9 +35,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure, new_run
+from lightning_pipe2bw.runtime.ring import CONTROL, LARGE, MESSAGE, NOTICE, RECORD, Ring
 from lightning_pipe2bw.runtime.transport import TAG_BASE, HeldSends
 from lightning_pipe2bw.runtime.wire import (
-    ALIGN,
     Channel,
     aligned,
     encode,
@@ -60,9 +59,6 @@ log = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "shm", "gloo")  # PIPE2BW_TRANSPORT's values
 CAPACITY = 8 << 20  # bytes of one channel's ring (taken when it is made)
-_CONTROL = 128  # the ring's head (bytes written, at 0) and tail (bytes read, at 64)
-_RECORD = 64  # a record's own head: eight int64 (size, kind, header length, large size)
-_MESSAGE, _LARGE, _NOTICE, _WRAP = 1, 2, 3, 4  # record kinds
 _POLL_S = 0.5  # a waiting receive checks this often that its peer still lives
 _SHM_DIR = "/dev/shm"
 
@@ -144,77 +140,6 @@ class SharedMemoryUnavailable(RuntimeError):
     """A rank could not make its rings (``/dev/shm`` full or missing): every rank raises it."""
 
 
-class _Ring:
-    """One direction of a channel: a byte ring in a file mapping both processes share. The
-    writer owns the head (bytes written), the reader the tail (bytes read); a record never
-    wraps (a wrap record sends the reader back to the start)."""
-
-    def __init__(self, path: str, create: bool, capacity: int) -> None:
-        fd = os.open(path, (os.O_CREAT | os.O_EXCL | os.O_RDWR) if create else os.O_RDWR, 0o600)
-        try:
-            if create:
-                # take the pages now: a full /dev/shm (64 MiB in a default Docker container)
-                # fails here, not with SIGBUS when the ring first reaches them
-                try:
-                    os.posix_fallocate(fd, 0, _CONTROL + capacity)
-                except OSError:
-                    os.close(fd)
-                    fd = -1
-                    os.unlink(path)
-                    raise
-            self.map = mmap.mmap(fd, _CONTROL + capacity)
-        finally:
-            if fd >= 0:
-                os.close(fd)
-        self.capacity = capacity
-        self.words = memoryview(self.map).cast("q")  # the control and every record's head
-        self.data = torch.frombuffer(self.map, dtype=torch.uint8)[_CONTROL:]
-
-    @property
-    def head(self) -> int:
-        return self.words[0]
-
-    @property
-    def tail(self) -> int:
-        return self.words[ALIGN // 8]
-
-    def record(self, pos: int) -> memoryview:
-        """The head of the record at ring position ``pos``: eight int64."""
-        start = (_CONTROL + pos) // 8
-        return self.words[start : start + _RECORD // 8]
-
-    def reserve(self, size: int, keep: int = 0) -> tuple[int, int] | None:
-        """Where a record of ``size`` bytes goes and the bytes skipped to get there (a wrap), or
-        None when the reader has not freed enough yet to leave ``keep`` bytes free after it."""
-        head, cap = self.head, self.capacity
-        pos = head % cap
-        skip = cap - pos if pos + size > cap else 0
-        if head - self.tail + skip + size > cap - keep:
-            return None
-        if skip:
-            self.record(pos)[1] = _WRAP
-        return (0 if skip else pos), skip
-
-    def commit(self, skip: int, size: int) -> None:
-        """Publish a written record (after its bytes: x86-64 keeps the stores in order)."""
-        self.words[0] = self.head + skip + size
-
-    def next(self) -> int | None:
-        """The position of the next unread record, or None."""
-        tail, head, cap = self.tail, self.head, self.capacity
-        while tail < head:
-            pos = tail % cap
-            if self.record(pos)[1] != _WRAP:
-                return pos
-            tail += cap - pos
-            self.words[ALIGN // 8] = tail
-        return None
-
-    def release(self, size: int) -> None:
-        """The record at the tail has been read."""
-        self.words[ALIGN // 8] = self.tail + size
-
-
 class SharedMemoryTransport(HeldSends):
     """Sends and receives pytrees between pipeline ranks of one host through shared memory.
 
@@ -266,12 +191,12 @@ class SharedMemoryTransport(HeldSends):
         self._socket.bind(self._address(self.rank))
         self._socket.setblocking(False)
         peers = sorted(set(peers))
-        self._out: dict[int, _Ring] = {}
-        self._in: dict[int, _Ring] = {}
+        self._out: dict[int, Ring] = {}
+        self._in: dict[int, Ring] = {}
         problem = None
         try:
             for p in peers:
-                self._out[p] = _Ring(self._path(self.rank, p), True, capacity)
+                self._out[p] = Ring(self._path(self.rank, p), True, capacity)
         except OSError as err:
             problem = (
                 f"rank {self.rank} could not make a ring of {capacity} bytes in {_SHM_DIR}: {err}"
@@ -287,7 +212,7 @@ class SharedMemoryTransport(HeldSends):
             raise SharedMemoryUnavailable("; ".join(x for x in problems if x))
         for p in peers:
             path = self._path(p, self.rank)
-            self._in[p] = _Ring(path, False, capacity)
+            self._in[p] = Ring(path, False, capacity)
             os.unlink(path)  # both ends have it mapped; nothing to clean up later
 
     def _out_paths(self, peers: list[int]) -> list[str]:
@@ -306,11 +231,11 @@ class SharedMemoryTransport(HeldSends):
         channel = self._out_channel.setdefault(dst, Channel())
         tensors, metas, header, same = encode(channel, obj)
         length = 0 if same or header is None else len(header)
-        start = aligned(_RECORD + length)
+        start = aligned(RECORD + length)
         if start > self.capacity // 8:  # even its announcement would not fit the ring's reserve
             raise ValueError(
                 f"a pipeline stage output's non-tensor part pickles to {length} bytes, more than "
-                f"the shared-memory transport carries ({self.capacity // 8 - _RECORD} bytes): "
+                f"the shared-memory transport carries ({self.capacity // 8 - RECORD} bytes): "
                 "pass large values as tensors, or set PIPE2BW_TRANSPORT=gloo"
             )
         offsets, end = layout(metas, start)
@@ -326,7 +251,7 @@ class SharedMemoryTransport(HeldSends):
         )
         if spot is not None:
             pos, skip = spot
-            self._write_head(ring, pos, aligned(end), _MESSAGE, header if length else None, 0)
+            self._write_head(ring, pos, aligned(end), MESSAGE, header if length else None, 0)
             base = ring.data[pos:]
             for offset, meta, t in zip(offsets, metas, tensors, strict=True):
                 view(base, offset, meta).copy_(t.detach())
@@ -337,7 +262,7 @@ class SharedMemoryTransport(HeldSends):
                 view(buffer, offset - start, meta).copy_(t.detach())
             size = aligned(start)
             pos, skip = self._reserve_waiting(ring, size, dst)
-            self._write_head(ring, pos, size, _LARGE, header if length else None, buffer.numel())
+            self._write_head(ring, pos, size, LARGE, header if length else None, buffer.numel())
             work = dist.isend(buffer, dst=dst, tag=self.tag)
             assert work is not None
             self._pending.append((work, [buffer]))
@@ -347,17 +272,17 @@ class SharedMemoryTransport(HeldSends):
         self._wake(dst)
 
     def _write_head(
-        self, ring: _Ring, pos: int, size: int, kind: int, header: bytes | None, large: int
+        self, ring: Ring, pos: int, size: int, kind: int, header: bytes | None, large: int
     ) -> None:
         head = ring.record(pos)
         head[0], head[1], head[3] = size, kind, large
         head[2] = len(header) if header is not None else 0
         if header is not None:
-            at = _CONTROL + pos + _RECORD
+            at = CONTROL + pos + RECORD
             ring.map[at : at + len(header)] = header
 
     def _reserve_waiting(
-        self, ring: _Ring, size: int, dst: int, timeout_s: float | None = None
+        self, ring: Ring, size: int, dst: int, timeout_s: float | None = None
     ) -> tuple[int, int]:
         """Room for a small record, waiting for the reader if the ring is full."""
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
@@ -404,8 +329,8 @@ class SharedMemoryTransport(HeldSends):
             pos = self._wait(ring, src, timeout_s if timeout_s is not None else self.timeout_s)
         head = ring.record(pos)
         size, kind, length, large = head[0], head[1], head[2], head[3]
-        at = _CONTROL + pos + _RECORD
-        if kind == _NOTICE:
+        at = CONTROL + pos + RECORD
+        if kind == NOTICE:
             data = bytes(ring.map[at : at + length])
             ring.release(size)
             record = FailureRecord.from_dict(json.loads(data))
@@ -415,9 +340,9 @@ class SharedMemoryTransport(HeldSends):
             channel.advance(bytes(ring.map[at : at + length]), same=False)
         else:
             channel.advance(None, same=True)
-        start = aligned(_RECORD + length)
+        start = aligned(RECORD + length)
         offsets, end = layout(channel.metas, start)
-        if kind == _MESSAGE:
+        if kind == MESSAGE:
             base = ring.data[pos:]
             # copied out of the ring (onto the stage's device: a GPU stage's bytes come through
             # host memory) before the record is freed
@@ -426,7 +351,7 @@ class SharedMemoryTransport(HeldSends):
                 for o, m in zip(offsets, channel.metas, strict=True)
             ]
             ring.release(size)
-        elif kind == _LARGE:
+        elif kind == LARGE:
             ring.release(size)
             buffer = torch.empty(large, dtype=torch.uint8)
             work = dist.irecv(buffer, src=src, tag=self.tag)
@@ -446,7 +371,7 @@ class SharedMemoryTransport(HeldSends):
                 t.requires_grad_(True)
         return channel.unflatten(tensors)
 
-    def _wait(self, ring: _Ring, src: int, timeout_s: float) -> int:
+    def _wait(self, ring: Ring, src: int, timeout_s: float) -> int:
         """Sleep until a record from ``src`` comes; raise if it does not within ``timeout_s``
         or if ``src``'s process is gone."""
         deadline = time.monotonic() + timeout_s
@@ -479,13 +404,13 @@ class SharedMemoryTransport(HeldSends):
         """Put a failure notice in place of the next message to each rank in ``dsts`` (waiting up
         to ``timeout_s`` for room in a full ring)."""
         data = json.dumps(replace(record, run=self.run).to_dict()).encode()
-        size = aligned(_RECORD + len(data))
+        size = aligned(RECORD + len(data))
         for dst in dsts:
             ring = self._out[dst]
             pos, skip = self._reserve_waiting(ring, size, dst, timeout_s)
             head = ring.record(pos)
-            head[0], head[1], head[2], head[3] = size, _NOTICE, len(data), 0
-            at = _CONTROL + pos + _RECORD
+            head[0], head[1], head[2], head[3] = size, NOTICE, len(data), 0
+            at = CONTROL + pos + RECORD
             ring.map[at : at + len(data)] = data
             ring.commit(skip, size)
             self._wake(dst)

@@ -11,8 +11,9 @@ from torch.optim import Optimizer
 
 from lightning_pipe2bw.optim.delay import make_correction
 from lightning_pipe2bw.runtime.channel import ObjectChannel
-from lightning_pipe2bw.runtime.driver import DueGradient, Report
+from lightning_pipe2bw.runtime.driver import DueGradient
 from lightning_pipe2bw.runtime.engine import PipelineEngine, StepFn
+from lightning_pipe2bw.runtime.stepvalues import StepValues
 from lightning_pipe2bw.runtime.versions import TwoBWOptimizer, WeightVersions, unwrap_optimizer
 from lightning_pipe2bw.schedule import (
     Action,
@@ -38,7 +39,7 @@ class TwoBWDriver:
 
     The driver owns the stage's weight versions and the optimizer wrapper that keeps them
     (:attr:`optimizer`, which Lightning steps instead of the user's), and the channel on which
-    the last stage posts each step's values without a barrier (:meth:`report`).
+    the last stage posts each step's values without a barrier (:meth:`deliver_values`).
     """
 
     def __init__(
@@ -73,10 +74,10 @@ class TwoBWDriver:
         self._ended: dict[int, int] = {}
         self.stream = self._new_stream()
         self._due = DueGradient()
-        # on a rank other than the last stage's: the first report of the fit, received in its
-        # own step (once), and delivered in the next one like every other report
-        self._ahead: Report | None = None
-        self._first: Report | None = None
+        # on a rank other than the last stage's: the first step's values of the fit, received in
+        # their own step (once), and delivered in the next one like every other step's
+        self._ahead: StepValues | None = None
+        self._first: StepValues | None = None
 
     def _wrap(self, optimizer: Optimizer) -> tuple[WeightVersions, TwoBWOptimizer]:
         """Weight versions over the stage's parameters, and the wrapper that keeps them and
@@ -264,7 +265,7 @@ class TwoBWDriver:
         batch = self._drain(backward)
         return None if batch is None else self._gradient_of(batch)
 
-    def report(self, values: Report, settle: bool = False) -> list[Report]:
+    def deliver_values(self, values: StepValues, settle: bool = False) -> list[StepValues]:
         """The logged values of a step, without a barrier.
 
         Without a flush, the other stages finish call t before the last stage has batch t's loss
@@ -272,12 +273,12 @@ class TwoBWDriver:
         pipeline bubble back into every step. So the last stage (global rank 0: the progress bar
         and the loggers) logs batch t's own values in call t, and posts them to the other ranks,
         which log them one call late, in call t+1, when they have long arrived. Returns what
-        this rank logs now: nothing on a rank other than 0 before the first report is owed.
+        this rank logs now: nothing on a rank other than 0 before the first values are owed.
 
         With ``settle`` (the last step of an epoch, or of fit) the other ranks also wait for
-        batch t's report, so that their epoch's values, metric states and step outputs are
+        batch t's values, so that their epoch's values, metric states and step outputs are
         complete when the epoch ends (one wait per epoch). At the first step of a fit they wait
-        for it too (once) and keep it for the next step (:attr:`preview`): what a step returns
+        for them too (once) and keep them for the next step (:attr:`preview`): what a step returns
         (a dict's keys) is then known on every rank from the first step on.
         """
         channel = self.channel
@@ -286,21 +287,21 @@ class TwoBWDriver:
         if channel.is_source:
             channel.post(values)
             return [values]
-        reports: list[Report] = []
+        delivered: list[StepValues] = []
         if self._ahead is not None:  # batch t-1's values, received in call t-1
-            reports.append(self._ahead)
+            delivered.append(self._ahead)
             self._ahead = None
         elif channel.backlog:
-            reports.append(channel.receive())  # batch t-1's values
+            delivered.append(channel.receive())  # batch t-1's values
         channel.expect()  # batch t's, posted by the last stage during this call
         if settle:
-            reports.append(channel.receive())
-        elif self._first is None and not reports:
+            delivered.append(channel.receive())
+        elif self._first is None and not delivered:
             self._ahead = self._first = channel.receive()
-        return reports
+        return delivered
 
     @property
-    def preview(self) -> Report | None:
+    def preview(self) -> StepValues | None:
         return self._first
 
     def close(self) -> None:
@@ -308,7 +309,7 @@ class TwoBWDriver:
             self.channel.drain()  # the last step's values, owed to the other ranks
 
     @property
-    def report_lag(self) -> int:
+    def values_lag(self) -> int:
         return 1  # the other ranks log batch t's values in call t+1 (call t when settling)
 
     @property

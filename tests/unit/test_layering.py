@@ -32,6 +32,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "lightning_pipe2bw.launcher",
             "lightning_pipe2bw.agreement",
             "lightning_pipe2bw.steplog",
+            "lightning_pipe2bw.delivery",
             "lightning_pipe2bw.hooklogs",
             "lightning_pipe2bw.loaders",
             "lightning_pipe2bw.averaging",

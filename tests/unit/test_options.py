@@ -8,6 +8,7 @@ here the arithmetic is checked without starting any process.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from datetime import timedelta
 from typing import Any
 
@@ -19,9 +20,14 @@ from hypothesis import strategies as st
 from lightning_pipe2bw import Pipe2BWStrategy, PipeOptions
 from lightning_pipe2bw.config import StrategyConfig, build_strategy, strategy_problems
 from lightning_pipe2bw.partition import Partition
-from lightning_pipe2bw.pipeline.assembly import memory_plan_problems
+from lightning_pipe2bw.pipeline.checks import (
+    async_problems,
+    memory_plan_problems,
+    run_problems,
+    runtime_problems,
+)
 from lightning_pipe2bw.pipeline.groups import choose_backend
-from lightning_pipe2bw.pipeline.options import async_problems, raise_problems, run_problems
+from lightning_pipe2bw.pipeline.options import OPTIONS, raise_problems
 from lightning_pipe2bw.pipeline.topology import Topology
 from lightning_pipe2bw.schedule import ActivationBudget
 
@@ -347,6 +353,27 @@ def test_memory_plan_against_the_partition(
     assert memory_plan_problems(PipeOptions.create(), Partition((4, 4)), True) == []
 
 
+def test_what_a_training_runtime_cannot_run_is_collected() -> None:
+    """The two checks of a stage's runtime (test_balancer.py and test_bad_input.py see them on
+    real ranks) are collected problems, none outside training."""
+    run = {"num_optimizers": 1, "clips_gradients": False, "scales_loss": False}
+    gpipe = PipeOptions.create(schedule="gpipe", balance_activations=True)
+    (problem,) = runtime_problems(gpipe, training=True, **run)
+    assert "the balanced share moves nothing" in problem.message
+    assert runtime_problems(gpipe, training=False, **run) == []
+    pipedream = PipeOptions.create(schedule="pipedream")
+    (problem,) = runtime_problems(pipedream, training=True, shared_across="0.weight = 3.weight", **run)
+    assert problem.message.startswith(
+        "parameters shared between blocks on different stages (0.weight = 3.weight) need "
+        "every copy updated at the same step; schedule='pipedream'"
+    )
+    problems = runtime_problems(
+        pipedream, training=True, shared_across="a", **{**run, "num_optimizers": 2}
+    )
+    assert [p.option for p in problems] == ["schedule", "schedule"]  # listed together
+    assert runtime_problems(PipeOptions.create(), training=True, shared_across="a", **run) == []
+
+
 def test_several_memory_plan_problems_are_listed_together() -> None:
     options = PipeOptions.create(memory_plan={5: "evict", 6: "evict"}, balance_activations=True)
     problems = memory_plan_problems(options, Partition((4, 4)), False)
@@ -380,3 +407,15 @@ def test_the_config_is_checked_by_the_strategy_checks() -> None:
     )
     assert strategy.options.timeout == timedelta(seconds=30)
     assert strategy.options.memory_plan == {1: "swap"} and strategy.schedule_name == "1f1b"
+
+
+def test_every_option_is_declared_once_in_the_table() -> None:
+    """The strategy's keywords and defaults, and the Hydra schema's fields, are the table's."""
+    signature = inspect.signature(Pipe2BWStrategy.__init__).parameters
+    keywords = [n for n, p in signature.items() if n != "self" and p.kind is not p.VAR_KEYWORD]
+    assert keywords == [o.name for o in OPTIONS]
+    assert [signature[o.name].default for o in OPTIONS] == [o.default for o in OPTIONS]
+    schema = dataclasses.fields(StrategyConfig)
+    assert [f.name for f in schema] == [o.field_name for o in OPTIONS]
+    assert [f.default for f in schema] == [o.field_default for o in OPTIONS]
+    assert StrategyConfig().timeout_s is None and StrategyConfig().microbatches == 4

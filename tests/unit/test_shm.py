@@ -28,10 +28,10 @@ def test_a_ring_keeps_room_for_announcements(tmp_path: Any) -> None:
     """Messages stop short of the ring's last ``keep`` bytes; the small records that announce
     the process group's messages (``keep=0``) still find room there, and the reader's progress
     frees it. Records never wrap: one that does not fit before the end starts over at 0."""
-    from lightning_pipe2bw.runtime.shm import _Ring
+    from lightning_pipe2bw.runtime.ring import Ring
 
     path = str(tmp_path / "ring")
-    writer, reader = _Ring(path, True, 4096), _Ring(path, False, 4096)
+    writer, reader = Ring(path, True, 4096), Ring(path, False, 4096)
     sizes = []
     while (spot := writer.reserve(1024, keep=512)) is not None:
         pos, skip = spot
