@@ -58,7 +58,16 @@ WIDTH = 256
 HIDDEN = 1024
 LR = 1e-3
 SEED = 1234
-OUR_SCHEDULES = ("gpipe", "1f1b", "2bw", "pipedream", "zb-h1", "interleaved-1f1b", "zb-v")
+OUR_SCHEDULES = (
+    "gpipe",
+    "1f1b",
+    "2bw",
+    "pipedream",
+    "zb-h1",
+    "interleaved-1f1b",
+    "zb-v",
+    "2bw-v",
+)
 DEFAULT_SCHEDULES = OUR_SCHEDULES[:5]  # one stage per rank; the virtual ones on request
 TRANSPORTS = ("auto", "shm", "gloo")  # PIPE2BW_TRANSPORT (lightning_pipe2bw.runtime.shm)
 # torch.distributed.pipelining classes, without the "Schedule" prefix; the first two run one

@@ -110,3 +110,19 @@ def test_bad_memory_plans_fail_on_every_rank(pools, kwargs: dict, message: str) 
     schedule = kwargs.pop("schedule", "1f1b")
     for text in pools(2).run(workers.fit_error, schedule, **kwargs):
         assert message in text, text
+
+
+@pytest.mark.parametrize(
+    ("schedule", "policy"), [("zb-v", "swap"), ("zb-v", "recompute"), ("2bw-v", "swap")]
+)
+def test_memory_plan_with_two_stages_per_rank(pools, schedule: str, policy: str) -> None:
+    """Blocks 1, 6 and 7 sit on the V's first and last stage, both on the rank at place 0: the
+    plan frees memory there only, bitwise exactly (the stash counts per stage and micro-batch)."""
+    plan = {1: policy, 6: policy, 7: policy}
+    plain = pools(2).run(workers.fit, schedule, 4, STEPS, batch_size=16)
+    moved = pools(2).run(workers.fit, schedule, 4, STEPS, batch_size=16, memory_plan=plan)
+    before, after = _by_stage(plain), _by_stage(moved)
+    print(f"MEMORY PLAN {schedule} {policy}: peak saved bytes per rank {before} -> {after}")
+    assert max_abs_diff(moved[0]["state"], plain[0]["state"]) == 0.0
+    assert after[0] < before[0]
+    assert after[1] == before[1]
