@@ -6,9 +6,11 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_pipe2bw.partition.costmodel import (
     FLUSH_SCHEDULES,
+    PLANNER_SCHEDULES,
     Cluster,
     CostModel,
     StageCost,
@@ -17,6 +19,11 @@ from lightning_pipe2bw.partition.costmodel import (
 from lightning_pipe2bw.partition.partitioner import best_partition, smallest_peak_memory
 from lightning_pipe2bw.partition.plans import Plan, PlanResult
 from lightning_pipe2bw.partition.profile import Profile, ProfileSet
+from lightning_pipe2bw.partition.virtualplan import (
+    VIRTUAL_PLANNER_SCHEDULES,
+    virtual_plan,
+    virtual_problem,
+)
 from lightning_pipe2bw.schedule import (
     ActionKind,
     Costs,
@@ -28,6 +35,7 @@ from lightning_pipe2bw.schedule import (
 )
 
 __all__ = [
+    "ALL_SCHEDULES",
     "RECOMPUTE_MODES",
     "Cluster",
     "Plan",
@@ -39,6 +47,8 @@ __all__ = [
 ]
 
 RECOMPUTE_MODES = ("search", "off", "on", "per_stage")
+# what ``plan(schedule="all")`` compares
+ALL_SCHEDULES = (*PLANNER_SCHEDULES, *VIRTUAL_PLANNER_SCHEDULES)
 _INF = math.inf
 _GIB = float(2**30)
 
@@ -150,7 +160,24 @@ def plan(
     stops once no remaining one can enter the top ``keep``. 2BW needs m >= d; others are not
     limited. Raises ValueError when nothing fits, with the smallest memory any split needed.
     ``data_parallel`` fixes w (the strategy's ``balance="auto"`` plans for the width it was given).
+
+    The schedules with two stages per rank (``interleaved-1f1b``, ``zb-v``, ``2bw-v``) are
+    planned by :mod:`~lightning_pipe2bw.partition.virtualplan`: 2d stages, step time by
+    simulating the schedule. ``schedule="all"`` plans every schedule of :data:`ALL_SCHEDULES`
+    and ranks all their plans together, by predicted throughput.
     """
+    if schedule == "all":
+        return _plan_all(
+            profiles, cluster, global_batch_size, microbatch_sizes=microbatch_sizes,
+            recompute=recompute, optimizer_bytes_per_param_byte=optimizer_bytes_per_param_byte,
+            keep=keep, data_parallel=data_parallel,
+        )  # fmt: skip
+    if schedule in VIRTUAL_PLANNER_SCHEDULES:
+        return _plan_virtual(
+            profiles, cluster, global_batch_size, schedule, microbatch_sizes=microbatch_sizes,
+            recompute=recompute, optimizer_bytes_per_param_byte=optimizer_bytes_per_param_byte,
+            keep=keep, data_parallel=data_parallel,
+        )  # fmt: skip
     started = time.perf_counter()
     pset = _as_profiles(profiles)
     if not isinstance(cluster, Cluster):
@@ -234,6 +261,110 @@ def plan(
     )
 
 
+def _plan_all(
+    profiles: ProfilesLike,
+    cluster: Cluster,
+    global_batch_size: int,
+    *,
+    keep: int,
+    **options: Any,
+) -> PlanResult:
+    """Every schedule's plans, ranked together (see :func:`plan`)."""
+    started = time.perf_counter()
+    found: list[Plan] = []
+    reasons: list[str] = []
+    configurations = infeasible = 0
+    for name in ALL_SCHEDULES:
+        try:
+            result = plan(profiles, cluster, global_batch_size, name, keep=keep, **options)
+        except ValueError as err:
+            reasons.append(f"{name}: {err}")
+            continue
+        found.extend((result.best, *result.alternatives))
+        configurations += result.configurations
+        infeasible += result.infeasible
+    if not found:
+        raise ValueError("no schedule has a plan: " + "; ".join(reasons))
+    found.sort(key=_rank)
+    return PlanResult(
+        best=found[0],
+        alternatives=tuple(found[1:keep]),
+        cluster=cluster,
+        global_batch_size=global_batch_size,
+        configurations=configurations,
+        infeasible=infeasible,
+        search_time_s=time.perf_counter() - started,
+    )
+
+
+def _plan_virtual(
+    profiles: ProfilesLike,
+    cluster: Cluster,
+    global_batch_size: int,
+    schedule: str,
+    *,
+    microbatch_sizes: Sequence[int] | None,
+    recompute: str,
+    optimizer_bytes_per_param_byte: float,
+    keep: int,
+    data_parallel: int | None,
+) -> PlanResult:
+    """:func:`plan` for a schedule with two stages per rank: every (w, d, b, m, recompute) the
+    schedule can run, each split and timed by :func:`virtual_plan` (no bound to prune with:
+    the simulated step is the figure)."""
+    started = time.perf_counter()
+    pset = _as_profiles(profiles)
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster must be a Cluster, got {type(cluster).__name__}")
+    batch = _check_int(
+        "global_batch_size", global_batch_size, "give the samples per optimizer step"
+    )
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {list(RECOMPUTE_MODES)}, got {recompute!r}")
+    ratio = _check_ratio(optimizer_bytes_per_param_byte)
+    _check_int("keep", keep, "keep at least the best plan")
+    modes = {"search": (False, True), "per_stage": (False, True), "off": (False,), "on": (True,)}
+    n, total, limit = pset.num_blocks, cluster.num_devices, float(cluster.memory_bytes)
+    found: list[Plan] = []
+    skipped: list[str] = []
+    configurations = infeasible = 0
+    for d in range(1, total + 1):
+        w = total // d
+        if total % d or (data_parallel is not None and w != data_parallel) or batch % w:
+            continue
+        per = batch // w
+        sizes = _divisors(per) if microbatch_sizes is None else list(microbatch_sizes)
+        for b in (b for b in sizes if per % b == 0):
+            m = per // b
+            problem = virtual_problem(schedule, d, m, n)
+            if problem is not None:
+                skipped.append(f"w={w} d={d} b={b}: {problem}")
+                continue
+            for flag in modes[recompute]:
+                configurations += 1
+                candidate = virtual_plan(pset.at(b), cluster, schedule, w, d, m, flag, limit, ratio)
+                if candidate.fits:
+                    found.append(candidate)
+                else:
+                    infeasible += 1
+    if not found:
+        why = "; ".join(skipped[:6]) or f"no split fits in {limit / _GIB:.2f} GiB per device"
+        raise ValueError(
+            f"no configuration of {total} devices can run global batch {batch} with schedule "
+            f"{schedule!r} ({why}); use more micro-batches, more memory or another schedule"
+        )
+    found.sort(key=_rank)
+    return PlanResult(
+        best=found[0],
+        alternatives=tuple(found[1:keep]),
+        cluster=cluster,
+        global_batch_size=batch,
+        configurations=configurations,
+        infeasible=infeasible,
+        search_time_s=time.perf_counter() - started,
+    )
+
+
 def _nothing_fits(
     candidates: list[_Candidate],
     skipped: list[str],
@@ -291,10 +422,17 @@ def predict(
 
     w = N / depth; m = B / (w b). Without ``balance`` the best split is searched (under the
     memory limit if one fits, else the fastest). The plan's ``fits`` says if it fits memory.
+    A schedule with two stages per rank takes 2d block counts and one ``recompute`` flag, and
+    is timed by simulation (:func:`~lightning_pipe2bw.partition.virtualplan.virtual_plan`).
     """
     pset = _as_profiles(profiles)
     if not isinstance(cluster, Cluster):
         raise TypeError(f"cluster must be a Cluster, got {type(cluster).__name__}")
+    if schedule in VIRTUAL_PLANNER_SCHEDULES:
+        return _predict_virtual(
+            pset, cluster, global_batch_size, schedule, depth, microbatch_size, balance,
+            recompute, optimizer_bytes_per_param_byte,
+        )  # fmt: skip
     check_schedule(schedule)
     total = cluster.num_devices
     d = _check_int("depth", depth, "use at least one stage")
@@ -333,6 +471,49 @@ def predict(
             f"{pset.num_blocks} blocks (it sums to {sum(balance)})"
         )
     return _make_plan(model, balance, flags, cluster.memory_bytes)
+
+
+def _predict_virtual(
+    pset: ProfileSet,
+    cluster: Cluster,
+    global_batch_size: int,
+    schedule: str,
+    depth: int,
+    microbatch_size: int,
+    balance: Sequence[int] | None,
+    recompute: bool | Sequence[bool],
+    ratio: float,
+) -> Plan:
+    total = cluster.num_devices
+    d = _check_int("depth", depth, "use at least one stage")
+    b = _check_int("microbatch_size", microbatch_size, "use micro-batches of >= 1 sample")
+    batch = _check_int(
+        "global_batch_size", global_batch_size, "give the samples per optimizer step"
+    )
+    w = total // d if total % d == 0 else 0
+    if not w or batch % (w * b):
+        raise ValueError(
+            f"depth={d} must divide num_devices={total}, and global_batch_size={batch} be a "
+            f"multiple of data_parallel x microbatch_size"
+        )
+    m = batch // (w * b)
+    problem = virtual_problem(schedule, d, m, pset.num_blocks)
+    if problem is not None:
+        raise ValueError(problem)
+    flags = {bool(recompute)} if isinstance(recompute, bool) else set(recompute)
+    if len(flags) != 1:
+        raise ValueError(f"{schedule} plans one recompute flag for every rank, got {recompute!r}")
+    if balance is not None and (
+        len(balance) != 2 * d or any(k < 1 for k in balance) or sum(balance) != pset.num_blocks
+    ):
+        raise ValueError(
+            f"balance {list(balance)} must have {2 * d} entries >= 1 (two stages per rank) "
+            f"summing to the {pset.num_blocks} blocks"
+        )
+    return virtual_plan(
+        pset.at(b), cluster, schedule, w, d, m, flags.pop(), cluster.memory_bytes,
+        _check_ratio(ratio), balance,
+    )  # fmt: skip
 
 
 def simulate_plan(

@@ -13,6 +13,9 @@ from rich.table import Table
 
 from lightning_pipe2bw.partition.costmodel import FLUSH_SCHEDULES, Cluster
 
+# the flush schedules with two stages per rank (their plans come from partition.virtualplan)
+VIRTUAL_FLUSH = frozenset({"interleaved-1f1b", "zb-v"})
+
 __all__ = ["Plan", "PlanResult", "format_balance"]
 
 _GIB = float(2**30)
@@ -54,11 +57,18 @@ class Plan:
     def __post_init__(self) -> None:
         for name in _TUPLES:
             value = tuple(getattr(self, name))
-            if len(value) != self.depth:
+            expected = self.depth * (self.stages_per_rank if name == "balance" else 1)
+            if len(value) != expected:
                 raise ValueError(
                     f"Plan.{name} has {len(value)} entries for depth={self.depth}; give one per stage"
                 )
             object.__setattr__(self, name, value)
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Stages each rank holds: 2 for the virtual-stage schedules (``balance`` then gives
+        2d block counts, the other per-stage figures one per rank), else 1."""
+        return 2 if self.schedule in VIRTUAL_FLUSH or self.schedule == "2bw-v" else 1
 
     @property
     def global_batch_size(self) -> int:
@@ -71,8 +81,10 @@ class Plan:
     @property
     def bubble_fraction(self) -> float:
         """Idle share of a step from the fill and drain: (d - 1) / (m + d - 1), 0 for 2BW."""
+        if self.schedule == "interleaved-1f1b":  # stages half as long: half the fill and drain
+            return (self.depth - 1) / (2 * self.num_microbatches + self.depth - 1)
         if self.schedule not in FLUSH_SCHEDULES:
-            return 0.0
+            return 0.0  # 2BW, PipeDream; ZB-V's is near 0 at m >= 2d (docs/schedules.md)
         return (self.depth - 1) / (self.num_microbatches + self.depth - 1)
 
     @property
@@ -178,13 +190,16 @@ class PlanResult:
             f"{self.infeasible} out of memory, searched in {self.search_time_s:.3f} s"
         )
         ranked = Table(box=box.MARKDOWN)
-        for name in ("#", "w", "d", "b", "m", "recompute", "balance", "t/mb ms", "step s"):
-            ranked.add_column(name, justify="left" if name == "balance" else "right")
+        mixed = len({p.schedule for p in self.ranked}) > 1  # plan(schedule="all")
+        columns = ("#", *(("schedule",) if mixed else ()), "w", "d", "b", "m", "recompute")
+        for name in (*columns, "balance", "t/mb ms", "step s"):
+            ranked.add_column(name, justify="left" if name in ("balance", "schedule") else "right")
         for name in ("samples/s", "bubble", "max mem GiB"):
             ranked.add_column(name, justify="right")
         for i, p in enumerate(self.ranked):
             ranked.add_row(
                 str(i + 1),
+                *((p.schedule,) if mixed else ()),
                 str(p.data_parallel),
                 str(p.depth),
                 str(p.microbatch_size),

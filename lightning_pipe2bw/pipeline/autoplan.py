@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import time
@@ -29,11 +30,14 @@ __all__ = [
     "AutoPlanInputs",
     "auto_plan",
     "body_input",
+    "compare_schedules",
     "local_cluster",
     "measure_bandwidth",
     "measure_latency",
     "plan_from_loader",
 ]
+
+log = logging.getLogger(__name__)
 
 
 class _Captured(Exception):
@@ -205,7 +209,7 @@ def _candidate_sizes(inputs: AutoPlanInputs, local_batch: int) -> list[int]:
             )
         return [local_batch // m]
     sizes = [b for b in range(1, local_batch + 1) if local_batch % b == 0]
-    if inputs.schedule == "2bw":
+    if inputs.schedule in ("2bw", "2bw-v"):
         sizes = [b for b in sizes if local_batch // b >= inputs.depth]
     if not sizes:
         raise ValueError(
@@ -267,7 +271,7 @@ def auto_plan(
             "balance='auto' chooses recomputation itself (or takes recompute=True/False for "
             f"every stage); got a per-stage list {list(inputs.recompute)}"
         )
-    return plan(
+    result = plan(
         profiles,
         cluster,
         local_batch * inputs.data_parallel,
@@ -276,6 +280,31 @@ def auto_plan(
         recompute=mode,
         data_parallel=inputs.data_parallel,
     )
+    if dist.get_rank() == 0:
+        log.info("pipe2bw: %s", compare_schedules(result, profiles, cluster, sizes, mode))
+    return result
+
+
+def compare_schedules(
+    result: PlanResult,
+    profiles: ProfileSet,
+    cluster: Cluster,
+    sizes: list[int],
+    recompute: str,
+) -> str:
+    """One line: the best plan of every schedule the planner knows at the same width and
+    micro-batch sizes, by predicted throughput relative to the chosen schedule's (the
+    planner's way of saying that another schedule would be faster here)."""
+    every = plan(
+        profiles, cluster, result.global_batch_size, "all", microbatch_sizes=sizes,
+        recompute=recompute, data_parallel=result.best.data_parallel, keep=10_000,
+    )  # fmt: skip
+    best: dict[str, float] = {}
+    for p in every.ranked:
+        best.setdefault(p.schedule, p.throughput)
+    chosen = result.best.throughput
+    ranked = ", ".join(f"{name} {value / chosen:.2f}x" for name, value in best.items())
+    return f"predicted throughput of each schedule relative to {result.best.schedule!r}: {ranked}"
 
 
 def plan_from_loader(

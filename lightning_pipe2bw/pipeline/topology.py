@@ -222,8 +222,6 @@ class Topology:
                 )
             )
         refused = [
-            ("balance_mode", options.balance_mode == "auto", "balance='auto' (the planner)",
-             "give balance as a list of block counts per stage, or 'uniform' / 'params'"),
             ("activation_budget", options.activation_budget is not None,
              "balance_activations / ActivationBalancer (BPipe)",
              "a V placement (schedule='zb-v') balances activations by itself"),

@@ -64,17 +64,25 @@ def test_auto_with_indivisible_microbatches_is_refused(pools) -> None:
         assert "balance='auto' with microbatches=3 needs a batch size divisible by 3" in message
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw", "interleaved-1f1b", "zb-v", "2bw-v"])
 def test_auto_trains_like_the_reference(pools, schedule: str) -> None:
     """Whatever the plan, the contract holds: the same weights as the single-device reference
-    (2BW: the delayed-gradient reference) with the micro-batch count it chose."""
+    (2BW: the delayed-gradient reference) with the micro-batch count it chose; with two stages
+    per rank the plan splits the body into four stages, two on each rank."""
     from helpers.models import max_abs_diff, reference_2bw, reference_train
 
     results = pools(2).run(workers.fit, schedule, None, 4, balance="auto")
     m = results[0]["microbatches"] if "microbatches" in results[0] else None
     assert m is not None
-    ref = reference_2bw(4, m) if schedule == "2bw" else reference_train(4, m)[0]
+    delayed = schedule in ("2bw", "2bw-v")
+    ref = reference_2bw(4, m) if delayed else reference_train(4, m)[0]
     assert max_abs_diff(results[0]["state"], ref) <= 1e-5
+    if schedule in ("interleaved-1f1b", "zb-v", "2bw-v"):
+        blocks = sorted(b for r in results for b in r["blocks"])
+        assert blocks == list(range(8))
+        first = next(r["blocks"] for r in results if 0 in r["blocks"])
+        # the V puts the last stage with the first; the looped placement on the last rank
+        assert (7 in first) == (schedule != "interleaved-1f1b"), first
 
 
 def _transport_run() -> int:

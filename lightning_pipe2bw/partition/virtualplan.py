@@ -1,0 +1,201 @@
+"""Plans for the schedules with two stages per rank: a partition into 2d stages, timed by
+simulating the schedule the engine runs.
+
+The closed forms of :class:`~lightning_pipe2bw.partition.costmodel.CostModel` (fill and drain
+as ``m + d - 1`` slots of the slowest stage) do not hold when a rank runs two stages in an
+order of its own (interleaved 1F1B, ZB-V, 2BW on a V). So a candidate (w, d, b, m, recompute)
+is planned in three steps:
+
+1. the body is split into 2d contiguous stages minimising the slowest stage (the partition
+   search of the one-stage schedules, over 2d stages of a 1F1B cost model for the per-stage
+   terms: forward, backward, boundary transfers, all-reduce);
+2. the schedule the engine would run (``schedule.virtual_schedule``, or the V's 2BW stream) is
+   simulated with those per-stage costs, each stage's incoming transfers folded into its
+   forward and backward as :func:`~lightning_pipe2bw.partition.planner.simulate_plan` does;
+   its step time is the prediction (a flush schedule: the makespan, then each rank's
+   all-reduce, plus ``step_overhead_s``; 2BW on a V: the steady-state time of a batch, with
+   each rank's update and ``step_overhead_s`` before its first forward of every batch);
+3. a rank's memory is its stages' weights (two versions under 2BW), gradients and optimizer
+   state, plus its simulated peak of in-flight (stage, micro-batch) pairs times the larger of
+   its stages' stashed bytes per micro-batch, plus its receive buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lightning_pipe2bw.partition.costmodel import Cluster, CostModel, StageCost
+from lightning_pipe2bw.partition.partitioner import best_partition
+from lightning_pipe2bw.partition.plans import Plan
+from lightning_pipe2bw.partition.profile import Profile
+from lightning_pipe2bw.schedule import (
+    ActionKind,
+    Costs,
+    Schedule,
+    add_communication,
+    placement_of,
+    simulate,
+    two_bw_v,
+    virtual_schedule,
+)
+
+__all__ = ["STAGES_PER_RANK", "VIRTUAL_PLANNER_SCHEDULES", "virtual_plan", "virtual_problem"]
+
+VIRTUAL_PLANNER_SCHEDULES = ("interleaved-1f1b", "zb-v", "2bw-v")
+STAGES_PER_RANK = 2
+
+
+def virtual_problem(
+    schedule: str, depth: int, num_microbatches: int, num_blocks: int
+) -> str | None:
+    """Why ``schedule`` cannot run ``num_microbatches`` on ``depth`` ranks of a body of
+    ``num_blocks`` blocks (None: it can)."""
+    d, m = depth, num_microbatches
+    if STAGES_PER_RANK * d > num_blocks:
+        return f"{schedule} needs 2d = {2 * d} stages, the body has {num_blocks} blocks"
+    if schedule == "interleaved-1f1b" and m % d:
+        return f"interleaved-1f1b needs m a multiple of d, m={m}"
+    if schedule == "2bw-v" and m < d:
+        return f"2bw-v needs m >= d, m={m}"
+    return None
+
+
+def virtual_plan(
+    profile: Profile,
+    cluster: Cluster,
+    schedule: str,
+    data_parallel: int,
+    depth: int,
+    num_microbatches: int,
+    recompute: bool,
+    memory_limit: float,
+    optimizer_bytes_per_param_byte: float = 2.0,
+    balance: Sequence[int] | None = None,
+) -> Plan:
+    """The plan of ``schedule`` for one configuration (see the module notes); ``balance`` (2d
+    block counts) instead of the search's split."""
+    w, d, m = data_parallel, depth, num_microbatches
+    n = STAGES_PER_RANK * d
+    model = CostModel(profile, cluster, "1f1b", w, n, m, optimizer_bytes_per_param_byte)
+    if balance is None:
+        found = best_partition(model, "on" if recompute else "off")
+        assert found is not None  # no memory limit: every split of >= n blocks is valid
+        balance = found[0]
+    stages: list[StageCost] = []
+    lo = 0
+    for v, k in enumerate(balance):
+        stages.append(model.stage(v, lo, lo + k, recompute))
+        lo += k
+    placement = placement_of(schedule, d)
+    assert placement is not None
+    held = [[v for v in range(n) if placement[v] == r] for r in range(d)]
+    costs = Costs(
+        forward=[st.forward_s + st.recv_activation_s for st in stages],
+        backward=[st.backward_s + st.recv_gradient_s for st in stages],
+    )
+    allreduce = [sum(stages[v].allreduce_s for v in mine) for mine in held]
+    step, peaks = _simulated_step(schedule, profile, cluster, balance, d, m, costs, allreduce, held)
+    memory = _rank_memory(model, balance, held, peaks, recompute, schedule)
+    per_rank = [sum(stages[v].compute_s + stages[v].comm_s for v in mine) for mine in held]
+    return Plan(
+        schedule=schedule,
+        data_parallel=w,
+        depth=d,
+        microbatch_size=profile.microbatch_size,
+        num_microbatches=m,
+        balance=tuple(balance),
+        recompute=(recompute,) * d,
+        compute_s=tuple(sum(stages[v].compute_s for v in mine) for mine in held),
+        comm_s=tuple(sum(stages[v].comm_s for v in mine) for mine in held),
+        allreduce_s=tuple(allreduce),
+        memory_bytes=tuple(memory),
+        time_per_microbatch=max(per_rank),
+        step_time=step,
+        throughput=w * profile.microbatch_size * m / step if step > 0 else float("inf"),
+        fits=all(mem <= memory_limit for mem in memory),
+    )
+
+
+def _simulated_step(
+    schedule: str,
+    profile: Profile,
+    cluster: Cluster,
+    balance: Sequence[int],
+    d: int,
+    m: int,
+    costs: Costs,
+    allreduce: list[float],
+    held: list[list[int]],
+) -> tuple[float, tuple[int, ...]]:
+    """The predicted step time and each rank's simulated peak of in-flight (stage,
+    micro-batch) pairs."""
+    overhead = cluster.step_overhead_s
+    if schedule != "2bw-v":
+        result = simulate(add_communication(virtual_schedule(schedule, d, m)), costs)
+        ends = [row[-1][2] if row else 0.0 for row in result.timeline]
+        step = max(end + ar for end, ar in zip(ends, allreduce, strict=True)) + overhead
+        return step, result.peak_activations
+    # 2BW: each rank's update (and the loop's overhead) before its first forward of a batch
+    bounds = [0]
+    for k in balance:
+        bounds.append(bounds[-1] + k)
+    updates = [
+        sum(b.update_s for v in mine for b in profile.blocks[bounds[v] : bounds[v + 1]])
+        for mine in held
+    ]
+
+    def run(batches: int) -> tuple[float, tuple[int, ...]]:
+        built: Schedule = two_bw_v(d, m, batches)
+        delays = {}
+        for r, row in enumerate(built.stages):
+            first = min(held[r])
+            for i, action in enumerate(row):
+                if (
+                    action.kind is ActionKind.FORWARD
+                    and action.stage == first
+                    and action.microbatch % m == 0
+                    and action.microbatch
+                ):
+                    delays[(r, i)] = updates[r] + overhead
+        result = simulate(built, costs, delays)
+        return result.step_time, result.peak_activations
+
+    longer, peaks = run(4)
+    shorter, _ = run(3)
+    return max(longer - shorter, max(allreduce)), peaks
+
+
+def _rank_memory(
+    model: CostModel,
+    balance: Sequence[int],
+    held: list[list[int]],
+    peaks: tuple[int, ...],
+    recompute: bool,
+    schedule: str,
+) -> list[float]:
+    """Each rank's peak bytes (see the module notes)."""
+    versions = 2 if schedule == "2bw-v" else 1
+    factor = versions + 1 + (model.param_factor[0] - 2)  # weights, gradient, optimizer state
+    bounds = [0]
+    for k in balance:
+        bounds.append(bounds[-1] + k)
+    out = []
+    for r, mine in enumerate(held):
+        params = sum(model.par[bounds[v + 1]] - model.par[bounds[v]] for v in mine)
+        per_mb = []
+        once = 0.0
+        for v in mine:
+            lo, hi = bounds[v], bounds[v + 1]
+            saved = model.sav[hi] - model.sav[lo]
+            if recompute:
+                per_mb.append(model.in_bytes[lo])
+                once = max(once, saved)
+            else:
+                per_mb.append(saved)
+        buffers = sum(
+            (model.in_bytes[bounds[v]] if v > 0 else 0.0)
+            + (model.out_bytes[bounds[v + 1] - 1] if v < len(balance) - 1 else 0.0)
+            for v in mine
+        )
+        out.append(params * factor + peaks[r] * max(per_mb) + once + buffers)
+    return out

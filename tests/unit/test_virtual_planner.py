@@ -1,0 +1,80 @@
+"""The planner for the schedules with two stages per rank (``partition.virtualplan``) and
+``plan(schedule="all")``: 2d-stage splits, per-rank figures, step times by simulation."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_pipe2bw.partition.planner import ALL_SCHEDULES, plan, predict
+from lightning_pipe2bw.partition.virtualplan import VIRTUAL_PLANNER_SCHEDULES, virtual_problem
+from lightning_pipe2bw.schedule import Costs, add_communication, simulate, virtual_schedule
+from unit.test_planner import cluster, profile
+
+UNIFORM = profile([1.0] * 8, b=4, output=0, saved=0, params=1000, input_bytes=0)
+
+
+@pytest.mark.parametrize("schedule", VIRTUAL_PLANNER_SCHEDULES)
+def test_a_virtual_plan_splits_into_2d_stages_and_reports_per_rank(schedule: str) -> None:
+    result = plan(UNIFORM, cluster(2), 32, schedule, microbatch_sizes=[4], data_parallel=1)
+    best = result.best
+    assert (best.depth, best.num_microbatches, best.stages_per_rank) == (2, 8, 2)
+    assert best.balance == (2, 2, 2, 2)  # uniform blocks: every stage alike
+    assert len(best.compute_s) == len(best.memory_bytes) == len(best.recompute) == 2
+    # a rank computes its two stages, 2 blocks each: 4 x (1 + 2) seconds per micro-batch
+    assert best.compute_s == (12.0, 12.0) and best.time_per_microbatch == 12.0
+    # no rank can finish faster than its own work, and these schedules waste little of it
+    work = best.num_microbatches * best.time_per_microbatch
+    assert work <= best.step_time <= 1.3 * work
+    versions = 2 if schedule == "2bw-v" else 1  # weights per version + gradient + Adam's two
+    assert best.memory_bytes == (4000 * (versions + 3),) * 2
+
+
+def test_the_flush_prediction_is_the_simulated_makespan() -> None:
+    """Without transfers, all-reduce or overheads the predicted step is exactly the simulated
+    makespan of the schedule the engine runs, at the planned per-stage costs."""
+    best = predict(UNIFORM, cluster(2), 32, schedule="zb-v", depth=2, microbatch_size=4)
+    made = simulate(add_communication(virtual_schedule("zb-v", 2, 8)), Costs(2.0, 4.0))
+    assert best.step_time == pytest.approx(made.step_time)
+    assert best.balance == (2, 2, 2, 2)
+
+
+def test_zb_v_beats_1f1b_and_interleaved_beats_it_too_on_uniform_blocks() -> None:
+    """At m = 2d the fill and drain of 1F1B cost (d - 1)/(m + d - 1) of its step; interleaving
+    halves it and ZB-V nearly removes it: plan(schedule="all") ranks them so."""
+    result = plan(UNIFORM, cluster(4), 32, "all", microbatch_sizes=[4], data_parallel=1)
+    best_of: dict[str, float] = {}
+    for p in result.ranked:
+        best_of.setdefault(p.schedule, p.step_time)
+    assert set(best_of) >= {"1f1b", "interleaved-1f1b", "zb-v", "2bw-v", "2bw", "zb-h1"}
+    assert best_of["zb-v"] < best_of["interleaved-1f1b"] < best_of["1f1b"]
+    assert result.best.throughput == max(p.throughput for p in result.ranked)
+    assert [p.throughput for p in result.ranked] == sorted(
+        (p.throughput for p in result.ranked), reverse=True
+    )
+    assert "| schedule" in result.explain()  # several schedules: the table names each
+    assert set(ALL_SCHEDULES) >= set(best_of)
+
+
+def test_what_a_virtual_schedule_cannot_run_is_skipped_or_refused() -> None:
+    assert virtual_problem("zb-v", 4, 8, 6) == "zb-v needs 2d = 8 stages, the body has 6 blocks"
+    assert "multiple of d" in (virtual_problem("interleaved-1f1b", 4, 6, 8) or "")
+    assert "m >= d" in (virtual_problem("2bw-v", 4, 2, 8) or "")
+    with pytest.raises(ValueError, match="2bw-v needs m >= d"):
+        predict(UNIFORM, cluster(4), 8, schedule="2bw-v", depth=4, microbatch_size=4)
+    with pytest.raises(ValueError, match="must have 4 entries"):
+        predict(
+            UNIFORM, cluster(2), 32, schedule="zb-v", depth=2, microbatch_size=4, balance=[4, 4]
+        )
+    # a body of 3 blocks has no 2-rank plan with two stages per rank
+    small = profile([1.0] * 3, b=4, output=0, saved=0)
+    with pytest.raises(ValueError, match="needs 2d = 4 stages"):
+        plan(small, cluster(2), 8, "zb-v", microbatch_sizes=[4], data_parallel=1)
+
+
+def test_a_virtual_rank_s_memory_counts_its_in_flight_stage_microbatches() -> None:
+    """Saved bytes only: a rank holds its simulated peak of (stage, micro-batch) pairs times
+    its larger stage's stash (ZB-V: at most 2p of them, 2BW on a V: 2p + 1)."""
+    stash = profile([1.0] * 8, b=4, output=0, saved=1000, params=0, input_bytes=0)
+    for schedule, peak in (("zb-v", 4), ("2bw-v", 5)):
+        best = predict(stash, cluster(2), 32, schedule=schedule, depth=2, microbatch_size=4)
+        assert best.memory_bytes == (peak * 2000,) * 2, schedule
