@@ -59,7 +59,12 @@ PLANS = [
     ("gpipe", 2, 8),
     ("1f1b", 4, 4),
     ("2bw", 4, 8),
+    # two stages per rank (planned by partition.virtualplan: timed by simulation)
+    ("interleaved-1f1b", 2, 4),
+    ("zb-v", 2, 4),
+    ("2bw-v", 2, 8),
 ]
+VIRTUAL = ("interleaved-1f1b", "zb-v", "2bw-v")
 
 
 def _link() -> tuple[float, float]:
@@ -69,8 +74,11 @@ def _link() -> tuple[float, float]:
 
 def loop_overhead(schedule: str, m: int, batch_size: int, warmup: int, steps: int) -> float:
     """Runs on one rank: seconds per step outside the compute actions, with a one-block model
-    (the loop, the strategy's bookkeeping and the block's tiny update)."""
-    result = run_ours(schedule, m, batch_size, warmup, steps, blocks=1)
+    (the loop, the strategy's bookkeeping and the block's tiny update); two blocks for the
+    schedules with two stages per rank (one each)."""
+    result = run_ours(
+        schedule, m, batch_size, warmup, steps, blocks=2 if schedule in VIRTUAL else 1
+    )
     compute = result["compute_s"] / max(result["steps"], 1)
     return max(statistics.median(result["step_s"]) - compute, 0.0)
 
@@ -133,6 +141,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     pools: dict[int, RankPool] = {}
     try:
         for schedule, depth, m in PLANS:
+            k = 2 if schedule in VIRTUAL else 1  # stages per rank
             cluster = Cluster(
                 num_devices=depth,
                 devices_per_node=depth,
@@ -149,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 schedule=schedule,
                 depth=depth,
                 microbatch_size=args.batch_size // m,
-                balance=[8 // depth] * depth,
+                balance=[8 // (k * depth)] * (k * depth),
             )
             if depth not in pools:
                 with _env(OMP_NUM_THREADS="1"):
@@ -170,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             split["other_s"] = rank0["wall_s"] / steps - sum(split.values())
             # the last stage's own blocks at this micro-batch size: forwards and backwards, and
             # (apart) the optimizer update, which the model spreads over the micro-batches
-            blocks = profiles.at(args.batch_size // m).blocks[-(8 // depth) :]
+            blocks = profiles.at(args.batch_size // m).blocks[-(8 // (k * depth)) :]
             predicted_compute = m * sum(b.forward_s + b.backward_s for b in blocks)
             predicted_update = sum(b.update_s for b in blocks)
             error = (plan.step_time - measured) / measured
