@@ -70,6 +70,10 @@ class StageReport:
     compute_s: float
     recv_s: float
     actions_recorded: int
+    # the pipeline's stages this rank holds (several with virtual stages), and the peak of
+    # each one's own saved bytes (one stage: the rank's peak)
+    stages: list[int] = field(default_factory=list)
+    stage_peak_activation_bytes: list[int] = field(default_factory=list)
     timeline: list[TimedAction] = field(default_factory=list, repr=False)
 
     def row(self) -> dict[str, Any]:
@@ -115,6 +119,11 @@ def stage_report(
         compute_s=shares.compute_s,
         recv_s=shares.recv_s,
         actions_recorded=len(actions),
+        stages=list(engine.virtual.stages),
+        stage_peak_activation_bytes=[
+            stats.stage_peak_bytes.get(v, stats.peak_activation_bytes)
+            for v in engine.virtual.stages
+        ],
         timeline=actions[max(len(actions) - max_actions, 0) :],
     )
 

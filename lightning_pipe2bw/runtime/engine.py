@@ -130,6 +130,8 @@ class EngineStats:
     # micro-batches' and those it holds for its partner (BPipe); live now, and the peak
     activation_bytes: int = 0
     peak_activation_bytes: int = 0
+    # with several stages per rank: the peak of each stage's own saved bytes on this device
+    stage_peak_bytes: dict[int, int] = field(default_factory=dict)
     host_bytes: int = 0  # saved bytes swapped out to the host pool (memory plan "swap")
     partner_bytes: int = 0  # saved bytes of the partner's micro-batches held here (BPipe)
     evicted_bytes: int = 0  # this stage's saved bytes now at its partner
@@ -640,6 +642,14 @@ class PipelineEngine:
         stats.evicted_bytes = stash.away_bytes
         stats.activation_bytes = stash.resident_bytes + partner
         stats.peak_activation_bytes = max(stats.peak_activation_bytes, stats.activation_bytes)
+        if len(self.virtual.stages) > 1:
+            per = dict.fromkeys(self.virtual.stages, 0)
+            for (v, _), micro in stash.micro.items():
+                per[v] += micro.resident
+            peaks = stats.stage_peak_bytes
+            for v, nbytes in per.items():
+                if nbytes > peaks.get(v, -1):
+                    peaks[v] = nbytes
 
     def _check_same_batch(self, slot: _Slot, microbatch: Any, v: int, index: int) -> None:
         upstream = slot.upstream_batch

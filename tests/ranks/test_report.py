@@ -126,4 +126,10 @@ def test_report_and_memory_monitor_with_two_stages_per_rank(
     assert sorted(b for r in rows for b in r["blocks"]) == list(range(8))
     first = [0, 1, 6, 7] if schedule == "zb-v" else [0, 1, 4, 5]
     assert rows[0]["blocks"] == first
+    assert rows[0]["stages"] == ([0, 3] if schedule == "zb-v" else [0, 2])
+    assert rows[1]["stages"] == ([1, 2] if schedule == "zb-v" else [1, 3])
+    for r in rows:  # per stage: each holds some, and together at least the rank's peak
+        per_stage = r["stage_peak_activation_bytes"]
+        assert len(per_stage) == 2 and all(b > 0 for b in per_stage)
+        assert max(per_stage) <= r["peak_activation_bytes"] <= sum(per_stage)
     assert (tmp_path / "report" / "timeline.png").is_file()
