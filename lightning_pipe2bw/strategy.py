@@ -11,18 +11,15 @@ private API is reached through ``compat`` only.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import importlib.metadata
 import logging
 import os
-import pickle
-import signal
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, Literal
 
 import lightning
 import torch
@@ -36,7 +33,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
-from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 from torch.optim import Optimizer
 from torchmetrics import Metric
 from typing_extensions import override
@@ -46,15 +42,11 @@ from lightning_pipe2bw.agreement import agree_on_inf_checks, check_same_setup, m
 from lightning_pipe2bw.averaging import average_stages, averaging_callbacks, whole_averages
 from lightning_pipe2bw.callbacks.summary import use_pipeline_summary
 from lightning_pipe2bw.callbacks.view import PipelineView
+from lightning_pipe2bw.checkpointing import checkpoint_barrier, load_trusting, write_replacing
 from lightning_pipe2bw.delivery import StepDelivery
+from lightning_pipe2bw.failures import lost_rank, names_lost_ranks, stop_workers_after
 from lightning_pipe2bw.hooklogs import StageLogs, logs_in_gradient_hooks
-from lightning_pipe2bw.launcher import (
-    PipePopenLauncher,
-    PipeSpawnLauncher,
-    kill_workers,
-    signal_workers,
-    stop_workers,
-)
+from lightning_pipe2bw.launcher import PipePopenLauncher, PipeSpawnLauncher, kill_workers
 from lightning_pipe2bw.loaders import (
     batch_fingerprint,
     last_batch_problem,
@@ -91,10 +83,17 @@ from lightning_pipe2bw.pipeline.repartition import Repartition, Repartitioner
 from lightning_pipe2bw.pipeline.signals import SignalGuard
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
 from lightning_pipe2bw.pipeline.topology import Topology
+from lightning_pipe2bw.process_group import (
+    broadcast_object,
+    connect,
+    control_group,
+    is_initialized,
+    rank_zero_decision,
+)
 from lightning_pipe2bw.requeue import RequeueRelay
 from lightning_pipe2bw.runtime import PipelineEngine, StageBody
 from lightning_pipe2bw.runtime.driver import Driver, DueGradient
-from lightning_pipe2bw.runtime.failure import SignalStop, StageFailure
+from lightning_pipe2bw.runtime.failure import StageFailure
 from lightning_pipe2bw.runtime.microbatch import batch_size_of
 from lightning_pipe2bw.schedule import SCHEDULES, ActivationBudget
 from lightning_pipe2bw.steplog import (
@@ -110,34 +109,6 @@ log = logging.getLogger(__name__)
 
 def _same(loss: Tensor) -> Tensor:
     return loss
-
-
-# how long trainer.save_checkpoint waits for every rank to reach it (or the process-group
-# timeout, if shorter)
-SAVE_WAIT = timedelta(seconds=60)
-
-_Method = TypeVar("_Method", bound=Callable[..., Any])
-
-
-def _names_lost_ranks(where: str) -> Callable[[_Method], _Method]:
-    """A strategy method whose collectives, when a rank's process is gone, raise an error that
-    names that rank, its stage and how it died (``pipeline.peers``), not the process group's
-    ``Connection reset by peer``."""
-
-    def wrap(method: _Method) -> _Method:
-        @functools.wraps(method)
-        def named(self: Pipe2BWStrategy, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return method(self, *args, **kwargs)
-            except Exception as err:
-                failure = self._lost_rank(err, where)
-                if failure is None:
-                    raise
-                raise failure from err
-
-        return cast(_Method, named)
-
-    return wrap
 
 
 class Pipe2BWStrategy(ParallelStrategy):
@@ -470,16 +441,10 @@ class Pipe2BWStrategy(ParallelStrategy):
         topology = Topology.create(self.world_size, self.data_parallel, self.global_rank)
         topology = replace(topology, placement=self.topology.placement)
         raise_problems(topology.option_problems(self.options))
-        backend = self._resolve_backend()
-        created = not _initialized()
-        compat.init_dist_connection(
-            env, backend, timeout=self.options.timeout, **_elastic_store(self.options.timeout)
-        )
-        if created:
-            atexit.register(_destroy_process_group)
+        connect(env, self._resolve_backend(), self.options.timeout)
         self.groups = ProcessGroups.create(topology)
         # a gloo group of every rank, for the checkpoint's monitored barrier (collective)
-        self._control = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self._control = control_group()
 
     # ------------------------------------------------------------------ model set-up
     @contextmanager
@@ -583,16 +548,7 @@ class Pipe2BWStrategy(ParallelStrategy):
     def _lost_rank(self, error: BaseException, where: str) -> StageFailure | None:
         """The error naming a rank found gone, for ``error`` raised in ``where``; None when the
         error does not say a peer is gone, or no rank is found gone."""
-        if self._peers is None:
-            return None
-        launcher = self._launcher
-
-        def exit_codes() -> dict[int, int | None]:  # of the workers this process started
-            if not isinstance(launcher, PipePopenLauncher):
-                return {}
-            return {p.pid: p.poll() for p in compat.launched_processes(launcher)}
-
-        return self._peers.lost(error, where, exit_codes)
+        return lost_rank(self._peers, self._launcher, error, where)
 
     def _check_use(self, due: DueGradient) -> None:
         """At the first update that applies a gradient: every trainable parameter of this stage
@@ -676,7 +632,7 @@ class Pipe2BWStrategy(ParallelStrategy):
             agree_on_inf_checks(scaler, self.root_device, group, self.num_stages)
 
     # ------------------------------------------------------------------ steps
-    @_names_lost_ranks("a step (delivering its values)")
+    @names_lost_ranks("a step (delivering its values)")
     def _run_pipelined(
         self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], train: bool
     ) -> Any:
@@ -760,7 +716,7 @@ class Pipe2BWStrategy(ParallelStrategy):
             return self._run_pipelined("predict_step", args, kwargs, train=False)
 
     @override
-    @_names_lost_ranks("the optimizer step's gradient exchange")
+    @names_lost_ranks("the optimizer step's gradient exchange")
     def backward(
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> Tensor:
@@ -776,7 +732,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         return closure_loss
 
     @override
-    @_names_lost_ranks("the optimizer step")
+    @names_lost_ranks("the optimizer step")
     def optimizer_step(
         self,
         optimizer: Optimizer,
@@ -812,7 +768,7 @@ class Pipe2BWStrategy(ParallelStrategy):
 
         return run
 
-    @_names_lost_ranks("a flush of the pipeline")
+    @names_lost_ranks("a flush of the pipeline")
     def flush(self) -> None:
         """Drain a 2BW pipeline and apply the last batch's update (collective: every rank calls it
         at the same point of Lightning's loop). A no-op for flush schedules or an empty pipeline."""
@@ -935,7 +891,7 @@ class Pipe2BWStrategy(ParallelStrategy):
                 self._hand_back(runtime)
         super().teardown()
 
-    @_names_lost_ranks("the hand-back of the trained model after the Trainer call")
+    @names_lost_ranks("the hand-back of the trained model after the Trainer call")
     def _hand_back(self, runtime: StageRuntime) -> None:
         """The whole trained body back in the user's module, on every rank (collective)."""
         reason = hand_back(runtime)
@@ -971,16 +927,11 @@ class Pipe2BWStrategy(ParallelStrategy):
         self._failed = True
         if self.runtime is not None:
             self.runtime.report_failure(exception)
-        if self.global_rank != 0:
-            return
-        if isinstance(exception, SignalStop):
-            signal_workers(self._launcher, exception.signum)
-        elif isinstance(exception, KeyboardInterrupt):
-            signal_workers(self._launcher, signal.SIGINT)
-        stop_workers(self._launcher, self.worker_grace_s)
+        if self.global_rank == 0:
+            stop_workers_after(exception, self._launcher, self.worker_grace_s)
 
     @override
-    @_names_lost_ranks("a decision shared by every rank (reduce_boolean_decision)")
+    @names_lost_ranks("a decision shared by every rank (reduce_boolean_decision)")
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Global rank 0's decision, on every rank.
 
@@ -989,16 +940,12 @@ class Pipe2BWStrategy(ParallelStrategy):
         single-device run logs them; with 2BW the other ranks receive the training-step values one
         step late, so their own decisions could differ. Rank 0's decision is the single-device one.
         """
-        if not _initialized():
-            return decision
-        flag = torch.tensor(int(bool(decision)), device=self.root_device)
-        dist.broadcast(flag, src=0)
-        return bool(flag.item())
+        return rank_zero_decision(decision, self.root_device)
 
     @override
-    @_names_lost_ranks("a barrier")
+    @names_lost_ranks("a barrier")
     def barrier(self, name: str | None = None) -> None:
-        if not _initialized():
+        if not is_initialized():
             return
         if name == "Trainer.save_checkpoint" and self.world_size > 1:
             self._checkpoint_barrier()
@@ -1006,46 +953,18 @@ class Pipe2BWStrategy(ParallelStrategy):
         dist.barrier()
 
     def _checkpoint_barrier(self) -> None:
-        """The barrier ``trainer.save_checkpoint`` starts and ends with: every rank must be
-        there, since the save gathers every stage's part. A rank that does not come within
-        ``SAVE_WAIT`` (or the process-group timeout, if shorter), or whose process is gone, is
-        an error that says so (a save under ``if trainer.global_rank == 0`` is the usual
-        cause), instead of the collectives' timeout and gloo's words."""
-        if not _initialized() or self.world_size == 1:
-            return
-        timeout = min(self.options.timeout or DEFAULT_TIMEOUT, SAVE_WAIT)
-        group = self._control_group()
-        try:
-            dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
-        except RuntimeError as err:
-            lost = self._lost_rank(err, "trainer.save_checkpoint")
-            seen = f"{lost}" if lost is not None else f"{type(err).__name__}: {err}"
-            raise RuntimeError(
-                f"trainer.save_checkpoint on rank {self.global_rank} (stage {self.stage}): not "
-                f"every rank took part ({seen}; the wait is at most "
-                f"{timeout.total_seconds():.0f} s). With "
-                "pipe2bw each rank holds a part of the model, so trainer.save_checkpoint(path) "
-                "gathers every part and must be called on every rank, as Lightning documents "
-                "for distributed strategies: call it outside `if trainer.global_rank == 0:` (the "
-                "file is written once, by global rank 0)"
-            ) from err
-
-    def _control_group(self) -> Any:
-        """A gloo group of every rank (``monitored_barrier`` runs on gloo only): the default
-        group when it is gloo, else one made at set-up."""
-        return self._control
+        """Every rank reaches ``trainer.save_checkpoint`` (``checkpointing.checkpoint_barrier``)."""
+        checkpoint_barrier(
+            self._control, self.options.timeout, self.world_size, self._describe(), self._lost_rank
+        )
 
     @override
-    @_names_lost_ranks("a broadcast")
+    @names_lost_ranks("a broadcast")
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
+        return broadcast_object(obj, src)
 
     @override
-    @_names_lost_ranks("a reduction (strategy.reduce)")
+    @names_lost_ranks("a reduction (strategy.reduce)")
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         if isinstance(tensor, Tensor):
             return compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
@@ -1062,7 +981,7 @@ class Pipe2BWStrategy(ParallelStrategy):
     def restore_checkpoint_after_setup(self) -> bool:
         return True
 
-    @_names_lost_ranks("full_state_dict (gathering the weights)")
+    @names_lost_ranks("full_state_dict (gathering the weights)")
     def full_state_dict(self) -> dict[str, Any]:
         """The unpartitioned model's state dict on global rank 0 (collective; ``{}`` elsewhere)."""
         module = self.lightning_module
@@ -1078,19 +997,19 @@ class Pipe2BWStrategy(ParallelStrategy):
         return [compat.torch_optimizer(o) for o in self.optimizers]
 
     @override
-    @_names_lost_ranks("trainer.save_checkpoint (gathering the weights)")
+    @names_lost_ranks("trainer.save_checkpoint (gathering the weights)")
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._checkpoint_barrier()  # every rank is saving: the gather below needs them all
         self.flush()  # a checkpoint is a flush point: no micro-batch in flight, no update pending
         return self._format().model_state()
 
     @override
-    @_names_lost_ranks("trainer.save_checkpoint (gathering the optimizer state)")
+    @names_lost_ranks("trainer.save_checkpoint (gathering the optimizer state)")
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         return self._format().optimizer_state(compat.torch_optimizer(optimizer))
 
     @override
-    @_names_lost_ranks("trainer.save_checkpoint")
+    @names_lost_ranks("trainer.save_checkpoint")
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
@@ -1101,20 +1020,11 @@ class Pipe2BWStrategy(ParallelStrategy):
         if checkpoints.sharded:
             checkpoints.save_sharded(checkpoint, filepath)
             return
-        checkpoint = checkpoints.full_checkpoint(checkpoint)
-        path = str(filepath)
-        if "://" in path:  # a remote file system: its own write semantics
-            super().save_checkpoint(checkpoint, filepath, storage_options)
-            return
-        # write to a temporary name, then rename: a crash mid-write leaves no file that looks
-        # complete under the checkpoint's name
-        tmp = f"{path}.tmp"
-        super().save_checkpoint(checkpoint, tmp, storage_options)
-        if self.is_global_zero:
-            os.replace(tmp, path)
+        write = functools.partial(super().save_checkpoint, storage_options=storage_options)
+        write_replacing(checkpoints.full_checkpoint(checkpoint), filepath, write, self.is_global_zero)
 
     @override
-    @_names_lost_ranks("loading a checkpoint")
+    @names_lost_ranks("loading a checkpoint")
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
         """Lightning's loader, with ``weights_only=True`` unless the caller chose: a pipe2bw
         checkpoint holds tensors and plain containers only. A checkpoint that needs arbitrary
@@ -1128,17 +1038,7 @@ class Pipe2BWStrategy(ParallelStrategy):
                 checkpoint_path, weights_only is not False, self._torch_optimizers,
                 self._adopt_layout,
             )  # fmt: skip
-        if weights_only is not None:
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        try:
-            return super().load_checkpoint(checkpoint_path, weights_only=True)
-        except pickle.UnpicklingError as err:
-            rank_zero_warn(
-                f"{checkpoint_path} cannot be loaded with weights_only=True ({err}); loading it "
-                "with weights_only=False, which runs arbitrary code from the file: only do this "
-                "with files you trust"
-            )
-            return super().load_checkpoint(checkpoint_path, weights_only=False)
+        return load_trusting(checkpoint_path, weights_only, super().load_checkpoint)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -1164,37 +1064,9 @@ class Pipe2BWStrategy(ParallelStrategy):
             strategy_registry.register(name, cls, description=description, override=True, **init)
 
 
-def _elastic_store(timeout: timedelta | None) -> dict[str, Any]:
-    """Under torchrun's c10d rendezvous the workers of every attempt meet in the agent's one
-    store, where the keys of an attempt that ended (a process's address) are still there: a
-    restarted worker may read a dead peer's address and fail to connect. Each attempt gets
-    keys of its own (``TORCHELASTIC_RESTART_COUNT``); outside torchrun, nothing changes."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
-        return {}
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        int(os.environ["WORLD_SIZE"]),
-        is_master=False,
-        timeout=timeout or DEFAULT_TIMEOUT,
-    )
-    return {"store": PrefixStore(f"pipe2bw/attempt_{attempt}/", store)}
-
-
-def _initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def _package_version() -> str:
     try:
         return importlib.metadata.version("lightning-pipe2bw")
     except importlib.metadata.PackageNotFoundError:  # run from a checkout without installing
         return "unknown"
 
-
-def _destroy_process_group() -> None:
-    """Tear down a process group this strategy created while the interpreter is still intact
-    (gloo's threads torn down during interpreter shutdown can abort the process)."""
-    if _initialized():
-        dist.destroy_process_group()
