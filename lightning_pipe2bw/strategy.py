@@ -16,7 +16,7 @@ import importlib.metadata
 import logging
 import os
 from collections.abc import Callable, Generator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Literal
@@ -27,7 +27,6 @@ import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import StochasticWeightAveraging
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
@@ -66,7 +65,6 @@ from lightning_pipe2bw.pipeline.checkpoint_io import gather_state_dict, is_shard
 from lightning_pipe2bw.pipeline.checks import run_problems
 from lightning_pipe2bw.pipeline.groups import ProcessGroups, choose_backend, gather_stages
 from lightning_pipe2bw.pipeline.intake import (
-    check_every_parameter_used,
     step_call,
 )
 from lightning_pipe2bw.pipeline.migrate import hand_back, relayout
@@ -92,23 +90,19 @@ from lightning_pipe2bw.process_group import (
 )
 from lightning_pipe2bw.requeue import RequeueRelay
 from lightning_pipe2bw.runtime import PipelineEngine, StageBody
-from lightning_pipe2bw.runtime.driver import Driver, DueGradient
+from lightning_pipe2bw.runtime.driver import Driver
 from lightning_pipe2bw.runtime.failure import StageFailure
 from lightning_pipe2bw.runtime.microbatch import batch_size_of
 from lightning_pipe2bw.schedule import SCHEDULES, ActivationBudget
 from lightning_pipe2bw.steplog import (
-    StepRecording,
     quiet_epoch_sync_advice,
     share_metrics,
 )
+from lightning_pipe2bw.steps import PipelinedSteps, scaler_of
 
 __all__ = ["Pipe2BWStrategy"]
 
 log = logging.getLogger(__name__)
-
-
-def _same(loss: Tensor) -> Tensor:
-    return loss
 
 
 class Pipe2BWStrategy(ParallelStrategy):
@@ -231,15 +225,10 @@ class Pipe2BWStrategy(ParallelStrategy):
         # the plan's predicted throughput against the run's (``plan_check.result`` once measured)
         self.plan_check: PlanCheck | None = None
         self._repartitioner = Repartitioner(repartition_every, self.options.repartition_threshold)
-        self._due = DueGradient()  # the gradient Lightning's coming optimizer step applies
         self._failed = False  # this Trainer call raised: no collective at teardown
-        self._use_check = False  # check_split: the first update's check is still to come
         self._peers: PeerDirectory | None = None  # every rank's host and process (set-up)
         self._control: Any = None  # a gloo group of every rank when the default one is not
-        # the training step running now ends its epoch: 2BW drains after its update
-        self._ends_epoch = False
-        # values logged in the gradient hooks, merged over the stages (None: nothing logs there)
-        self._hook_logs: StageLogs | None = None
+        self._steps: PipelinedSteps | None = None  # this Trainer call's steps (set-up)
         # a step's values, from the last stage to what every rank logs and returns
         self._delivery = StepDelivery()
         # SIGTERM / SIGINT end every rank within seconds (see pipeline.signals)
@@ -462,7 +451,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
-        self.runtime, self._failed = None, False
+        self.runtime, self._steps, self._failed = None, None, False
         compat.skip_sigterm_broadcast(trainer)  # the signal guard stops every rank instead
         use_pipeline_summary(trainer)  # the whole model, labelled by stage
         raise_problems(
@@ -510,7 +499,8 @@ class Pipe2BWStrategy(ParallelStrategy):
             topology=self.topology, groups=self.groups, device=self.root_device,
             num_microbatches=self.num_microbatches, training=fitting,
             optimizers=self.optimizers if fitting else [],
-            clips_gradients=bool(trainer.gradient_clip_val), scales_loss=self._scaler() is not None,
+            clips_gradients=bool(trainer.gradient_clip_val),
+            scales_loss=scaler_of(self.precision_plugin) is not None,
             version_log=self.version_log,
         )  # fmt: skip
         if fitting:
@@ -518,12 +508,16 @@ class Pipe2BWStrategy(ParallelStrategy):
             if self.options.repartition_every is not None:
                 self.runtime.start_block_timing()
         self._agree_across_stages()
-        # the guard's second half: every parameter gets a gradient at the first update
-        self._use_check = fitting and self.options.check_split
         self._delivery.restart()
-        self._hook_logs = None
+        hook_logs = None
         if fitting and self.num_stages > 1 and logs_in_gradient_hooks(trainer, module):
-            self._hook_logs = self._stage_logs(module)
+            hook_logs = self._stage_logs(module)
+        self._steps = PipelinedSteps(
+            module, self.runtime, self.precision_plugin, self.root_device, self._delivery,
+            self._requeue, hook_logs=hook_logs,
+            # the guard's second half: every parameter gets a gradient at the first update
+            check_use=fitting and self.options.check_split,
+        )  # fmt: skip
         if averaging:
             params = list(module.parameters())
             names = self.runtime.parameter_names(params)
@@ -549,22 +543,6 @@ class Pipe2BWStrategy(ParallelStrategy):
         """The error naming a rank found gone, for ``error`` raised in ``where``; None when the
         error does not say a peer is gone, or no rank is found gone."""
         return lost_rank(self._peers, self._launcher, error, where)
-
-    def _check_use(self, due: DueGradient) -> None:
-        """At the first update that applies a gradient: every trainable parameter of this stage
-        got one (``pipeline.intake``); copies of a weight tied to another stage are left out (the
-        copy in use may be the other's)."""
-        if not self._use_check or not due.pairs:
-            return
-        self._use_check = False
-        runtime = self._runtime
-        shared = {id(c.param) for c in runtime.tied.copies} if runtime.tied else set()
-        unused = [
-            p
-            for p, grad in due.pairs
-            if p.requires_grad and grad is None and id(p) not in shared
-        ]
-        check_every_parameter_used(runtime.parameter_names(unused), self.stage)
 
     def _stage_logs(self, module: LightningModule) -> StageLogs:
         """What merges the values the gradient hooks log over the stages (``hooklogs``)."""
@@ -612,10 +590,6 @@ class Pipe2BWStrategy(ParallelStrategy):
                 f"pipe2bw: balance='auto' chose {self.plan.best.summary()} ({TRUST_NOTE})"
             )
 
-    def _scaler(self) -> Any:
-        plugin = self.precision_plugin
-        return plugin.scaler if isinstance(plugin, MixedPrecision) else None
-
     def _agree_across_stages(self) -> None:
         assert self.groups is not None
         group = self.groups.pipeline  # clipping and inf checks span one pipeline
@@ -627,7 +601,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         make_clipping_global(
             self.precision_plugin, self.root_device, group, self.num_stages, counted
         )
-        scaler = self._scaler()
+        scaler = scaler_of(self.precision_plugin)
         if scaler is not None:
             agree_on_inf_checks(scaler, self.root_device, group, self.num_stages)
 
@@ -636,48 +610,12 @@ class Pipe2BWStrategy(ParallelStrategy):
     def _run_pipelined(
         self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], train: bool
     ) -> Any:
-        module, runtime = self.lightning_module, self._runtime
-        assert module is not None
-        with StepRecording(module, hook, args, kwargs, runtime.is_last) as recording:
-            values = runtime.run_batch(
-                args[0], recording.step, self._backward_microbatch, train=train,
-                loss_root=self._loss_root(module),
-            )  # fmt: skip
-        recording.fill(values)
-        settle = train and compat.ends_epoch(module.trainer)
-        self._ends_epoch = train and compat.last_batch_of_epoch(module.trainer)
-        return self._delivery.deliver(
-            runtime, recording, values, hook=hook, train=train, settle=settle,
-            device=self.root_device, requeue=self._requeue,
-            request=self._requeue_request if train and self._requeue.active else None,
-        )  # fmt: skip
+        return self._steps_now.run(hook, args, kwargs, train)
 
-    def _requeue_request(self, lag: int) -> int | None:
-        """On the last stage: the batch at whose start every rank answers SLURM's requeue
-        warning, or None (``RequeueRelay.decide``; ``lag``: the driver's ``values_lag``)."""
-        assert self.groups is not None
-        return self._requeue.decide(self.groups.stage, self.data_parallel, self.root_device, lag)
-
-    def _loss_root(self, module: LightningModule) -> Callable[[Tensor], Tensor] | None:
-        """What :meth:`_backward_microbatch` differentiates, as a function of the weighted loss
-        (the loss scaled for mixed precision), or None where the module's or the precision
-        plugin's own ``backward`` decides (then the last stage always runs the whole backward
-        at once)."""
-        if (
-            type(module).backward is not LightningModule.backward
-            or type(self.precision_plugin).backward is not Precision.backward
-        ):
-            return None
-        scaler = self._scaler()
-        return scaler.scale if scaler is not None else _same
-
-    def _backward_microbatch(self, loss: Tensor) -> None:
-        scaler = self._scaler()
-        if scaler is not None:
-            loss = scaler.scale(loss)
-        module = self.lightning_module
-        assert module is not None
-        self.precision_plugin.backward(loss, module, None)
+    @property
+    def _steps_now(self) -> PipelinedSteps:
+        assert self._steps is not None, "the pipeline stage is built at set-up"
+        return self._steps
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -690,7 +628,7 @@ class Pipe2BWStrategy(ParallelStrategy):
             return self._forward_only(args, kwargs)
         with self.precision_plugin.train_step_context():
             loss = self._run_pipelined("training_step", args, kwargs, train=True)
-        self._due = self._runtime.driver.take_due()
+        self._steps_now.take_due()
         return loss  # type: ignore[no-any-return]
 
     def _forward_only(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> STEP_OUTPUT:
@@ -721,14 +659,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> Tensor:
         """The engine already ran every micro-batch's backward; only the hooks are left to call."""
-        module = self.lightning_module
-        assert module is not None
-        due, self._due = self._due, DueGradient()
-        self._check_use(due)
-        self._runtime.average_gradients(due.install())
-        if self._hook_logs is not None:
-            self._hook_logs.start()  # what the gradient hooks log, merged over the stages
-        compat.call_backward_hooks(module.trainer, closure_loss)
+        self._steps_now.backward(closure_loss)
         return closure_loss
 
     @override
@@ -740,61 +671,18 @@ class Pipe2BWStrategy(ParallelStrategy):
         model: LightningModule | nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        logs = self._hook_logs
-        if logs is None:
-            output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        else:
-            with logs.window():
-                output = super().optimizer_step(
-                    optimizer, self._logging_after(closure, logs), model, **kwargs
-                )
-        driver = self._runtime.driver
-        driver.finish_update()
-        # 2BW drains at the end of every epoch: the epoch's hooks (weight averaging, epoch-level
-        # schedulers, checkpoints) see the weights after every update of the epoch
-        if driver.flush_due() or self._ends_epoch:
+        steps, step = self._steps_now, super().optimizer_step
+        output = steps.optimizer_step(lambda run: step(optimizer, run, model, **kwargs), closure)
+        if steps.finish_update():  # 2BW: a flush is due, or the epoch ends
             self.flush()
         return output
-
-    @staticmethod
-    def _logging_after(closure: Callable[[], Any], logs: StageLogs) -> Callable[[], Any]:
-        """``closure`` (the step and backward), after which ``logs`` records what the gradient
-        hooks log (they run next, inside the optimizer's step)."""
-
-        def run() -> Any:
-            out = closure()
-            logs.start()
-            return out
-
-        return run
 
     @names_lost_ranks("a flush of the pipeline")
     def flush(self) -> None:
         """Drain a 2BW pipeline and apply the last batch's update (collective: every rank calls it
         at the same point of Lightning's loop). A no-op for flush schedules or an empty pipeline."""
-        runtime = self.runtime
-        if runtime is None:
-            return
-        due = runtime.flush(self._backward_microbatch)
-        if due is None:
-            return
-        self._check_use(due)
-        runtime.average_gradients(due.install())
-        # Lightning's own step path: loss-scaler unscale and (agreed) inf check, the
-        # on_before_optimizer_step hooks, clipping over all stages, then the update
-        done = torch.zeros((), device=self.root_device)
-        module = self.lightning_module
-        assert module is not None
-        logs = self._hook_logs
-        with logs.window() if logs is not None else nullcontext():
-            if logs is not None:
-                logs.start()
-            self.precision_plugin.optimizer_step(
-                runtime.optimizers[0], model=module, closure=lambda: done
-            )
-        runtime.driver.finish_update()
-        due.clear()
-        log.debug("pipe2bw: flushed the pipeline")
+        if self.runtime is not None and self._steps is not None:
+            self._steps.flush()
 
     # ------------------------------------------------------------------ live repartitioning
     @override
