@@ -12,8 +12,6 @@ private API is reached through ``compat`` only.
 from __future__ import annotations
 
 import functools
-import importlib.metadata
-import logging
 import os
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
@@ -21,7 +19,6 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Literal
 
-import lightning
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
@@ -29,7 +26,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -37,37 +34,26 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_pipe2bw import compat
-from lightning_pipe2bw.agreement import agree_on_inf_checks, check_same_setup, make_clipping_global
-from lightning_pipe2bw.averaging import average_stages, averaging_callbacks, whole_averages
+from lightning_pipe2bw.agreement import agree_across_stages, check_same_setup, setup_settings
+from lightning_pipe2bw.averaging import average_stage, check_averaging, whole_averages
 from lightning_pipe2bw.callbacks.summary import use_pipeline_summary
 from lightning_pipe2bw.callbacks.view import PipelineView
 from lightning_pipe2bw.checkpointing import checkpoint_barrier, load_trusting, write_replacing
 from lightning_pipe2bw.delivery import StepDelivery
 from lightning_pipe2bw.failures import lost_rank, names_lost_ranks, stop_workers_after
-from lightning_pipe2bw.hooklogs import StageLogs, logs_in_gradient_hooks
+from lightning_pipe2bw.hooklogs import stage_logs
 from lightning_pipe2bw.launcher import PipePopenLauncher, PipeSpawnLauncher, kill_workers
-from lightning_pipe2bw.loaders import (
-    batch_fingerprint,
-    last_batch_problem,
-    seed_sampler,
-)
-from lightning_pipe2bw.partition import BodyRef, Partition, find_body
+from lightning_pipe2bw.loaders import batch_fingerprint, last_batch_problem, seed_sampler
+from lightning_pipe2bw.partition import Partition, find_body
 from lightning_pipe2bw.partition.plans import PlanResult
 from lightning_pipe2bw.pipeline.assembly import build_runtime, place_stage, resolve_balance
-from lightning_pipe2bw.pipeline.autoplan import (
-    TRUST_NOTE,
-    AutoPlanInputs,
-    PlanCheck,
-    plan_from_loader,
-)
-from lightning_pipe2bw.pipeline.checkpoint import CheckpointFormat, layout_to_adopt
+from lightning_pipe2bw.pipeline.autoplan import PlanCheck
+from lightning_pipe2bw.pipeline.checkpoint import CheckpointFormat
 from lightning_pipe2bw.pipeline.checkpoint_io import gather_state_dict, is_sharded_checkpoint
 from lightning_pipe2bw.pipeline.checks import run_problems
-from lightning_pipe2bw.pipeline.groups import ProcessGroups, choose_backend, gather_stages
-from lightning_pipe2bw.pipeline.intake import (
-    step_call,
-)
-from lightning_pipe2bw.pipeline.migrate import hand_back, relayout
+from lightning_pipe2bw.pipeline.groups import ProcessGroups, choose_backend
+from lightning_pipe2bw.pipeline.intake import step_call
+from lightning_pipe2bw.pipeline.migrate import hand_back
 from lightning_pipe2bw.pipeline.options import (
     DEFAULT_TIMEOUT,
     OPTION_NAMES,
@@ -81,6 +67,7 @@ from lightning_pipe2bw.pipeline.repartition import Repartition, Repartitioner
 from lightning_pipe2bw.pipeline.signals import SignalGuard
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
 from lightning_pipe2bw.pipeline.topology import Topology
+from lightning_pipe2bw.planning import check_plan, finish_plan_check, plan_auto
 from lightning_pipe2bw.process_group import (
     broadcast_object,
     connect,
@@ -88,21 +75,17 @@ from lightning_pipe2bw.process_group import (
     is_initialized,
     rank_zero_decision,
 )
+from lightning_pipe2bw.repartitioning import checkpoint_layout, move_blocks, repartition_at
 from lightning_pipe2bw.requeue import RequeueRelay
 from lightning_pipe2bw.runtime import PipelineEngine, StageBody
 from lightning_pipe2bw.runtime.driver import Driver
 from lightning_pipe2bw.runtime.failure import StageFailure
-from lightning_pipe2bw.runtime.microbatch import batch_size_of
 from lightning_pipe2bw.schedule import SCHEDULES, ActivationBudget
-from lightning_pipe2bw.steplog import (
-    quiet_epoch_sync_advice,
-    share_metrics,
-)
+from lightning_pipe2bw.steplog import quiet_epoch_sync_advice, share_metrics
 from lightning_pipe2bw.steps import PipelinedSteps, scaler_of
 
 __all__ = ["Pipe2BWStrategy"]
 
-log = logging.getLogger(__name__)
 
 
 class Pipe2BWStrategy(ParallelStrategy):
@@ -464,23 +447,21 @@ class Pipe2BWStrategy(ParallelStrategy):
                 accumulate_grad_batches=trainer.accumulate_grad_batches,
             )
         )
-        check_same_setup(self._settings(trainer))
+        check_same_setup(setup_settings(self.options, self.num_microbatches, trainer))
         if self._peers is None and self.world_size > 1:
             topology = self.topology
             self._peers = PeerDirectory.gather(lambda r: replace(topology, rank=r).stage)
         ref = find_body(
             module, self.options.body, self._step_call(trainer), check=self.options.check_split
         )
-        averaging = fitting and bool(averaging_callbacks(trainer))
-        if averaging and self.options.repartition_every is not None:
-            raise ValueError(
-                "StochasticWeightAveraging keeps an average of each stage's parameters, which "
-                "cannot follow blocks that move between stages: use repartition_every=None with it"
-            )
+        averaging = fitting and check_averaging(trainer, self.options)
         # the whole model's, before it is partitioned (StochasticWeightAveraging's own test)
         has_batch_norm = StochasticWeightAveraging.pl_module_contains_batch_norm(module)
         if fitting and self.options.balance_mode == "auto" and not isinstance(ref.module, StageBody):
-            self._plan_auto(ref)
+            self.plan, self.plan_check = plan_auto(
+                module, ref, self.options, self.root_device, self.world_size,
+                self.num_processes, self.global_rank,
+            )  # fmt: skip
         balance = resolve_balance(self.options, ref, self.topology.num_virtual, self.plan)
         recompute = self.plan.best.recompute if self.plan is not None else self.options.recompute
         body, partition = place_stage(
@@ -507,23 +488,17 @@ class Pipe2BWStrategy(ParallelStrategy):
             self.optimizers = self.runtime.optimizers
             if self.options.repartition_every is not None:
                 self.runtime.start_block_timing()
-        self._agree_across_stages()
+        agree_across_stages(self.precision_plugin, self.runtime, self.root_device)
         self._delivery.restart()
-        hook_logs = None
-        if fitting and self.num_stages > 1 and logs_in_gradient_hooks(trainer, module):
-            hook_logs = self._stage_logs(module)
         self._steps = PipelinedSteps(
             module, self.runtime, self.precision_plugin, self.root_device, self._delivery,
-            self._requeue, hook_logs=hook_logs,
+            self._requeue,
+            hook_logs=stage_logs(trainer, module, self.runtime, self.root_device) if fitting else None,
             # the guard's second half: every parameter gets a gradient at the first update
             check_use=fitting and self.options.check_split,
         )  # fmt: skip
         if averaging:
-            params = list(module.parameters())
-            names = self.runtime.parameter_names(params)
-            state = self.runtime.stage_state_dict()
-            buffers = {k: v for k, v in state.items() if k not in set(names)}
-            average_stages(trainer, params, names, buffers, has_batch_norm)
+            average_stage(trainer, module, self.runtime, has_batch_norm)
         if any(isinstance(m, Metric) for m in module.modules()):  # the same on every rank
             group = self.groups.metrics() if self.data_parallel > 1 else None
             share_metrics(module, self.topology.is_last, group)
@@ -543,67 +518,6 @@ class Pipe2BWStrategy(ParallelStrategy):
         """The error naming a rank found gone, for ``error`` raised in ``where``; None when the
         error does not say a peer is gone, or no rank is found gone."""
         return lost_rank(self._peers, self._launcher, error, where)
-
-    def _stage_logs(self, module: LightningModule) -> StageLogs:
-        """What merges the values the gradient hooks log over the stages (``hooklogs``)."""
-        runtime, groups = self._runtime, self.groups
-        assert groups is not None
-        tied: dict[str, str] = {}
-        if runtime.tied:
-            body, path = runtime.body, runtime.body_path
-            for param, (block, name) in runtime.tied.copies_elsewhere():
-                tied[runtime.parameter_names([param])[0]] = f"{path}.{body.key_of(block, name)}"
-        topology = self.topology
-        return StageLogs(
-            module, self.stage, tied, lambda calls: gather_stages(calls, topology, groups),
-            self.root_device,
-        )  # fmt: skip
-
-    def _settings(self, trainer: Trainer) -> dict[str, object]:
-        """What every rank of the pipeline must agree on (see ``check_same_setup``)."""
-        return {
-            **self.options.settings(self.num_microbatches),
-            "precision": trainer.precision,
-            "gradient_clip_val": trainer.gradient_clip_val,
-            "gradient_clip_algorithm": trainer.gradient_clip_algorithm,
-            "lightning_pipe2bw": _package_version(),
-            "torch": torch.__version__,
-            "lightning": lightning.__version__,
-        }
-
-    def _plan_auto(self, ref: BodyRef) -> None:
-        """``balance="auto"``: profile, plan and keep the plan (partition, micro-batches and
-        recomputation unless given). Every rank gets rank 0's profile, so every rank applies the
-        same plan; it is logged on rank 0 and saved in checkpoints (``strategy.plan``)."""
-        module, o = self.lightning_module, self.options
-        assert module is not None
-        inputs = AutoPlanInputs(
-            o.schedule, o.data_parallel, o.microbatches, o.recompute, self.root_device,
-            self.world_size, self.num_processes,
-        )  # fmt: skip
-        loader = compat.training_dataloader(module.trainer)
-        self.plan = plan_from_loader(module, ref, loader, inputs, compat.optimizer_factory(module))
-        self.plan_check = PlanCheck(self.plan.best.throughput)
-        if self.global_rank == 0:
-            log.info("pipe2bw: balance='auto' planned\n%s", self.plan.explain())
-            rank_zero_info(
-                f"pipe2bw: balance='auto' chose {self.plan.best.summary()} ({TRUST_NOTE})"
-            )
-
-    def _agree_across_stages(self) -> None:
-        assert self.groups is not None
-        group = self.groups.pipeline  # clipping and inf checks span one pipeline
-        runtime = self._runtime
-
-        def counted(param: Tensor) -> bool:  # the current runtime's ties (moves rebuild them)
-            return runtime.tied is None or runtime.tied.counted(param)
-
-        make_clipping_global(
-            self.precision_plugin, self.root_device, group, self.num_stages, counted
-        )
-        scaler = scaler_of(self.precision_plugin)
-        if scaler is not None:
-            agree_on_inf_checks(scaler, self.root_device, group, self.num_stages)
 
     # ------------------------------------------------------------------ steps
     @names_lost_ranks("a step (delivering its values)")
@@ -693,18 +607,10 @@ class Pipe2BWStrategy(ParallelStrategy):
             return
         self._requeue.start_batch()  # SLURM's requeue warning, once every rank knows of it
         step = module.trainer.global_step
-        if self.plan_check is not None and self.plan_check.result is None:
-            line = self.plan_check.step(step, batch_size_of(batch) * self.data_parallel)
-            if line is not None and self.global_rank == 0:
-                rank_zero_info(line)
-        decision = self._repartitioner.poll(step, runtime.engine, runtime.partition.balance)
-        if decision is None:
-            return
-        self.flush()  # 2BW: drain first (a no-op after a flush, and for flush schedules)
-        if self.global_rank == 0:
-            rank_zero_info(f"pipe2bw: repartition at step {step}: {decision.describe()}")
-        self._move_blocks(decision.best)
-        self._repartitioner.history.append(decision)
+        check_plan(self.plan_check, step, batch, self.data_parallel, self.global_rank)
+        repartition_at(
+            step, self._repartitioner, runtime, self.flush, self._move_blocks, self.global_rank
+        )
 
     def _move_blocks(self, balance: Sequence[int], carry: bool = True) -> None:
         """Make the pipeline run ``balance`` (collective; at a flush point), carrying the
@@ -720,11 +626,11 @@ class Pipe2BWStrategy(ParallelStrategy):
             return self.optimizers, [c.scheduler for c in self.lr_scheduler_configs]
 
         fitting = trainer.state.fn == TrainerFn.FITTING and bool(self.optimizers)
-        stepped = relayout(
+        stepped = move_blocks(
             self._runtime,
             balance,
-            [compat.torch_optimizer(o) for o in self.optimizers] if carry else [],
-            [c.scheduler for c in self.lr_scheduler_configs] if carry else [],
+            self.optimizers if carry else [],
+            self.lr_scheduler_configs if carry else [],
             rebuild if fitting else None,
         )
         if stepped is not None:
@@ -733,16 +639,9 @@ class Pipe2BWStrategy(ParallelStrategy):
     def _adopt_layout(self, state: Mapping[str, Any] | None) -> None:
         """Run the blocks-per-stage layout a checkpoint was written with (collective: every
         rank reads the same checkpoint)."""
-        runtime = self.runtime
-        fixed = self.options.balance is not None
-        saved = layout_to_adopt(state, runtime, fixed) if runtime is not None else None
-        if saved is None or runtime is None:
-            return
-        rank_zero_info(
-            f"pipe2bw: the checkpoint was written with balance={list(saved)}; moving blocks from "
-            f"{list(runtime.partition.balance)} to it"
-        )
-        self._move_blocks(saved, carry=False)
+        saved = checkpoint_layout(state, self.runtime, self.options.balance is not None)
+        if saved is not None:
+            self._move_blocks(saved, carry=False)
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -798,10 +697,7 @@ class Pipe2BWStrategy(ParallelStrategy):
 
     @override
     def on_train_end(self) -> None:
-        if self.plan_check is not None:
-            line = self.plan_check.finish()
-            if line is not None and self.global_rank == 0:
-                rank_zero_info(line)
+        finish_plan_check(self.plan_check, self.global_rank)
         self._requeue.answer()  # a requeue warning delivered in the fit's last steps
         self.flush()
         if self.runtime is not None:
@@ -950,11 +846,3 @@ class Pipe2BWStrategy(ParallelStrategy):
             )
         for name, description, init in entries:
             strategy_registry.register(name, cls, description=description, override=True, **init)
-
-
-def _package_version() -> str:
-    try:
-        return importlib.metadata.version("lightning-pipe2bw")
-    except importlib.metadata.PackageNotFoundError:  # run from a checkout without installing
-        return "unknown"
-

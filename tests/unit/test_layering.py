@@ -37,6 +37,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "lightning_pipe2bw.failures",
             "lightning_pipe2bw.checkpointing",
             "lightning_pipe2bw.steps",
+            "lightning_pipe2bw.repartitioning",
+            "lightning_pipe2bw.planning",
             "lightning_pipe2bw.hooklogs",
             "lightning_pipe2bw.loaders",
             "lightning_pipe2bw.averaging",
