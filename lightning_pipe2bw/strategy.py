@@ -4,9 +4,13 @@ This module is wiring. What it delegates to knows nothing of Lightning (``docs/d
 the options and their checks (``pipeline.options``, ``pipeline.checks``), the process mesh
 (``pipeline.topology``, ``pipeline.groups``), the stage's runtime (``pipeline.assembly``: body,
 engine, driver, stash, BPipe link), the checkpoint format (``pipeline.checkpoint``), block
-migration (``pipeline.migrate``) and the rest of ``runtime/``, ``schedule/`` and ``partition/``;
-a step's values reach every rank's logs and return value through ``delivery``. Lightning's
-private API is reached through ``compat`` only.
+migration (``pipeline.migrate``) and the rest of ``runtime/``, ``schedule/`` and ``partition/``.
+The seam's own ideas live in modules of their own: a Trainer call's steps (``steps``), a step's
+values on every rank (``delivery``), the default process group (``process_group``), a lost rank
+named and workers stopped (``failures``), the checkpoint hooks' barrier, write and load
+(``checkpointing``), ``balance="auto"`` (``planning``), blocks moved under Lightning
+(``repartitioning``), what the stages agree on (``agreement``). Lightning's private API is
+reached through ``compat`` only.
 """
 
 from __future__ import annotations
