@@ -1,17 +1,29 @@
-"""Decisions every stage must take alike: the gradient norm to clip by, and skipping a step."""
+"""Decisions every stage must take alike: the gradient norm to clip by, and skipping a step; and
+the set-up every rank checks it shares with the others."""
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections.abc import Callable
 
+import lightning
 import torch
 import torch.distributed as dist
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch import Trainer
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch.optim import Optimizer
 
 from lightning_pipe2bw.compat import found_inf_state, override_clipping
+from lightning_pipe2bw.pipeline.options import PipeOptions
+from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
 
-__all__ = ["agree_on_inf_checks", "check_same_setup", "make_clipping_global"]
+__all__ = [
+    "agree_across_stages",
+    "agree_on_inf_checks",
+    "check_same_setup",
+    "make_clipping_global",
+    "setup_settings",
+]
 
 
 def _grads(optimizer: Optimizer) -> list[torch.Tensor]:
@@ -111,3 +123,40 @@ def check_same_setup(settings: dict[str, object]) -> None:
             + "; ".join(problems)
             + ". Every rank must run the same script with the same options and package versions"
         )
+
+
+def agree_across_stages(plugin: Precision, runtime: StageRuntime, device: torch.device) -> None:
+    """Make ``plugin``'s clipping and (mixed precision) inf checks span ``runtime``'s pipeline,
+    counting each of its tied parameters once."""
+    group = runtime.groups.pipeline  # clipping and inf checks span one pipeline
+    num_stages = runtime.topology.num_stages
+
+    def counted(param: torch.Tensor) -> bool:  # the current runtime's ties (moves rebuild them)
+        return runtime.tied is None or runtime.tied.counted(param)
+
+    make_clipping_global(plugin, device, group, num_stages, counted)
+    scaler = plugin.scaler if isinstance(plugin, MixedPrecision) else None
+    if scaler is not None:
+        agree_on_inf_checks(scaler, device, group, num_stages)
+
+
+def setup_settings(
+    options: PipeOptions, num_microbatches: int, trainer: Trainer
+) -> dict[str, object]:
+    """What every rank of the pipeline must agree on (see :func:`check_same_setup`)."""
+    return {
+        **options.settings(num_microbatches),
+        "precision": trainer.precision,
+        "gradient_clip_val": trainer.gradient_clip_val,
+        "gradient_clip_algorithm": trainer.gradient_clip_algorithm,
+        "lightning_pipe2bw": _package_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+    }
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("lightning-pipe2bw")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout without installing
+        return "unknown"

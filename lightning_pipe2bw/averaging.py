@@ -29,8 +29,17 @@ from torch import Tensor, nn
 
 from lightning_pipe2bw import compat
 from lightning_pipe2bw.pipeline.checkpoint_io import gather_named
+from lightning_pipe2bw.pipeline.options import PipeOptions
+from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
 
-__all__ = ["StageAverage", "average_stages", "averaging_callbacks", "whole_averages"]
+__all__ = [
+    "StageAverage",
+    "average_stage",
+    "average_stages",
+    "averaging_callbacks",
+    "check_averaging",
+    "whole_averages",
+]
 
 
 class StageAverage(nn.Module):
@@ -102,6 +111,30 @@ def average_stages(
     for callback in averaging_callbacks(trainer):
         compat.set_averaged_model(callback, StageAverage(params, names, buffers))
         callback.pl_module_contains_batch_norm = contains_batch_norm  # type: ignore[method-assign]
+
+
+def check_averaging(trainer: Trainer, options: PipeOptions) -> bool:
+    """Whether ``trainer`` averages weights (a ``StochasticWeightAveraging`` callback); an
+    error if blocks may move between stages."""
+    averaging = bool(averaging_callbacks(trainer))
+    if averaging and options.repartition_every is not None:
+        raise ValueError(
+            "StochasticWeightAveraging keeps an average of each stage's parameters, which "
+            "cannot follow blocks that move between stages: use repartition_every=None with it"
+        )
+    return averaging
+
+
+def average_stage(
+    trainer: Trainer, module: LightningModule, runtime: StageRuntime, has_batch_norm: bool
+) -> None:
+    """:func:`average_stages` over ``runtime``'s stage of ``module`` (set-up, once the stage is
+    built): its parameters and the buffers of its state."""
+    params = list(module.parameters())
+    names = runtime.parameter_names(params)
+    state = runtime.stage_state_dict()
+    buffers = {k: v for k, v in state.items() if k not in set(names)}
+    average_stages(trainer, params, names, buffers, has_batch_norm)
 
 
 def whole_averages(

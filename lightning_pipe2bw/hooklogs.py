@@ -37,9 +37,18 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_pipe2bw import compat
+from lightning_pipe2bw.pipeline.groups import gather_stages
+from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
 from lightning_pipe2bw.steplog import log_arguments
 
-__all__ = ["GRADIENT_HOOKS", "LogCall", "StageLogs", "logs_in_gradient_hooks", "merge_stage_logs"]
+__all__ = [
+    "GRADIENT_HOOKS",
+    "LogCall",
+    "StageLogs",
+    "logs_in_gradient_hooks",
+    "merge_stage_logs",
+    "stage_logs",
+]
 
 GRADIENT_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step")
 
@@ -206,3 +215,21 @@ def _same(a: float | Tensor, b: float | Tensor) -> bool:
     if isinstance(a, Tensor) or isinstance(b, Tensor):
         return torch.equal(torch.as_tensor(a), torch.as_tensor(b))
     return a == b
+
+
+def stage_logs(
+    trainer: Trainer, module: LightningModule, runtime: StageRuntime, device: torch.device
+) -> StageLogs | None:
+    """What merges the values the gradient hooks log over the stages of ``runtime``'s pipeline,
+    or None where there is one stage or nothing logs there."""
+    topology, groups = runtime.topology, runtime.groups
+    if topology.num_stages == 1 or not logs_in_gradient_hooks(trainer, module):
+        return None
+    tied: dict[str, str] = {}
+    if runtime.tied:
+        body, path = runtime.body, runtime.body_path
+        for param, (block, name) in runtime.tied.copies_elsewhere():
+            tied[runtime.parameter_names([param])[0]] = f"{path}.{body.key_of(block, name)}"
+    return StageLogs(
+        module, topology.stage, tied, lambda calls: gather_stages(calls, topology, groups), device
+    )

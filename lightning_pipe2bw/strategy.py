@@ -4,80 +4,60 @@ This module is wiring. What it delegates to knows nothing of Lightning (``docs/d
 the options and their checks (``pipeline.options``, ``pipeline.checks``), the process mesh
 (``pipeline.topology``, ``pipeline.groups``), the stage's runtime (``pipeline.assembly``: body,
 engine, driver, stash, BPipe link), the checkpoint format (``pipeline.checkpoint``), block
-migration (``pipeline.migrate``) and the rest of ``runtime/``, ``schedule/`` and ``partition/``;
-a step's values reach every rank's logs and return value through ``delivery``. Lightning's
-private API is reached through ``compat`` only.
+migration (``pipeline.migrate``) and the rest of ``runtime/``, ``schedule/`` and ``partition/``.
+The seam's own ideas live in modules of their own: a Trainer call's steps (``steps``), a step's
+values on every rank (``delivery``), the default process group (``process_group``), a lost rank
+named and workers stopped (``failures``), the checkpoint hooks' barrier, write and load
+(``checkpointing``), ``balance="auto"`` (``planning``), blocks moved under Lightning
+(``repartitioning``), what the stages agree on (``agreement``). Lightning's private API is
+reached through ``compat`` only.
 """
 
 from __future__ import annotations
 
-import atexit
 import functools
-import importlib.metadata
-import logging
 import os
-import pickle
-import signal
 from collections.abc import Callable, Generator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, Literal
 
-import lightning
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import StochasticWeightAveraging
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
-from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 from torch.optim import Optimizer
 from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_pipe2bw import compat
-from lightning_pipe2bw.agreement import agree_on_inf_checks, check_same_setup, make_clipping_global
-from lightning_pipe2bw.averaging import average_stages, averaging_callbacks, whole_averages
+from lightning_pipe2bw.agreement import agree_across_stages, check_same_setup, setup_settings
+from lightning_pipe2bw.averaging import average_stage, check_averaging, whole_averages
 from lightning_pipe2bw.callbacks.summary import use_pipeline_summary
 from lightning_pipe2bw.callbacks.view import PipelineView
+from lightning_pipe2bw.checkpointing import checkpoint_barrier, load_trusting, write_replacing
 from lightning_pipe2bw.delivery import StepDelivery
-from lightning_pipe2bw.hooklogs import StageLogs, logs_in_gradient_hooks
-from lightning_pipe2bw.launcher import (
-    PipePopenLauncher,
-    PipeSpawnLauncher,
-    kill_workers,
-    signal_workers,
-    stop_workers,
-)
-from lightning_pipe2bw.loaders import (
-    batch_fingerprint,
-    last_batch_problem,
-    seed_sampler,
-)
-from lightning_pipe2bw.partition import BodyRef, Partition, find_body
+from lightning_pipe2bw.failures import lost_rank, names_lost_ranks, stop_workers_after
+from lightning_pipe2bw.hooklogs import stage_logs
+from lightning_pipe2bw.launcher import PipePopenLauncher, PipeSpawnLauncher, kill_workers
+from lightning_pipe2bw.loaders import batch_fingerprint, last_batch_problem, seed_sampler
+from lightning_pipe2bw.partition import Partition, find_body
 from lightning_pipe2bw.partition.plans import PlanResult
 from lightning_pipe2bw.pipeline.assembly import build_runtime, place_stage, resolve_balance
-from lightning_pipe2bw.pipeline.autoplan import (
-    TRUST_NOTE,
-    AutoPlanInputs,
-    PlanCheck,
-    plan_from_loader,
-)
-from lightning_pipe2bw.pipeline.checkpoint import CheckpointFormat, layout_to_adopt
+from lightning_pipe2bw.pipeline.autoplan import PlanCheck
+from lightning_pipe2bw.pipeline.checkpoint import CheckpointFormat
 from lightning_pipe2bw.pipeline.checkpoint_io import gather_state_dict, is_sharded_checkpoint
 from lightning_pipe2bw.pipeline.checks import run_problems
-from lightning_pipe2bw.pipeline.groups import ProcessGroups, choose_backend, gather_stages
-from lightning_pipe2bw.pipeline.intake import (
-    check_every_parameter_used,
-    step_call,
-)
-from lightning_pipe2bw.pipeline.migrate import hand_back, relayout
+from lightning_pipe2bw.pipeline.groups import ProcessGroups, choose_backend
+from lightning_pipe2bw.pipeline.intake import step_call
+from lightning_pipe2bw.pipeline.migrate import hand_back
 from lightning_pipe2bw.pipeline.options import (
     DEFAULT_TIMEOUT,
     OPTION_NAMES,
@@ -91,53 +71,25 @@ from lightning_pipe2bw.pipeline.repartition import Repartition, Repartitioner
 from lightning_pipe2bw.pipeline.signals import SignalGuard
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
 from lightning_pipe2bw.pipeline.topology import Topology
+from lightning_pipe2bw.planning import check_plan, finish_plan_check, plan_auto
+from lightning_pipe2bw.process_group import (
+    broadcast_object,
+    connect,
+    control_group,
+    is_initialized,
+    rank_zero_decision,
+)
+from lightning_pipe2bw.repartitioning import checkpoint_layout, move_blocks, repartition_at
 from lightning_pipe2bw.requeue import RequeueRelay
 from lightning_pipe2bw.runtime import PipelineEngine, StageBody
-from lightning_pipe2bw.runtime.driver import Driver, DueGradient
-from lightning_pipe2bw.runtime.failure import SignalStop, StageFailure
-from lightning_pipe2bw.runtime.microbatch import batch_size_of
+from lightning_pipe2bw.runtime.driver import Driver
+from lightning_pipe2bw.runtime.failure import StageFailure
 from lightning_pipe2bw.schedule import SCHEDULES, ActivationBudget
-from lightning_pipe2bw.steplog import (
-    StepRecording,
-    quiet_epoch_sync_advice,
-    share_metrics,
-)
+from lightning_pipe2bw.steplog import quiet_epoch_sync_advice, share_metrics
+from lightning_pipe2bw.steps import PipelinedSteps, scaler_of
 
 __all__ = ["Pipe2BWStrategy"]
 
-log = logging.getLogger(__name__)
-
-
-def _same(loss: Tensor) -> Tensor:
-    return loss
-
-
-# how long trainer.save_checkpoint waits for every rank to reach it (or the process-group
-# timeout, if shorter)
-SAVE_WAIT = timedelta(seconds=60)
-
-_Method = TypeVar("_Method", bound=Callable[..., Any])
-
-
-def _names_lost_ranks(where: str) -> Callable[[_Method], _Method]:
-    """A strategy method whose collectives, when a rank's process is gone, raise an error that
-    names that rank, its stage and how it died (``pipeline.peers``), not the process group's
-    ``Connection reset by peer``."""
-
-    def wrap(method: _Method) -> _Method:
-        @functools.wraps(method)
-        def named(self: Pipe2BWStrategy, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return method(self, *args, **kwargs)
-            except Exception as err:
-                failure = self._lost_rank(err, where)
-                if failure is None:
-                    raise
-                raise failure from err
-
-        return cast(_Method, named)
-
-    return wrap
 
 
 class Pipe2BWStrategy(ParallelStrategy):
@@ -260,15 +212,10 @@ class Pipe2BWStrategy(ParallelStrategy):
         # the plan's predicted throughput against the run's (``plan_check.result`` once measured)
         self.plan_check: PlanCheck | None = None
         self._repartitioner = Repartitioner(repartition_every, self.options.repartition_threshold)
-        self._due = DueGradient()  # the gradient Lightning's coming optimizer step applies
         self._failed = False  # this Trainer call raised: no collective at teardown
-        self._use_check = False  # check_split: the first update's check is still to come
         self._peers: PeerDirectory | None = None  # every rank's host and process (set-up)
         self._control: Any = None  # a gloo group of every rank when the default one is not
-        # the training step running now ends its epoch: 2BW drains after its update
-        self._ends_epoch = False
-        # values logged in the gradient hooks, merged over the stages (None: nothing logs there)
-        self._hook_logs: StageLogs | None = None
+        self._steps: PipelinedSteps | None = None  # this Trainer call's steps (set-up)
         # a step's values, from the last stage to what every rank logs and returns
         self._delivery = StepDelivery()
         # SIGTERM / SIGINT end every rank within seconds (see pipeline.signals)
@@ -470,16 +417,10 @@ class Pipe2BWStrategy(ParallelStrategy):
         topology = Topology.create(self.world_size, self.data_parallel, self.global_rank)
         topology = replace(topology, placement=self.topology.placement)
         raise_problems(topology.option_problems(self.options))
-        backend = self._resolve_backend()
-        created = not _initialized()
-        compat.init_dist_connection(
-            env, backend, timeout=self.options.timeout, **_elastic_store(self.options.timeout)
-        )
-        if created:
-            atexit.register(_destroy_process_group)
+        connect(env, self._resolve_backend(), self.options.timeout)
         self.groups = ProcessGroups.create(topology)
         # a gloo group of every rank, for the checkpoint's monitored barrier (collective)
-        self._control = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self._control = control_group()
 
     # ------------------------------------------------------------------ model set-up
     @contextmanager
@@ -497,7 +438,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
-        self.runtime, self._failed = None, False
+        self.runtime, self._steps, self._failed = None, None, False
         compat.skip_sigterm_broadcast(trainer)  # the signal guard stops every rank instead
         use_pipeline_summary(trainer)  # the whole model, labelled by stage
         raise_problems(
@@ -510,23 +451,21 @@ class Pipe2BWStrategy(ParallelStrategy):
                 accumulate_grad_batches=trainer.accumulate_grad_batches,
             )
         )
-        check_same_setup(self._settings(trainer))
+        check_same_setup(setup_settings(self.options, self.num_microbatches, trainer))
         if self._peers is None and self.world_size > 1:
             topology = self.topology
             self._peers = PeerDirectory.gather(lambda r: replace(topology, rank=r).stage)
         ref = find_body(
             module, self.options.body, self._step_call(trainer), check=self.options.check_split
         )
-        averaging = fitting and bool(averaging_callbacks(trainer))
-        if averaging and self.options.repartition_every is not None:
-            raise ValueError(
-                "StochasticWeightAveraging keeps an average of each stage's parameters, which "
-                "cannot follow blocks that move between stages: use repartition_every=None with it"
-            )
+        averaging = fitting and check_averaging(trainer, self.options)
         # the whole model's, before it is partitioned (StochasticWeightAveraging's own test)
         has_batch_norm = StochasticWeightAveraging.pl_module_contains_batch_norm(module)
         if fitting and self.options.balance_mode == "auto" and not isinstance(ref.module, StageBody):
-            self._plan_auto(ref)
+            self.plan, self.plan_check = plan_auto(
+                module, ref, self.options, self.root_device, self.world_size,
+                self.num_processes, self.global_rank,
+            )  # fmt: skip
         balance = resolve_balance(self.options, ref, self.topology.num_virtual, self.plan)
         recompute = self.plan.best.recompute if self.plan is not None else self.options.recompute
         body, partition = place_stage(
@@ -545,26 +484,25 @@ class Pipe2BWStrategy(ParallelStrategy):
             topology=self.topology, groups=self.groups, device=self.root_device,
             num_microbatches=self.num_microbatches, training=fitting,
             optimizers=self.optimizers if fitting else [],
-            clips_gradients=bool(trainer.gradient_clip_val), scales_loss=self._scaler() is not None,
+            clips_gradients=bool(trainer.gradient_clip_val),
+            scales_loss=scaler_of(self.precision_plugin) is not None,
             version_log=self.version_log,
         )  # fmt: skip
         if fitting:
             self.optimizers = self.runtime.optimizers
             if self.options.repartition_every is not None:
                 self.runtime.start_block_timing()
-        self._agree_across_stages()
-        # the guard's second half: every parameter gets a gradient at the first update
-        self._use_check = fitting and self.options.check_split
+        agree_across_stages(self.precision_plugin, self.runtime, self.root_device)
         self._delivery.restart()
-        self._hook_logs = None
-        if fitting and self.num_stages > 1 and logs_in_gradient_hooks(trainer, module):
-            self._hook_logs = self._stage_logs(module)
+        self._steps = PipelinedSteps(
+            module, self.runtime, self.precision_plugin, self.root_device, self._delivery,
+            self._requeue,
+            hook_logs=stage_logs(trainer, module, self.runtime, self.root_device) if fitting else None,
+            # the guard's second half: every parameter gets a gradient at the first update
+            check_use=fitting and self.options.check_split,
+        )  # fmt: skip
         if averaging:
-            params = list(module.parameters())
-            names = self.runtime.parameter_names(params)
-            state = self.runtime.stage_state_dict()
-            buffers = {k: v for k, v in state.items() if k not in set(names)}
-            average_stages(trainer, params, names, buffers, has_batch_norm)
+            average_stage(trainer, module, self.runtime, has_batch_norm)
         if any(isinstance(m, Metric) for m in module.modules()):  # the same on every rank
             group = self.groups.metrics() if self.data_parallel > 1 else None
             share_metrics(module, self.topology.is_last, group)
@@ -583,145 +521,19 @@ class Pipe2BWStrategy(ParallelStrategy):
     def _lost_rank(self, error: BaseException, where: str) -> StageFailure | None:
         """The error naming a rank found gone, for ``error`` raised in ``where``; None when the
         error does not say a peer is gone, or no rank is found gone."""
-        if self._peers is None:
-            return None
-        launcher = self._launcher
-
-        def exit_codes() -> dict[int, int | None]:  # of the workers this process started
-            if not isinstance(launcher, PipePopenLauncher):
-                return {}
-            return {p.pid: p.poll() for p in compat.launched_processes(launcher)}
-
-        return self._peers.lost(error, where, exit_codes)
-
-    def _check_use(self, due: DueGradient) -> None:
-        """At the first update that applies a gradient: every trainable parameter of this stage
-        got one (``pipeline.intake``); copies of a weight tied to another stage are left out (the
-        copy in use may be the other's)."""
-        if not self._use_check or not due.pairs:
-            return
-        self._use_check = False
-        runtime = self._runtime
-        shared = {id(c.param) for c in runtime.tied.copies} if runtime.tied else set()
-        unused = [
-            p
-            for p, grad in due.pairs
-            if p.requires_grad and grad is None and id(p) not in shared
-        ]
-        check_every_parameter_used(runtime.parameter_names(unused), self.stage)
-
-    def _stage_logs(self, module: LightningModule) -> StageLogs:
-        """What merges the values the gradient hooks log over the stages (``hooklogs``)."""
-        runtime, groups = self._runtime, self.groups
-        assert groups is not None
-        tied: dict[str, str] = {}
-        if runtime.tied:
-            body, path = runtime.body, runtime.body_path
-            for param, (block, name) in runtime.tied.copies_elsewhere():
-                tied[runtime.parameter_names([param])[0]] = f"{path}.{body.key_of(block, name)}"
-        topology = self.topology
-        return StageLogs(
-            module, self.stage, tied, lambda calls: gather_stages(calls, topology, groups),
-            self.root_device,
-        )  # fmt: skip
-
-    def _settings(self, trainer: Trainer) -> dict[str, object]:
-        """What every rank of the pipeline must agree on (see ``check_same_setup``)."""
-        return {
-            **self.options.settings(self.num_microbatches),
-            "precision": trainer.precision,
-            "gradient_clip_val": trainer.gradient_clip_val,
-            "gradient_clip_algorithm": trainer.gradient_clip_algorithm,
-            "lightning_pipe2bw": _package_version(),
-            "torch": torch.__version__,
-            "lightning": lightning.__version__,
-        }
-
-    def _plan_auto(self, ref: BodyRef) -> None:
-        """``balance="auto"``: profile, plan and keep the plan (partition, micro-batches and
-        recomputation unless given). Every rank gets rank 0's profile, so every rank applies the
-        same plan; it is logged on rank 0 and saved in checkpoints (``strategy.plan``)."""
-        module, o = self.lightning_module, self.options
-        assert module is not None
-        inputs = AutoPlanInputs(
-            o.schedule, o.data_parallel, o.microbatches, o.recompute, self.root_device,
-            self.world_size, self.num_processes,
-        )  # fmt: skip
-        loader = compat.training_dataloader(module.trainer)
-        self.plan = plan_from_loader(module, ref, loader, inputs, compat.optimizer_factory(module))
-        self.plan_check = PlanCheck(self.plan.best.throughput)
-        if self.global_rank == 0:
-            log.info("pipe2bw: balance='auto' planned\n%s", self.plan.explain())
-            rank_zero_info(
-                f"pipe2bw: balance='auto' chose {self.plan.best.summary()} ({TRUST_NOTE})"
-            )
-
-    def _scaler(self) -> Any:
-        plugin = self.precision_plugin
-        return plugin.scaler if isinstance(plugin, MixedPrecision) else None
-
-    def _agree_across_stages(self) -> None:
-        assert self.groups is not None
-        group = self.groups.pipeline  # clipping and inf checks span one pipeline
-        runtime = self._runtime
-
-        def counted(param: Tensor) -> bool:  # the current runtime's ties (moves rebuild them)
-            return runtime.tied is None or runtime.tied.counted(param)
-
-        make_clipping_global(
-            self.precision_plugin, self.root_device, group, self.num_stages, counted
-        )
-        scaler = self._scaler()
-        if scaler is not None:
-            agree_on_inf_checks(scaler, self.root_device, group, self.num_stages)
+        return lost_rank(self._peers, self._launcher, error, where)
 
     # ------------------------------------------------------------------ steps
-    @_names_lost_ranks("a step (delivering its values)")
+    @names_lost_ranks("a step (delivering its values)")
     def _run_pipelined(
         self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], train: bool
     ) -> Any:
-        module, runtime = self.lightning_module, self._runtime
-        assert module is not None
-        with StepRecording(module, hook, args, kwargs, runtime.is_last) as recording:
-            values = runtime.run_batch(
-                args[0], recording.step, self._backward_microbatch, train=train,
-                loss_root=self._loss_root(module),
-            )  # fmt: skip
-        recording.fill(values)
-        settle = train and compat.ends_epoch(module.trainer)
-        self._ends_epoch = train and compat.last_batch_of_epoch(module.trainer)
-        return self._delivery.deliver(
-            runtime, recording, values, hook=hook, train=train, settle=settle,
-            device=self.root_device, requeue=self._requeue,
-            request=self._requeue_request if train and self._requeue.active else None,
-        )  # fmt: skip
+        return self._steps_now.run(hook, args, kwargs, train)
 
-    def _requeue_request(self, lag: int) -> int | None:
-        """On the last stage: the batch at whose start every rank answers SLURM's requeue
-        warning, or None (``RequeueRelay.decide``; ``lag``: the driver's ``values_lag``)."""
-        assert self.groups is not None
-        return self._requeue.decide(self.groups.stage, self.data_parallel, self.root_device, lag)
-
-    def _loss_root(self, module: LightningModule) -> Callable[[Tensor], Tensor] | None:
-        """What :meth:`_backward_microbatch` differentiates, as a function of the weighted loss
-        (the loss scaled for mixed precision), or None where the module's or the precision
-        plugin's own ``backward`` decides (then the last stage always runs the whole backward
-        at once)."""
-        if (
-            type(module).backward is not LightningModule.backward
-            or type(self.precision_plugin).backward is not Precision.backward
-        ):
-            return None
-        scaler = self._scaler()
-        return scaler.scale if scaler is not None else _same
-
-    def _backward_microbatch(self, loss: Tensor) -> None:
-        scaler = self._scaler()
-        if scaler is not None:
-            loss = scaler.scale(loss)
-        module = self.lightning_module
-        assert module is not None
-        self.precision_plugin.backward(loss, module, None)
+    @property
+    def _steps_now(self) -> PipelinedSteps:
+        assert self._steps is not None, "the pipeline stage is built at set-up"
+        return self._steps
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -734,7 +546,7 @@ class Pipe2BWStrategy(ParallelStrategy):
             return self._forward_only(args, kwargs)
         with self.precision_plugin.train_step_context():
             loss = self._run_pipelined("training_step", args, kwargs, train=True)
-        self._due = self._runtime.driver.take_due()
+        self._steps_now.take_due()
         return loss  # type: ignore[no-any-return]
 
     def _forward_only(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> STEP_OUTPUT:
@@ -760,23 +572,16 @@ class Pipe2BWStrategy(ParallelStrategy):
             return self._run_pipelined("predict_step", args, kwargs, train=False)
 
     @override
-    @_names_lost_ranks("the optimizer step's gradient exchange")
+    @names_lost_ranks("the optimizer step's gradient exchange")
     def backward(
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> Tensor:
         """The engine already ran every micro-batch's backward; only the hooks are left to call."""
-        module = self.lightning_module
-        assert module is not None
-        due, self._due = self._due, DueGradient()
-        self._check_use(due)
-        self._runtime.average_gradients(due.install())
-        if self._hook_logs is not None:
-            self._hook_logs.start()  # what the gradient hooks log, merged over the stages
-        compat.call_backward_hooks(module.trainer, closure_loss)
+        self._steps_now.backward(closure_loss)
         return closure_loss
 
     @override
-    @_names_lost_ranks("the optimizer step")
+    @names_lost_ranks("the optimizer step")
     def optimizer_step(
         self,
         optimizer: Optimizer,
@@ -784,61 +589,18 @@ class Pipe2BWStrategy(ParallelStrategy):
         model: LightningModule | nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        logs = self._hook_logs
-        if logs is None:
-            output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        else:
-            with logs.window():
-                output = super().optimizer_step(
-                    optimizer, self._logging_after(closure, logs), model, **kwargs
-                )
-        driver = self._runtime.driver
-        driver.finish_update()
-        # 2BW drains at the end of every epoch: the epoch's hooks (weight averaging, epoch-level
-        # schedulers, checkpoints) see the weights after every update of the epoch
-        if driver.flush_due() or self._ends_epoch:
+        steps, step = self._steps_now, super().optimizer_step
+        output = steps.optimizer_step(lambda run: step(optimizer, run, model, **kwargs), closure)
+        if steps.finish_update():  # 2BW: a flush is due, or the epoch ends
             self.flush()
         return output
 
-    @staticmethod
-    def _logging_after(closure: Callable[[], Any], logs: StageLogs) -> Callable[[], Any]:
-        """``closure`` (the step and backward), after which ``logs`` records what the gradient
-        hooks log (they run next, inside the optimizer's step)."""
-
-        def run() -> Any:
-            out = closure()
-            logs.start()
-            return out
-
-        return run
-
-    @_names_lost_ranks("a flush of the pipeline")
+    @names_lost_ranks("a flush of the pipeline")
     def flush(self) -> None:
         """Drain a 2BW pipeline and apply the last batch's update (collective: every rank calls it
         at the same point of Lightning's loop). A no-op for flush schedules or an empty pipeline."""
-        runtime = self.runtime
-        if runtime is None:
-            return
-        due = runtime.flush(self._backward_microbatch)
-        if due is None:
-            return
-        self._check_use(due)
-        runtime.average_gradients(due.install())
-        # Lightning's own step path: loss-scaler unscale and (agreed) inf check, the
-        # on_before_optimizer_step hooks, clipping over all stages, then the update
-        done = torch.zeros((), device=self.root_device)
-        module = self.lightning_module
-        assert module is not None
-        logs = self._hook_logs
-        with logs.window() if logs is not None else nullcontext():
-            if logs is not None:
-                logs.start()
-            self.precision_plugin.optimizer_step(
-                runtime.optimizers[0], model=module, closure=lambda: done
-            )
-        runtime.driver.finish_update()
-        due.clear()
-        log.debug("pipe2bw: flushed the pipeline")
+        if self.runtime is not None and self._steps is not None:
+            self._steps.flush()
 
     # ------------------------------------------------------------------ live repartitioning
     @override
@@ -849,18 +611,10 @@ class Pipe2BWStrategy(ParallelStrategy):
             return
         self._requeue.start_batch()  # SLURM's requeue warning, once every rank knows of it
         step = module.trainer.global_step
-        if self.plan_check is not None and self.plan_check.result is None:
-            line = self.plan_check.step(step, batch_size_of(batch) * self.data_parallel)
-            if line is not None and self.global_rank == 0:
-                rank_zero_info(line)
-        decision = self._repartitioner.poll(step, runtime.engine, runtime.partition.balance)
-        if decision is None:
-            return
-        self.flush()  # 2BW: drain first (a no-op after a flush, and for flush schedules)
-        if self.global_rank == 0:
-            rank_zero_info(f"pipe2bw: repartition at step {step}: {decision.describe()}")
-        self._move_blocks(decision.best)
-        self._repartitioner.history.append(decision)
+        check_plan(self.plan_check, step, batch, self.data_parallel, self.global_rank)
+        repartition_at(
+            step, self._repartitioner, runtime, self.flush, self._move_blocks, self.global_rank
+        )
 
     def _move_blocks(self, balance: Sequence[int], carry: bool = True) -> None:
         """Make the pipeline run ``balance`` (collective; at a flush point), carrying the
@@ -876,11 +630,11 @@ class Pipe2BWStrategy(ParallelStrategy):
             return self.optimizers, [c.scheduler for c in self.lr_scheduler_configs]
 
         fitting = trainer.state.fn == TrainerFn.FITTING and bool(self.optimizers)
-        stepped = relayout(
+        stepped = move_blocks(
             self._runtime,
             balance,
-            [compat.torch_optimizer(o) for o in self.optimizers] if carry else [],
-            [c.scheduler for c in self.lr_scheduler_configs] if carry else [],
+            self.optimizers if carry else [],
+            self.lr_scheduler_configs if carry else [],
             rebuild if fitting else None,
         )
         if stepped is not None:
@@ -889,16 +643,9 @@ class Pipe2BWStrategy(ParallelStrategy):
     def _adopt_layout(self, state: Mapping[str, Any] | None) -> None:
         """Run the blocks-per-stage layout a checkpoint was written with (collective: every
         rank reads the same checkpoint)."""
-        runtime = self.runtime
-        fixed = self.options.balance is not None
-        saved = layout_to_adopt(state, runtime, fixed) if runtime is not None else None
-        if saved is None or runtime is None:
-            return
-        rank_zero_info(
-            f"pipe2bw: the checkpoint was written with balance={list(saved)}; moving blocks from "
-            f"{list(runtime.partition.balance)} to it"
-        )
-        self._move_blocks(saved, carry=False)
+        saved = checkpoint_layout(state, self.runtime, self.options.balance is not None)
+        if saved is not None:
+            self._move_blocks(saved, carry=False)
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -935,7 +682,7 @@ class Pipe2BWStrategy(ParallelStrategy):
                 self._hand_back(runtime)
         super().teardown()
 
-    @_names_lost_ranks("the hand-back of the trained model after the Trainer call")
+    @names_lost_ranks("the hand-back of the trained model after the Trainer call")
     def _hand_back(self, runtime: StageRuntime) -> None:
         """The whole trained body back in the user's module, on every rank (collective)."""
         reason = hand_back(runtime)
@@ -954,10 +701,7 @@ class Pipe2BWStrategy(ParallelStrategy):
 
     @override
     def on_train_end(self) -> None:
-        if self.plan_check is not None:
-            line = self.plan_check.finish()
-            if line is not None and self.global_rank == 0:
-                rank_zero_info(line)
+        finish_plan_check(self.plan_check, self.global_rank)
         self._requeue.answer()  # a requeue warning delivered in the fit's last steps
         self.flush()
         if self.runtime is not None:
@@ -971,16 +715,11 @@ class Pipe2BWStrategy(ParallelStrategy):
         self._failed = True
         if self.runtime is not None:
             self.runtime.report_failure(exception)
-        if self.global_rank != 0:
-            return
-        if isinstance(exception, SignalStop):
-            signal_workers(self._launcher, exception.signum)
-        elif isinstance(exception, KeyboardInterrupt):
-            signal_workers(self._launcher, signal.SIGINT)
-        stop_workers(self._launcher, self.worker_grace_s)
+        if self.global_rank == 0:
+            stop_workers_after(exception, self._launcher, self.worker_grace_s)
 
     @override
-    @_names_lost_ranks("a decision shared by every rank (reduce_boolean_decision)")
+    @names_lost_ranks("a decision shared by every rank (reduce_boolean_decision)")
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Global rank 0's decision, on every rank.
 
@@ -989,16 +728,12 @@ class Pipe2BWStrategy(ParallelStrategy):
         single-device run logs them; with 2BW the other ranks receive the training-step values one
         step late, so their own decisions could differ. Rank 0's decision is the single-device one.
         """
-        if not _initialized():
-            return decision
-        flag = torch.tensor(int(bool(decision)), device=self.root_device)
-        dist.broadcast(flag, src=0)
-        return bool(flag.item())
+        return rank_zero_decision(decision, self.root_device)
 
     @override
-    @_names_lost_ranks("a barrier")
+    @names_lost_ranks("a barrier")
     def barrier(self, name: str | None = None) -> None:
-        if not _initialized():
+        if not is_initialized():
             return
         if name == "Trainer.save_checkpoint" and self.world_size > 1:
             self._checkpoint_barrier()
@@ -1006,46 +741,18 @@ class Pipe2BWStrategy(ParallelStrategy):
         dist.barrier()
 
     def _checkpoint_barrier(self) -> None:
-        """The barrier ``trainer.save_checkpoint`` starts and ends with: every rank must be
-        there, since the save gathers every stage's part. A rank that does not come within
-        ``SAVE_WAIT`` (or the process-group timeout, if shorter), or whose process is gone, is
-        an error that says so (a save under ``if trainer.global_rank == 0`` is the usual
-        cause), instead of the collectives' timeout and gloo's words."""
-        if not _initialized() or self.world_size == 1:
-            return
-        timeout = min(self.options.timeout or DEFAULT_TIMEOUT, SAVE_WAIT)
-        group = self._control_group()
-        try:
-            dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
-        except RuntimeError as err:
-            lost = self._lost_rank(err, "trainer.save_checkpoint")
-            seen = f"{lost}" if lost is not None else f"{type(err).__name__}: {err}"
-            raise RuntimeError(
-                f"trainer.save_checkpoint on rank {self.global_rank} (stage {self.stage}): not "
-                f"every rank took part ({seen}; the wait is at most "
-                f"{timeout.total_seconds():.0f} s). With "
-                "pipe2bw each rank holds a part of the model, so trainer.save_checkpoint(path) "
-                "gathers every part and must be called on every rank, as Lightning documents "
-                "for distributed strategies: call it outside `if trainer.global_rank == 0:` (the "
-                "file is written once, by global rank 0)"
-            ) from err
-
-    def _control_group(self) -> Any:
-        """A gloo group of every rank (``monitored_barrier`` runs on gloo only): the default
-        group when it is gloo, else one made at set-up."""
-        return self._control
+        """Every rank reaches ``trainer.save_checkpoint`` (``checkpointing.checkpoint_barrier``)."""
+        checkpoint_barrier(
+            self._control, self.options.timeout, self.world_size, self._describe(), self._lost_rank
+        )
 
     @override
-    @_names_lost_ranks("a broadcast")
+    @names_lost_ranks("a broadcast")
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
+        return broadcast_object(obj, src)
 
     @override
-    @_names_lost_ranks("a reduction (strategy.reduce)")
+    @names_lost_ranks("a reduction (strategy.reduce)")
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         if isinstance(tensor, Tensor):
             return compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
@@ -1062,7 +769,7 @@ class Pipe2BWStrategy(ParallelStrategy):
     def restore_checkpoint_after_setup(self) -> bool:
         return True
 
-    @_names_lost_ranks("full_state_dict (gathering the weights)")
+    @names_lost_ranks("full_state_dict (gathering the weights)")
     def full_state_dict(self) -> dict[str, Any]:
         """The unpartitioned model's state dict on global rank 0 (collective; ``{}`` elsewhere)."""
         module = self.lightning_module
@@ -1078,19 +785,19 @@ class Pipe2BWStrategy(ParallelStrategy):
         return [compat.torch_optimizer(o) for o in self.optimizers]
 
     @override
-    @_names_lost_ranks("trainer.save_checkpoint (gathering the weights)")
+    @names_lost_ranks("trainer.save_checkpoint (gathering the weights)")
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._checkpoint_barrier()  # every rank is saving: the gather below needs them all
         self.flush()  # a checkpoint is a flush point: no micro-batch in flight, no update pending
         return self._format().model_state()
 
     @override
-    @_names_lost_ranks("trainer.save_checkpoint (gathering the optimizer state)")
+    @names_lost_ranks("trainer.save_checkpoint (gathering the optimizer state)")
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         return self._format().optimizer_state(compat.torch_optimizer(optimizer))
 
     @override
-    @_names_lost_ranks("trainer.save_checkpoint")
+    @names_lost_ranks("trainer.save_checkpoint")
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
@@ -1101,20 +808,11 @@ class Pipe2BWStrategy(ParallelStrategy):
         if checkpoints.sharded:
             checkpoints.save_sharded(checkpoint, filepath)
             return
-        checkpoint = checkpoints.full_checkpoint(checkpoint)
-        path = str(filepath)
-        if "://" in path:  # a remote file system: its own write semantics
-            super().save_checkpoint(checkpoint, filepath, storage_options)
-            return
-        # write to a temporary name, then rename: a crash mid-write leaves no file that looks
-        # complete under the checkpoint's name
-        tmp = f"{path}.tmp"
-        super().save_checkpoint(checkpoint, tmp, storage_options)
-        if self.is_global_zero:
-            os.replace(tmp, path)
+        write = functools.partial(super().save_checkpoint, storage_options=storage_options)
+        write_replacing(checkpoints.full_checkpoint(checkpoint), filepath, write, self.is_global_zero)
 
     @override
-    @_names_lost_ranks("loading a checkpoint")
+    @names_lost_ranks("loading a checkpoint")
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
         """Lightning's loader, with ``weights_only=True`` unless the caller chose: a pipe2bw
         checkpoint holds tensors and plain containers only. A checkpoint that needs arbitrary
@@ -1128,17 +826,7 @@ class Pipe2BWStrategy(ParallelStrategy):
                 checkpoint_path, weights_only is not False, self._torch_optimizers,
                 self._adopt_layout,
             )  # fmt: skip
-        if weights_only is not None:
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        try:
-            return super().load_checkpoint(checkpoint_path, weights_only=True)
-        except pickle.UnpicklingError as err:
-            rank_zero_warn(
-                f"{checkpoint_path} cannot be loaded with weights_only=True ({err}); loading it "
-                "with weights_only=False, which runs arbitrary code from the file: only do this "
-                "with files you trust"
-            )
-            return super().load_checkpoint(checkpoint_path, weights_only=False)
+        return load_trusting(checkpoint_path, weights_only, super().load_checkpoint)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -1162,39 +850,3 @@ class Pipe2BWStrategy(ParallelStrategy):
             )
         for name, description, init in entries:
             strategy_registry.register(name, cls, description=description, override=True, **init)
-
-
-def _elastic_store(timeout: timedelta | None) -> dict[str, Any]:
-    """Under torchrun's c10d rendezvous the workers of every attempt meet in the agent's one
-    store, where the keys of an attempt that ended (a process's address) are still there: a
-    restarted worker may read a dead peer's address and fail to connect. Each attempt gets
-    keys of its own (``TORCHELASTIC_RESTART_COUNT``); outside torchrun, nothing changes."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
-        return {}
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        int(os.environ["WORLD_SIZE"]),
-        is_master=False,
-        timeout=timeout or DEFAULT_TIMEOUT,
-    )
-    return {"store": PrefixStore(f"pipe2bw/attempt_{attempt}/", store)}
-
-
-def _initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _package_version() -> str:
-    try:
-        return importlib.metadata.version("lightning-pipe2bw")
-    except importlib.metadata.PackageNotFoundError:  # run from a checkout without installing
-        return "unknown"
-
-
-def _destroy_process_group() -> None:
-    """Tear down a process group this strategy created while the interpreter is still intact
-    (gloo's threads torn down during interpreter shutdown can abort the process)."""
-    if _initialized():
-        dist.destroy_process_group()
