@@ -441,6 +441,9 @@ def run_ours(
         "peak_inflight": stats.peak_inflight,
         "final_loss": timer.loss,
         "memory_peaks": monitor.peaks() if monitor and dist.get_rank() == 0 else None,
+        # balance="auto": the step time the plan predicted, and what it chose
+        "predicted_step_s": strategy.plan.best.step_time if strategy.plan else None,
+        "plan": strategy.plan.best.summary() if strategy.plan else None,
     }
 
 

@@ -1,0 +1,115 @@
+"""``balance="auto"``'s predicted step time against the measured one, on the configurations of
+``schedules.py``: both models (the residual MLP and the GPT-like model), p = 2, m = p, 2p and 4p,
+every schedule asked for (``--schedules``). The strategy profiles, plans and runs as a user's
+run does (the micro-batch count given, so that the plan is for the measured configuration);
+the prediction is the plan's ``step_time`` and the measurement rank 0's median step after the
+warm-up. Prints measured / predicted per configuration and writes
+``benchmarks/results/auto_accuracy.json``::
+
+    python benchmarks/auto_accuracy.py            # about 10 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+
+
+def _one_model(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from ranks import RankPool
+    from schedules import _env, run_ours
+
+    rows: list[dict[str, Any]] = []
+    with _env(OMP_NUM_THREADS="1"):
+        pool = RankPool(args.ranks)
+        try:
+            for factor in args.mb_factors:
+                m = factor * args.ranks
+                for schedule in args.schedules:
+                    ranks = pool.run(
+                        run_ours, schedule, m, args.batch_size, args.warmup, args.steps,
+                        timeout=900, balance="auto",
+                    )  # fmt: skip
+                    rank0 = next(r for r in ranks if r["rank"] == 0)
+                    measured = statistics.median(rank0["step_s"])
+                    predicted = rank0["predicted_step_s"]
+                    rows.append(
+                        {
+                            "model": os.environ["PIPE2BW_BENCH_MODEL"],
+                            "schedule": schedule,
+                            "p": args.ranks,
+                            "m": m,
+                            "plan": rank0["plan"],
+                            "predicted_step_s": predicted,
+                            "measured_step_s": measured,
+                            "measured_over_predicted": measured / predicted,
+                        }
+                    )
+                    print(
+                        f"{rows[-1]['model']:>4} {schedule:>16} p={args.ranks} m={m:<3} predicted "
+                        f"{predicted * 1e3:8.2f} ms  measured {measured * 1e3:8.2f} ms  "
+                        f"measured/predicted {measured / predicted:5.2f}",
+                        flush=True,
+                    )
+        finally:
+            pool.close()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="mlp,gpt")
+    parser.add_argument("--schedules", default="1f1b,2bw,zb-h1,interleaved-1f1b,zb-v,2bw-v")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--mb-factors", default="1,2,4")
+    parser.add_argument("--batch-size", type=int, default=0, help="0: 128 (mlp), 32 (gpt)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=str(RESULTS / "auto_accuracy.json"))
+    args = parser.parse_args(argv)
+    args.schedules = args.schedules.split(",")
+    args.mb_factors = [int(f) for f in str(args.mb_factors).split(",")]
+    if args.child:  # one model per process: schedules.py reads the model at import
+        rows = _one_model(args)
+        sys.stdout.write("ROWS " + json.dumps(rows) + "\n")
+        return
+    rows: list[dict[str, Any]] = []
+    for model in args.models.split(","):
+        batch = args.batch_size or (32 if model == "gpt" else 128)
+        command = [
+            sys.executable, __file__, "--child", "--schedules", ",".join(args.schedules),
+            "--ranks", str(args.ranks), "--mb-factors", ",".join(map(str, args.mb_factors)),
+            "--batch-size", str(batch), "--warmup", str(args.warmup), "--steps", str(args.steps),
+        ]  # fmt: skip
+        env = {**os.environ, "PIPE2BW_BENCH_MODEL": model}
+        out = subprocess.run(command, env=env, capture_output=True, text=True, cwd=HERE)
+        lines = [line for line in out.stdout.splitlines() if not line.startswith("ROWS ")]
+        print("\n".join(lines), flush=True)
+        found = [line for line in out.stdout.splitlines() if line.startswith("ROWS ")]
+        if not found:
+            print(out.stderr[-3000:])
+            raise SystemExit(f"the {model} runs failed")
+        rows.extend(json.loads(found[0][5:]))
+    ratios = [r["measured_over_predicted"] for r in rows]
+    within = sum(1 for x in ratios if abs(x - 1) <= 0.2)
+    print(
+        f"\nmeasured/predicted: median {statistics.median(ratios):.2f}, range "
+        f"{min(ratios):.2f}-{max(ratios):.2f}; {within} of {len(ratios)} within 20%"
+    )
+    RESULTS.mkdir(exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
