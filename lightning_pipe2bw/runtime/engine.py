@@ -6,27 +6,53 @@ import logging
 import os
 import sys
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.autograd.function import BackwardCFunction
-from torch.utils import _pytree as pytree
 
 from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure, mark_action
-from lightning_pipe2bw.runtime.inplace import Alias, writable
+from lightning_pipe2bw.runtime.inplace import writable
+from lightning_pipe2bw.runtime.payload import (
+    StepFn,
+    batch_signature,
+    detach_all,
+    filled,
+    global_backward_hooks,
+    grad_leaves,
+    handed_over,
+    has_custom_function,
+    loss_of,
+    received_grads,
+    step_loss,
+)
 from lightning_pipe2bw.runtime.peer import PeerLink
+from lightning_pipe2bw.runtime.slots import (
+    WHOLE,
+    ActionTiming,
+    Call,
+    EngineStats,
+    Slot,
+    VirtualStages,
+)
 from lightning_pipe2bw.runtime.splitgrad import SplitBackward
 from lightning_pipe2bw.runtime.stage import StageBody
 from lightning_pipe2bw.runtime.stash import ActivationStash
 from lightning_pipe2bw.runtime.transport import Transport
 from lightning_pipe2bw.schedule import Action, ActionKind, Schedule
 
-__all__ = ["ActionTiming", "PipelineEngine", "StepFn", "VirtualStages", "step_loss"]
+# the engine's vocabulary, importable from here as before the split
+__all__ = [
+    "ActionTiming",
+    "EngineStats",
+    "PipelineEngine",
+    "StepFn",
+    "VirtualStages",
+    "batch_signature",
+    "step_loss",
+]
 
 _debug_log = logging.getLogger("lightning_pipe2bw.actions")
 
@@ -43,138 +69,10 @@ def _enable_debug_log() -> None:
 
 _COMM_KINDS = (ActionKind.RECV_F, ActionKind.SEND_F, ActionKind.RECV_B, ActionKind.SEND_B)
 
-# the user's step (training_step & co.) applied to one micro-batch
-StepFn = Callable[[Any], Any]
-
-
 class _BodyReached(BaseException):
     """Raised on the first stage when the user's step reaches the body: the rest of the step (the
     loss) belongs to the last stage. A BaseException so that a broad ``except Exception`` in user
     code does not swallow it."""
-
-
-@dataclass(frozen=True)
-class ActionTiming:
-    """When one action ran on this rank (``time.perf_counter`` seconds)."""
-
-    action: Action
-    start: float
-    end: float
-
-
-@dataclass(frozen=True)
-class VirtualStages:
-    """The stages a rank holds (several, with virtual stages) and where their neighbours are.
-
-    ``stages``: the rank's stages of the whole pipeline, in order; ``num_stages``: the
-    pipeline's stages; ``ranks``: the (pipeline group) rank of each stage next to one of them
-    (None: none, past either end)."""
-
-    stages: tuple[int, ...]
-    num_stages: int
-    ranks: Mapping[int, int | None]
-    placement: tuple[int, ...] | None = None  # the place in the pipeline of every stage
-
-
-@dataclass
-class _Slot:
-    """What the stage holds for one in-flight micro-batch."""
-
-    inputs: Any = None  # payload received from the previous stage
-    outputs: Any = None  # payload this stage produced (kept until its backward)
-    result: Any = None  # the user's step output (last stage)
-    grads_in: Any = None  # gradients received from the next stage
-    grads_out: Any = None  # gradients of this stage's inputs, to send back
-    body_calls: int = 0
-    weight: float = 0.0  # the loss weight of this micro-batch (n_i / N)
-    saved_bytes: int = 0  # bytes autograd saved for this micro-batch's backward
-    loading: bool = False  # its evicted activations are on their way back from the partner
-    params: Mapping[str, Tensor] | None = None  # the weight version it computes with
-    upstream_batch: Any = None  # the previous stage's micro-batch signature, to compare
-    # what the micro-batch's W has left to do after its I: the split's weights' pass, the
-    # whole backward (_WHOLE), or nothing (None)
-    weights_left: Any = None
-    sent: bool = False  # its inputs' gradient has left (SEND_B)
-    done: bool = False  # its weights' gradients are in (B or W)
-
-
-_WHOLE = "whole"  # a W that runs the micro-batch's whole backward
-
-
-@dataclass
-class _Call:
-    """One :meth:`PipelineEngine.execute` call: what its handlers share."""
-
-    actions: Sequence[Action]
-    microbatches: Mapping[int, Any]
-    step: StepFn
-    train: bool
-    loss_weights: Mapping[int, float]
-    backward: Callable[[Tensor], None] | None
-    weights_for: Callable[[int], Mapping[str, Tensor]] | None
-    loss_root: Callable[[Tensor], Tensor] | None
-    last_input: int  # the index of the call's last I (-1: none)
-    results: dict[int, Any] = field(default_factory=dict)
-
-
-@dataclass
-class EngineStats:
-    """Counters the engine keeps about what it ran (read by callbacks and benchmarks)."""
-
-    peak_inflight: int = 0
-    busy_s: float = 0.0
-    forward_s: float = 0.0  # of busy_s, in training forwards
-    backward_s: float = 0.0  # of busy_s, in backwards
-    # bytes autograd saved for backward in this stage's forwards (storage de-duplicated, weights
-    # excluded), counted through saved_tensors_hooks, that are on this stage's device: its own
-    # micro-batches' and those it holds for its partner (BPipe); live now, and the peak
-    activation_bytes: int = 0
-    peak_activation_bytes: int = 0
-    # with several stages per rank: the peak of each stage's own saved bytes on this device
-    stage_peak_bytes: dict[int, int] = field(default_factory=dict)
-    host_bytes: int = 0  # saved bytes swapped out to the host pool (memory plan "swap")
-    partner_bytes: int = 0  # saved bytes of the partner's micro-batches held here (BPipe)
-    evicted_bytes: int = 0  # this stage's saved bytes now at its partner
-    # distinct weight buffers the stage's parameters and in-flight micro-batches reference,
-    # checked after every action: 1 for flush schedules, <= 2 for 2BW, <= p - s for stashing
-    max_weight_versions: int = 0
-    # I actions: backwards cut into an inputs' pass and a weights' pass (SplitBackward), and
-    # those whose graph did not allow it, where the inputs' gradient took one more pass before
-    # the whole backward (the call's last I)
-    split_backwards: int = 0
-    repeated_input_passes: int = 0
-    # the most recent actions only, so that long runs keep bounded memory
-    timeline: deque[ActionTiming] = field(default_factory=lambda: deque(maxlen=20_000))
-
-
-def _grad_leaves(payload: Any) -> list[Tensor]:
-    return [x for x in pytree.tree_leaves(payload) if isinstance(x, Tensor) and x.requires_grad]
-
-
-def batch_signature(microbatch: Any) -> tuple[tuple[int, ...], ...]:
-    """The shapes of a micro-batch's tensors: what every stage must agree on."""
-    return tuple(tuple(t.shape) for t in pytree.tree_leaves(microbatch) if isinstance(t, Tensor))
-
-
-def _loss_of(result: Any, microbatch: int) -> Tensor:
-    loss = step_loss(result, microbatch)
-    if not loss.requires_grad:
-        raise ValueError(
-            f"the loss of micro-batch {microbatch} does not require grad: compute it from the output "
-            "of the pipeline body (self.body(x) / self(x)) without detaching it"
-        )
-    return loss
-
-
-def step_loss(result: Any, microbatch: int) -> Tensor:
-    """The loss in a training step's output: the tensor itself or its ``"loss"`` entry."""
-    loss = result.get("loss") if isinstance(result, dict) else result
-    if not isinstance(loss, Tensor):
-        raise TypeError(
-            "with pipe2bw, training_step must return the loss tensor (or a dict with a 'loss' tensor) "
-            f"for every micro-batch; micro-batch {microbatch} returned {type(result).__name__}"
-        )
-    return loss
 
 
 class PipelineEngine:
@@ -221,7 +119,7 @@ class PipelineEngine:
         self.stats = EngineStats()
         self.wait_limits = wait_limits
         self.record_timeline = True
-        self.slots: dict[tuple[int, int], _Slot] = {}  # in-flight (stage, micro-batch)
+        self.slots: dict[tuple[int, int], Slot] = {}  # in-flight (stage, micro-batch)
         # saved activations: counted, and moved by the memory plan and the balancer
         self.stash = ActivationStash(transport.device, evictable=evict_share is not None)
         self.link = link
@@ -306,7 +204,7 @@ class PipelineEngine:
         :meth:`_input_grad`). Returns the last stage's step outputs of the micro-batches whose
         forward ran in this call.
         """
-        call = _Call(
+        call = Call(
             actions, microbatches, step, train, loss_weights, backward, weights_for, loss_root,
             last_input=max(
                 (n for n, a in enumerate(actions) if a.kind is ActionKind.INPUT_GRAD), default=-1
@@ -328,7 +226,7 @@ class PipelineEngine:
                 if handler is None:  # pragma: no cover - the schedule validator rejects others
                     raise ValueError(f"the engine cannot run action {action}")
                 handler(
-                    call, n, action, slots.setdefault((action.stage, action.microbatch), _Slot())
+                    call, n, action, slots.setdefault((action.stage, action.microbatch), Slot())
                 )
                 end = time.perf_counter()
                 if self.debug:
@@ -367,7 +265,7 @@ class PipelineEngine:
         return call.results
 
     @property
-    def _handlers(self) -> dict[ActionKind, Callable[[_Call, int, Action, _Slot], None]]:
+    def _handlers(self) -> dict[ActionKind, Callable[[Call, int, Action, Slot], None]]:
         return {
             ActionKind.RECV_F: self._recv_f,
             ActionKind.FORWARD: self._forward_action,
@@ -383,12 +281,12 @@ class PipelineEngine:
         }
 
     # ------------------------------------------------------------------ one handler per kind
-    def _recv_f(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
+    def _recv_f(self, call: Call, n: int, action: Action, slot: Slot) -> None:
         slot.inputs, slot.upstream_batch = self.transport.recv(
             self._peer_of(action.stage - 1), self.wait_limits[0]
         )
 
-    def _forward_action(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
+    def _forward_action(self, call: Call, n: int, action: Action, slot: Slot) -> None:
         v, i, train = action.stage, action.microbatch, call.train
         key = (v, i)
         if train and self.link is not None and not self.link.holder:
@@ -414,13 +312,13 @@ class PipelineEngine:
                 del self.slots[key]
                 self.inflight -= 1
         if v + 1 in self.virtual.stages:  # the next stage is on this rank: hand over
-            nxt = self.slots.setdefault((v + 1, i), _Slot())
-            nxt.inputs = _handed_over(slot.outputs)
+            nxt = self.slots.setdefault((v + 1, i), Slot())
+            nxt.inputs = handed_over(slot.outputs)
             if not train:
                 del self.slots[key]
                 self.inflight -= 1
 
-    def _send_f(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
+    def _send_f(self, call: Call, n: int, action: Action, slot: Slot) -> None:
         # the transport sends detached copies but records requires_grad for the peer; the
         # micro-batch's shapes travel along (in the cached header: free when they do not
         # change), so that every stage checks it split the same batch
@@ -432,25 +330,25 @@ class PipelineEngine:
             del self.slots[(action.stage, i)]
             self.inflight -= 1
 
-    def _recv_b(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
+    def _recv_b(self, call: Call, n: int, action: Action, slot: Slot) -> None:
         # swapped activations start coming back
         self.stash.prefetch((action.stage, action.microbatch))
         slot.grads_in = self.transport.recv(self._peer_of(action.stage + 1), self.wait_limits[1])
 
-    def _ready_for_backward(self, v: int, i: int, slot: _Slot) -> None:
+    def _ready_for_backward(self, v: int, i: int, slot: Slot) -> None:
         self.stash.prefetch((v, i))
         if slot.loading:
             self.stash.restore((v, i), self._link().loaded(i))
             slot.loading = False
 
-    def _inputs_grad_ready(self, v: int, i: int, slot: _Slot) -> None:
+    def _inputs_grad_ready(self, v: int, i: int, slot: Slot) -> None:
         """The gradient of stage ``v``'s inputs is in ``slot.grads_out``: where the previous
         stage is on this rank, hand it over (it leaves, as a ``SEND_B`` would send it)."""
         if v - 1 in self.virtual.stages:
             self.slots[(v - 1, i)].grads_in = slot.grads_out
             slot.grads_out, slot.sent = None, True
 
-    def _backward_action(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
+    def _backward_action(self, call: Call, n: int, action: Action, slot: Slot) -> None:
         """B: the whole backward of the micro-batch."""
         assert call.backward is not None, "training needs a backward function"
         v, i = action.stage, action.microbatch
@@ -459,7 +357,7 @@ class PipelineEngine:
         self._inputs_grad_ready(v, i, slot)
         self._backward_done(v, i, slot)
 
-    def _input_grad(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
+    def _input_grad(self, call: Call, n: int, action: Action, slot: Slot) -> None:
         """I: the gradient of the stage's inputs, for the ``SEND_B`` that follows; the weights'
         gradients are left to the micro-batch's ``W``.
 
@@ -482,18 +380,18 @@ class PipelineEngine:
         v, i = action.stage, action.microbatch
         self._ready_for_backward(v, i, slot)
         if v == 0:
-            slot.weights_left = _WHOLE
+            slot.weights_left = WHOLE
             return
-        leaves = _grad_leaves(slot.inputs)
+        leaves = grad_leaves(slot.inputs)
         if v == self.last_stage:
             if call.loss_root is None:
                 roots: list[Tensor] = []
                 seeds: list[Tensor | None] = []
             else:
-                roots = [call.loss_root(_loss_of(slot.result, i) * slot.weight)]
+                roots = [call.loss_root(loss_of(slot.result, i) * slot.weight)]
                 seeds = [None]
         else:
-            roots, received = _received_grads(slot)
+            roots, received = received_grads(slot.outputs, slot.grads_in)
             seeds = list(received)
         if leaves and roots and self._can_split_backward((v, i), roots):
             split = SplitBackward.plan(roots, seeds, leaves)
@@ -506,11 +404,11 @@ class PipelineEngine:
                     torch.autograd.grad(roots, leaves, seeds, retain_graph=True, allow_unused=True)
                 )
                 self.stats.repeated_input_passes += 1
-                slot.weights_left = _WHOLE
+                slot.weights_left = WHOLE
             else:
                 grads = None
             if grads is not None:
-                slot.grads_out = _filled(grads, leaves)
+                slot.grads_out = filled(grads, leaves)
                 self._inputs_grad_ready(v, i, slot)
                 return
         del roots, seeds
@@ -518,45 +416,45 @@ class PipelineEngine:
         slot.weights_left = None
         self._inputs_grad_ready(v, i, slot)
 
-    def _weight_grad(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
+    def _weight_grad(self, call: Call, n: int, action: Action, slot: Slot) -> None:
         """W: the weights' gradients of a micro-batch whose ``I`` ran (what it left to do)."""
         assert call.backward is not None, "training needs a backward function"
         v, i, left = action.stage, action.microbatch, slot.weights_left
         if isinstance(left, SplitBackward):
             left.weights_pass()
-        elif left is _WHOLE:
+        elif left is WHOLE:
             self._backward(slot, v, i, call.backward, input_grads=False)
         slot.weights_left = None
         self._backward_done(v, i, slot)
 
-    def _send_b(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
+    def _send_b(self, call: Call, n: int, action: Action, slot: Slot) -> None:
         self._post_next_receive(call.actions, n)
         self.transport.send(slot.grads_out, self._peer_of(action.stage - 1))
         slot.grads_out, slot.sent = None, True
         if slot.done:
             del self.slots[(action.stage, action.microbatch)]
 
-    def _evict(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
+    def _evict(self, call: Call, n: int, action: Action, slot: Slot) -> None:
         v, i = action.stage, action.microbatch
         # what the engine holds anyway: sending it would free nothing
         keep = (slot.inputs, slot.outputs, call.microbatches.get(i))
         share = self.evict_share(self.stash.saved_bytes((v, i)))
         self._link().evict(i, self.stash.evict((v, i), share, keep))
 
-    def _load(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
+    def _load(self, call: Call, n: int, action: Action, slot: Slot) -> None:
         self._link().load(
             action.microbatch, self.stash.away_size((action.stage, action.microbatch))
         )
         slot.loading = True
 
-    def _return(self, call: _Call, n: int, action: Action, slot: _Slot) -> None:
+    def _return(self, call: Call, n: int, action: Action, slot: Slot) -> None:
         self._link().give_back(action.microbatch)
 
-    def _backward_done(self, v: int, i: int, slot: _Slot) -> None:
+    def _backward_done(self, v: int, i: int, slot: Slot) -> None:
         """The micro-batch's weights' gradients are in: release its activations; its slot goes
         once its inputs' gradient has left too (the first stage sends none)."""
         if v == self.last_stage:
-            slot.result = _detach_all(slot.result)
+            slot.result = detach_all(slot.result)
         slot.inputs = slot.outputs = slot.grads_in = slot.params = None
         self.stash.release((v, i))
         self.inflight -= 1
@@ -651,7 +549,7 @@ class PipelineEngine:
                 if nbytes > peaks.get(v, -1):
                     peaks[v] = nbytes
 
-    def _check_same_batch(self, slot: _Slot, microbatch: Any, v: int, index: int) -> None:
+    def _check_same_batch(self, slot: Slot, microbatch: Any, v: int, index: int) -> None:
         upstream = slot.upstream_batch
         if upstream is None:
             return
@@ -664,7 +562,7 @@ class PipelineEngine:
                 "dataset, seed and sampler; pipe2bw already makes a RandomSampler agree)"
             )
 
-    def _forward(self, slot: _Slot, microbatch: Any, step: StepFn, v: int, index: int) -> None:
+    def _forward(self, slot: Slot, microbatch: Any, step: StepFn, v: int, index: int) -> None:
         body = self.body
         first, last = v == 0, v == self.last_stage
         # the received leaves stay in slot.inputs (their .grad is the gradient sent upstream);
@@ -703,7 +601,7 @@ class PipelineEngine:
 
     def _backward(
         self,
-        slot: _Slot,
+        slot: Slot,
         v: int,
         index: int,
         backward: Callable[[Tensor], None],
@@ -713,14 +611,14 @@ class PipelineEngine:
         accumulate into ``.grad``); with ``input_grads``, keep the gradient of the stage's
         inputs to send."""
         if v == self.last_stage:
-            backward(_loss_of(slot.result, index) * slot.weight)
+            backward(loss_of(slot.result, index) * slot.weight)
         else:
-            outs, grads = _received_grads(slot)
+            outs, grads = received_grads(slot.outputs, slot.grads_in)
             if outs:
                 torch.autograd.backward(outs, grads)
         if input_grads and v != 0:
-            leaves = _grad_leaves(slot.inputs)
-            slot.grads_out = _filled([x.grad for x in leaves], leaves)
+            leaves = grad_leaves(slot.inputs)
+            slot.grads_out = filled([x.grad for x in leaves], leaves)
 
     def _can_split_backward(self, key: tuple[int, int], roots: Sequence[Tensor]) -> bool:
         body = self.body
@@ -729,64 +627,8 @@ class PipelineEngine:
         micro = self.stash.micro.get(key)
         if micro is not None and micro.storages:  # swapped or evictable activations
             return False
-        if _global_backward_hooks() or any(
+        if global_backward_hooks() or any(
             m._backward_hooks or m._backward_pre_hooks for m in body.modules()
         ):
             return False
-        return not _has_custom_function(roots)
-
-
-def _received_grads(slot: _Slot) -> tuple[list[Tensor], list[Tensor]]:
-    """A stage before the last: its outputs that require grad and the gradients the next stage
-    sent for them (an output without one, which did not reach the loss, is left out)."""
-    pairs = [
-        (o, g) for o, g in zip(_grad_leaves(slot.outputs), slot.grads_in, strict=True)
-        if g is not None
-    ]  # fmt: skip
-    return [o for o, _ in pairs], [g for _, g in pairs]
-
-
-def _filled(grads: Sequence[Tensor | None], leaves: Sequence[Tensor]) -> list[Tensor]:
-    """The gradients of the stage's inputs to send, zeros where an input got none."""
-    return [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, leaves, strict=True)]
-
-
-def _global_backward_hooks() -> bool:
-    from torch.nn.modules import module as nn_module
-
-    return bool(nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks)
-
-
-def _has_custom_function(roots: Sequence[Tensor]) -> bool:
-    """Whether the backward graph under ``roots`` holds a Python ``autograd.Function`` (other
-    than the engine's own alias of a received activation, whose backward only passes the
-    gradient on)."""
-    seen: set[Any] = set()
-    todo = [t.grad_fn for t in roots if t.grad_fn is not None]
-    while todo:
-        node = todo.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if isinstance(node, BackwardCFunction) and node._forward_cls is not Alias:  # type: ignore[attr-defined]
-            return True
-        todo.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
-    return False
-
-
-def _handed_over(payload: Any) -> Any:
-    """What the next stage on the same rank receives: what a transport would deliver (a copy,
-    whose tensors that required grad are leaves that require grad), so that each stage's
-    backward stops at its inputs as it does across ranks, and the next stage may modify its
-    input in place without touching what this stage saved."""
-
-    def copy(x: Any) -> Any:
-        if not isinstance(x, Tensor):
-            return x
-        return x.detach().clone().requires_grad_(x.requires_grad)
-
-    return pytree.tree_map(copy, payload)
-
-
-def _detach_all(payload: Any) -> Any:
-    return pytree.tree_map(lambda x: x.detach() if isinstance(x, Tensor) else x, payload)
+        return not has_custom_function(roots)
