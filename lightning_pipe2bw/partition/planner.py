@@ -17,12 +17,22 @@ from lightning_pipe2bw.partition.costmodel import (
     check_schedule,
 )
 from lightning_pipe2bw.partition.partitioner import best_partition, smallest_peak_memory
+from lightning_pipe2bw.partition.planargs import (
+    RECOMPUTE_MODES,
+    ProfilesLike,
+    as_profiles,
+    check_int,
+    check_ratio,
+    divisors,
+    even,
+    rank,
+)
 from lightning_pipe2bw.partition.plans import Plan, PlanResult
-from lightning_pipe2bw.partition.profile import Profile, ProfileSet
+from lightning_pipe2bw.partition.profile import Profile
 from lightning_pipe2bw.partition.virtualplan import (
     VIRTUAL_PLANNER_SCHEDULES,
-    virtual_plan,
-    virtual_problem,
+    plan_virtual,
+    predict_virtual,
 )
 from lightning_pipe2bw.schedule import (
     ActionKind,
@@ -46,45 +56,10 @@ __all__ = [
     "simulate_plan",
 ]
 
-RECOMPUTE_MODES = ("search", "off", "on", "per_stage")
 # what ``plan(schedule="all")`` compares
 ALL_SCHEDULES = (*PLANNER_SCHEDULES, *VIRTUAL_PLANNER_SCHEDULES)
 _INF = math.inf
 _GIB = float(2**30)
-
-ProfilesLike = Profile | ProfileSet | Sequence[Profile]
-
-
-def _as_profiles(profiles: object) -> ProfileSet:
-    if isinstance(profiles, ProfileSet):
-        return profiles
-    if isinstance(profiles, Profile):
-        return ProfileSet.of(profiles)
-    if (
-        isinstance(profiles, Sequence)
-        and profiles
-        and all(isinstance(p, Profile) for p in profiles)
-    ):
-        return ProfileSet.of(list(profiles))
-    raise TypeError(
-        f"profiles must be a Profile, a ProfileSet or a list of Profiles, got {type(profiles).__name__}; "
-        "measure one with lightning_pipe2bw.partition.measure or build it by hand"
-    )
-
-
-def _check_int(label: str, value: object, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{label} must be an int >= 1, got {value!r}; {fix}")
-    return value
-
-
-def _check_ratio(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ValueError(
-            f"optimizer_bytes_per_param_byte must be a number >= 0, got {value!r}; use 2.0 for "
-            "Adam's two moments in the parameter dtype, 0.0 for plain SGD"
-        )
-    return float(value)
 
 
 def _make_plan(
@@ -126,19 +101,6 @@ class _Candidate:
     memory_floor: float  # no split of it needs less on its largest stage
 
 
-def _rank(p: Plan) -> tuple[float, float, int, int, int]:
-    return (-p.throughput, max(p.memory_bytes), sum(p.recompute), p.depth, p.microbatch_size)
-
-
-def _even(n: int, d: int) -> tuple[int, ...]:
-    return tuple(n // d + (1 if s < n % d else 0) for s in range(d))
-
-
-def _divisors(k: int) -> list[int]:
-    small = [i for i in range(1, math.isqrt(k) + 1) if k % i == 0]
-    return sorted({*small, *(k // i for i in small)})
-
-
 def plan(
     profiles: ProfilesLike,
     cluster: Cluster,
@@ -173,26 +135,24 @@ def plan(
             keep=keep, data_parallel=data_parallel,
         )  # fmt: skip
     if schedule in VIRTUAL_PLANNER_SCHEDULES:
-        return _plan_virtual(
+        return plan_virtual(
             profiles, cluster, global_batch_size, schedule, microbatch_sizes=microbatch_sizes,
             recompute=recompute, optimizer_bytes_per_param_byte=optimizer_bytes_per_param_byte,
             keep=keep, data_parallel=data_parallel,
         )  # fmt: skip
     started = time.perf_counter()
-    pset = _as_profiles(profiles)
+    pset = as_profiles(profiles)
     if not isinstance(cluster, Cluster):
         raise TypeError(f"cluster must be a Cluster, got {type(cluster).__name__}")
     check_schedule(schedule)
-    batch = _check_int(
-        "global_batch_size", global_batch_size, "give the samples per optimizer step"
-    )
+    batch = check_int("global_batch_size", global_batch_size, "give the samples per optimizer step")
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {list(RECOMPUTE_MODES)}, got {recompute!r}")
-    ratio = _check_ratio(optimizer_bytes_per_param_byte)
-    _check_int("keep", keep, "keep at least the best plan")
+    ratio = check_ratio(optimizer_bytes_per_param_byte)
+    check_int("keep", keep, "keep at least the best plan")
     if microbatch_sizes is not None:
         microbatch_sizes = [
-            _check_int("micro-batch size", b, "use sizes >= 1") for b in microbatch_sizes
+            check_int("micro-batch size", b, "use sizes >= 1") for b in microbatch_sizes
         ]
     modes = ("off", "on") if recompute == "search" else (recompute,)
     n, total = pset.num_blocks, cluster.num_devices
@@ -212,7 +172,7 @@ def plan(
             continue
         per = batch // w
         sizes = (
-            _divisors(per)
+            divisors(per)
             if microbatch_sizes is None
             else [b for b in microbatch_sizes if per % b == 0]
         )
@@ -245,7 +205,7 @@ def plan(
             infeasible += cutoff == _INF
             continue
         found.append(_make_plan(model, *result, limit))
-        found.sort(key=_rank)
+        found.sort(key=rank)
         del found[keep:]
 
     if not found:
@@ -285,80 +245,12 @@ def _plan_all(
         infeasible += result.infeasible
     if not found:
         raise ValueError("no schedule has a plan: " + "; ".join(reasons))
-    found.sort(key=_rank)
+    found.sort(key=rank)
     return PlanResult(
         best=found[0],
         alternatives=tuple(found[1:keep]),
         cluster=cluster,
         global_batch_size=global_batch_size,
-        configurations=configurations,
-        infeasible=infeasible,
-        search_time_s=time.perf_counter() - started,
-    )
-
-
-def _plan_virtual(
-    profiles: ProfilesLike,
-    cluster: Cluster,
-    global_batch_size: int,
-    schedule: str,
-    *,
-    microbatch_sizes: Sequence[int] | None,
-    recompute: str,
-    optimizer_bytes_per_param_byte: float,
-    keep: int,
-    data_parallel: int | None,
-) -> PlanResult:
-    """:func:`plan` for a schedule with two stages per rank: every (w, d, b, m, recompute) the
-    schedule can run, each split and timed by :func:`virtual_plan` (no bound to prune with:
-    the simulated step is the figure)."""
-    started = time.perf_counter()
-    pset = _as_profiles(profiles)
-    if not isinstance(cluster, Cluster):
-        raise TypeError(f"cluster must be a Cluster, got {type(cluster).__name__}")
-    batch = _check_int(
-        "global_batch_size", global_batch_size, "give the samples per optimizer step"
-    )
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute must be one of {list(RECOMPUTE_MODES)}, got {recompute!r}")
-    ratio = _check_ratio(optimizer_bytes_per_param_byte)
-    _check_int("keep", keep, "keep at least the best plan")
-    modes = {"search": (False, True), "per_stage": (False, True), "off": (False,), "on": (True,)}
-    n, total, limit = pset.num_blocks, cluster.num_devices, float(cluster.memory_bytes)
-    found: list[Plan] = []
-    skipped: list[str] = []
-    configurations = infeasible = 0
-    for d in range(1, total + 1):
-        w = total // d
-        if total % d or (data_parallel is not None and w != data_parallel) or batch % w:
-            continue
-        per = batch // w
-        sizes = _divisors(per) if microbatch_sizes is None else list(microbatch_sizes)
-        for b in (b for b in sizes if per % b == 0):
-            m = per // b
-            problem = virtual_problem(schedule, d, m, n)
-            if problem is not None:
-                skipped.append(f"w={w} d={d} b={b}: {problem}")
-                continue
-            for flag in modes[recompute]:
-                configurations += 1
-                candidate = virtual_plan(pset.at(b), cluster, schedule, w, d, m, flag, limit, ratio)
-                if candidate.fits:
-                    found.append(candidate)
-                else:
-                    infeasible += 1
-    if not found:
-        why = "; ".join(skipped[:6]) or f"no split fits in {limit / _GIB:.2f} GiB per device"
-        raise ValueError(
-            f"no configuration of {total} devices can run global batch {batch} with schedule "
-            f"{schedule!r} ({why}); use more micro-batches, more memory or another schedule"
-        )
-    found.sort(key=_rank)
-    return PlanResult(
-        best=found[0],
-        alternatives=tuple(found[1:keep]),
-        cluster=cluster,
-        global_batch_size=batch,
         configurations=configurations,
         infeasible=infeasible,
         search_time_s=time.perf_counter() - started,
@@ -425,25 +317,23 @@ def predict(
     A schedule with two stages per rank takes 2d block counts and one ``recompute`` flag, and
     is timed by simulation (:func:`~lightning_pipe2bw.partition.virtualplan.virtual_plan`).
     """
-    pset = _as_profiles(profiles)
+    pset = as_profiles(profiles)
     if not isinstance(cluster, Cluster):
         raise TypeError(f"cluster must be a Cluster, got {type(cluster).__name__}")
     if schedule in VIRTUAL_PLANNER_SCHEDULES:
-        return _predict_virtual(
+        return predict_virtual(
             pset, cluster, global_batch_size, schedule, depth, microbatch_size, balance,
             recompute, optimizer_bytes_per_param_byte,
         )  # fmt: skip
     check_schedule(schedule)
     total = cluster.num_devices
-    d = _check_int("depth", depth, "use at least one stage")
-    b = _check_int("microbatch_size", microbatch_size, "use micro-batches of >= 1 sample")
-    batch = _check_int(
-        "global_batch_size", global_batch_size, "give the samples per optimizer step"
-    )
+    d = check_int("depth", depth, "use at least one stage")
+    b = check_int("microbatch_size", microbatch_size, "use micro-batches of >= 1 sample")
+    batch = check_int("global_batch_size", global_batch_size, "give the samples per optimizer step")
     if total % d or d > pset.num_blocks:
         raise ValueError(
             f"depth={d} must divide num_devices={total} and be <= the {pset.num_blocks} blocks; "
-            f"use one of {[k for k in _divisors(total) if k <= pset.num_blocks]}"
+            f"use one of {[k for k in divisors(total) if k <= pset.num_blocks]}"
         )
     w = total // d
     if batch % (w * b):
@@ -455,7 +345,7 @@ def predict(
     if schedule == "2bw" and m < d:
         raise ValueError(f"2bw needs m >= d, got m={m} for d={d}; use a larger batch or smaller b")
     model = CostModel(
-        pset.at(b), cluster, schedule, w, d, m, _check_ratio(optimizer_bytes_per_param_byte)
+        pset.at(b), cluster, schedule, w, d, m, check_ratio(optimizer_bytes_per_param_byte)
     )
     flags = (bool(recompute),) * d if isinstance(recompute, bool) else tuple(recompute)
     if len(flags) != d:
@@ -463,7 +353,7 @@ def predict(
     if balance is None:
         # without a memory limit every split of n >= d blocks is valid, so this finds one
         found = best_partition(model, flags, cluster.memory_bytes) or best_partition(model, flags)
-        balance = found[0] if found else _even(pset.num_blocks, d)
+        balance = found[0] if found else even(pset.num_blocks, d)
     balance = tuple(balance)
     if len(balance) != d or any(k < 1 for k in balance) or sum(balance) != pset.num_blocks:
         raise ValueError(
@@ -471,49 +361,6 @@ def predict(
             f"{pset.num_blocks} blocks (it sums to {sum(balance)})"
         )
     return _make_plan(model, balance, flags, cluster.memory_bytes)
-
-
-def _predict_virtual(
-    pset: ProfileSet,
-    cluster: Cluster,
-    global_batch_size: int,
-    schedule: str,
-    depth: int,
-    microbatch_size: int,
-    balance: Sequence[int] | None,
-    recompute: bool | Sequence[bool],
-    ratio: float,
-) -> Plan:
-    total = cluster.num_devices
-    d = _check_int("depth", depth, "use at least one stage")
-    b = _check_int("microbatch_size", microbatch_size, "use micro-batches of >= 1 sample")
-    batch = _check_int(
-        "global_batch_size", global_batch_size, "give the samples per optimizer step"
-    )
-    w = total // d if total % d == 0 else 0
-    if not w or batch % (w * b):
-        raise ValueError(
-            f"depth={d} must divide num_devices={total}, and global_batch_size={batch} be a "
-            f"multiple of data_parallel x microbatch_size"
-        )
-    m = batch // (w * b)
-    problem = virtual_problem(schedule, d, m, pset.num_blocks)
-    if problem is not None:
-        raise ValueError(problem)
-    flags = {bool(recompute)} if isinstance(recompute, bool) else set(recompute)
-    if len(flags) != 1:
-        raise ValueError(f"{schedule} plans one recompute flag for every rank, got {recompute!r}")
-    if balance is not None and (
-        len(balance) != 2 * d or any(k < 1 for k in balance) or sum(balance) != pset.num_blocks
-    ):
-        raise ValueError(
-            f"balance {list(balance)} must have {2 * d} entries >= 1 (two stages per rank) "
-            f"summing to the {pset.num_blocks} blocks"
-        )
-    return virtual_plan(
-        pset.at(b), cluster, schedule, w, d, m, flags.pop(), cluster.memory_bytes,
-        _check_ratio(ratio), balance,
-    )  # fmt: skip
 
 
 def simulate_plan(
@@ -535,7 +382,7 @@ def simulate_plan(
     ``benchmarks/planner_accuracy.py`` pay the sum: the receive waits are the neighbour's pause;
     why the engine overlaps less than this simulation says is not pinned down yet.)
     """
-    pset = _as_profiles(profiles)
+    pset = as_profiles(profiles)
     if plan.num_devices != cluster.num_devices or sum(plan.balance) != pset.num_blocks:
         raise ValueError(
             f"the plan uses {plan.num_devices} devices and {sum(plan.balance)} blocks, the cluster "

@@ -22,12 +22,22 @@ is planned in three steps:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from lightning_pipe2bw.partition.costmodel import Cluster, CostModel, StageCost
 from lightning_pipe2bw.partition.partitioner import best_partition
-from lightning_pipe2bw.partition.plans import Plan
-from lightning_pipe2bw.partition.profile import Profile
+from lightning_pipe2bw.partition.planargs import (
+    RECOMPUTE_MODES,
+    ProfilesLike,
+    as_profiles,
+    check_int,
+    check_ratio,
+    divisors,
+    rank,
+)
+from lightning_pipe2bw.partition.plans import Plan, PlanResult
+from lightning_pipe2bw.partition.profile import Profile, ProfileSet
 from lightning_pipe2bw.schedule import (
     ActionKind,
     Costs,
@@ -43,6 +53,7 @@ __all__ = ["STAGES_PER_RANK", "VIRTUAL_PLANNER_SCHEDULES", "virtual_plan", "virt
 
 VIRTUAL_PLANNER_SCHEDULES = ("interleaved-1f1b", "zb-v", "2bw-v")
 STAGES_PER_RANK = 2
+_GIB = float(2**30)
 
 
 def virtual_problem(
@@ -199,3 +210,110 @@ def _rank_memory(
         )
         out.append(params * factor + peaks[r] * max(per_mb) + once + buffers)
     return out
+
+
+def plan_virtual(
+    profiles: ProfilesLike,
+    cluster: Cluster,
+    global_batch_size: int,
+    schedule: str,
+    *,
+    microbatch_sizes: Sequence[int] | None,
+    recompute: str,
+    optimizer_bytes_per_param_byte: float,
+    keep: int,
+    data_parallel: int | None,
+) -> PlanResult:
+    """:func:`plan` for a schedule with two stages per rank: every (w, d, b, m, recompute) the
+    schedule can run, each split and timed by :func:`virtual_plan` (no bound to prune with:
+    the simulated step is the figure)."""
+    started = time.perf_counter()
+    pset = as_profiles(profiles)
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster must be a Cluster, got {type(cluster).__name__}")
+    batch = check_int("global_batch_size", global_batch_size, "give the samples per optimizer step")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {list(RECOMPUTE_MODES)}, got {recompute!r}")
+    ratio = check_ratio(optimizer_bytes_per_param_byte)
+    check_int("keep", keep, "keep at least the best plan")
+    modes = {"search": (False, True), "per_stage": (False, True), "off": (False,), "on": (True,)}
+    n, total, limit = pset.num_blocks, cluster.num_devices, float(cluster.memory_bytes)
+    found: list[Plan] = []
+    skipped: list[str] = []
+    configurations = infeasible = 0
+    for d in range(1, total + 1):
+        w = total // d
+        if total % d or (data_parallel is not None and w != data_parallel) or batch % w:
+            continue
+        per = batch // w
+        sizes = divisors(per) if microbatch_sizes is None else list(microbatch_sizes)
+        for b in (b for b in sizes if per % b == 0):
+            m = per // b
+            problem = virtual_problem(schedule, d, m, n)
+            if problem is not None:
+                skipped.append(f"w={w} d={d} b={b}: {problem}")
+                continue
+            for flag in modes[recompute]:
+                configurations += 1
+                candidate = virtual_plan(pset.at(b), cluster, schedule, w, d, m, flag, limit, ratio)
+                if candidate.fits:
+                    found.append(candidate)
+                else:
+                    infeasible += 1
+    if not found:
+        why = "; ".join(skipped[:6]) or f"no split fits in {limit / _GIB:.2f} GiB per device"
+        raise ValueError(
+            f"no configuration of {total} devices can run global batch {batch} with schedule "
+            f"{schedule!r} ({why}); use more micro-batches, more memory or another schedule"
+        )
+    found.sort(key=rank)
+    return PlanResult(
+        best=found[0],
+        alternatives=tuple(found[1:keep]),
+        cluster=cluster,
+        global_batch_size=batch,
+        configurations=configurations,
+        infeasible=infeasible,
+        search_time_s=time.perf_counter() - started,
+    )
+
+
+def predict_virtual(
+    pset: ProfileSet,
+    cluster: Cluster,
+    global_batch_size: int,
+    schedule: str,
+    depth: int,
+    microbatch_size: int,
+    balance: Sequence[int] | None,
+    recompute: bool | Sequence[bool],
+    ratio: float,
+) -> Plan:
+    total = cluster.num_devices
+    d = check_int("depth", depth, "use at least one stage")
+    b = check_int("microbatch_size", microbatch_size, "use micro-batches of >= 1 sample")
+    batch = check_int("global_batch_size", global_batch_size, "give the samples per optimizer step")
+    w = total // d if total % d == 0 else 0
+    if not w or batch % (w * b):
+        raise ValueError(
+            f"depth={d} must divide num_devices={total}, and global_batch_size={batch} be a "
+            f"multiple of data_parallel x microbatch_size"
+        )
+    m = batch // (w * b)
+    problem = virtual_problem(schedule, d, m, pset.num_blocks)
+    if problem is not None:
+        raise ValueError(problem)
+    flags = {bool(recompute)} if isinstance(recompute, bool) else set(recompute)
+    if len(flags) != 1:
+        raise ValueError(f"{schedule} plans one recompute flag for every rank, got {recompute!r}")
+    if balance is not None and (
+        len(balance) != 2 * d or any(k < 1 for k in balance) or sum(balance) != pset.num_blocks
+    ):
+        raise ValueError(
+            f"balance {list(balance)} must have {2 * d} entries >= 1 (two stages per rank) "
+            f"summing to the {pset.num_blocks} blocks"
+        )
+    return virtual_plan(
+        pset.at(b), cluster, schedule, w, d, m, flags.pop(), cluster.memory_bytes,
+        check_ratio(ratio), balance,
+    )  # fmt: skip
