@@ -140,7 +140,16 @@ def _check_shared(results: list[dict[str, Any]], transport: str = "SharedMemoryT
     assert sum(r["bytes_received"] for r in results) > 0
 
 
-FLUSH_CASES = [("1f1b", 2, 4), ("gpipe", 2, 2), ("1f1b", 4, 4), ("gpipe", 4, 8)]
+FLUSH_CASES = [
+    ("1f1b", 2, 4),
+    ("gpipe", 2, 2),
+    ("1f1b", 4, 4),
+    ("gpipe", 4, 8),
+    # two stages per rank: the hand-over on a rank and one queue per pair of ranks, on the GPU
+    ("interleaved-1f1b", 2, 4),
+    ("zb-v", 2, 4),
+    ("zb-v", 4, 8),
+]
 
 
 @pytest.mark.parametrize(("schedule", "p", "m"), FLUSH_CASES)
@@ -153,13 +162,18 @@ def test_stages_sharing_a_gpu_equal_one_device(pools: Any, schedule: str, p: int
     assert diff <= TOL
 
 
-@pytest.mark.parametrize(("p", "m"), [(2, 2), (2, 4), (4, 4)])
-def test_2bw_sharing_a_gpu_equals_the_delayed_reference(pools: Any, p: int, m: int) -> None:
-    results = _on_gpu(pools, p, "2bw", m, STEPS)
+@pytest.mark.parametrize(
+    ("schedule", "p", "m"),
+    [("2bw", 2, 2), ("2bw", 2, 4), ("2bw", 4, 4), ("2bw-v", 2, 4), ("2bw-v", 4, 4)],
+)
+def test_2bw_sharing_a_gpu_equals_the_delayed_reference(
+    pools: Any, schedule: str, p: int, m: int
+) -> None:
+    results = _on_gpu(pools, p, schedule, m, STEPS)
     _check_shared(results)
     ref = reference_2bw(STEPS, m, device=GPU)
     diff = max_abs_diff(results[0]["state"], ref)
-    print(f"CUDA EXACTNESS 2bw p={p} m={m}: max|dW| = {diff:.3e}")
+    print(f"CUDA EXACTNESS {schedule} p={p} m={m}: max|dW| = {diff:.3e}")
     assert diff <= TOL
 
 
