@@ -5,9 +5,11 @@ micro-batches)."""
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 
-from lightning_pipe2bw.partition.plans import Plan
+from lightning_pipe2bw.partition.costmodel import Cluster
+from lightning_pipe2bw.partition.plans import Plan, PlanResult
 from lightning_pipe2bw.partition.profile import Profile, ProfileSet
 
 __all__ = [
@@ -19,6 +21,7 @@ __all__ = [
     "divisors",
     "even",
     "rank",
+    "ranked_result",
 ]
 
 RECOMPUTE_MODES = ("search", "off", "on", "per_stage")
@@ -69,3 +72,26 @@ def even(n: int, d: int) -> tuple[int, ...]:
 def divisors(k: int) -> list[int]:
     small = [i for i in range(1, math.isqrt(k) + 1) if k % i == 0]
     return sorted({*small, *(k // i for i in small)})
+
+
+def ranked_result(
+    found: list[Plan],
+    keep: int,
+    cluster: Cluster,
+    global_batch_size: int,
+    configurations: int,
+    infeasible: int,
+    started: float,
+) -> PlanResult:
+    """The ``keep`` best of ``found`` (not empty), ranked by :func:`rank`, as a result whose
+    search began at ``time.perf_counter()`` value ``started``."""
+    found = sorted(found, key=rank)
+    return PlanResult(
+        best=found[0],
+        alternatives=tuple(found[1:keep]),
+        cluster=cluster,
+        global_batch_size=global_batch_size,
+        configurations=configurations,
+        infeasible=infeasible,
+        search_time_s=time.perf_counter() - started,
+    )

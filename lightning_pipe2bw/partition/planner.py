@@ -26,6 +26,7 @@ from lightning_pipe2bw.partition.planargs import (
     divisors,
     even,
     rank,
+    ranked_result,
 )
 from lightning_pipe2bw.partition.plans import Plan, PlanResult
 from lightning_pipe2bw.partition.profile import Profile
@@ -245,15 +246,8 @@ def _plan_all(
         infeasible += result.infeasible
     if not found:
         raise ValueError("no schedule has a plan: " + "; ".join(reasons))
-    found.sort(key=rank)
-    return PlanResult(
-        best=found[0],
-        alternatives=tuple(found[1:keep]),
-        cluster=cluster,
-        global_batch_size=global_batch_size,
-        configurations=configurations,
-        infeasible=infeasible,
-        search_time_s=time.perf_counter() - started,
+    return ranked_result(
+        found, keep, cluster, global_batch_size, configurations, infeasible, started
     )
 
 

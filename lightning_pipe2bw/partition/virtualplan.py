@@ -22,6 +22,7 @@ is planned in three steps:
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 
@@ -34,7 +35,7 @@ from lightning_pipe2bw.partition.planargs import (
     check_int,
     check_ratio,
     divisors,
-    rank,
+    ranked_result,
 )
 from lightning_pipe2bw.partition.plans import Plan, PlanResult
 from lightning_pipe2bw.partition.profile import Profile, ProfileSet
@@ -92,11 +93,10 @@ def virtual_plan(
         found = best_partition(model, "on" if recompute else "off")
         assert found is not None  # no memory limit: every split of >= n blocks is valid
         balance = found[0]
-    stages: list[StageCost] = []
-    lo = 0
-    for v, k in enumerate(balance):
-        stages.append(model.stage(v, lo, lo + k, recompute))
-        lo += k
+    bounds = [0, *itertools.accumulate(balance)]  # stage v: blocks bounds[v] .. bounds[v + 1]
+    stages: list[StageCost] = [
+        model.stage(v, bounds[v], bounds[v + 1], recompute) for v in range(len(balance))
+    ]
     placement = placement_of(schedule, d)
     assert placement is not None
     held = [[v for v in range(n) if placement[v] == r] for r in range(d)]
@@ -105,8 +105,8 @@ def virtual_plan(
         backward=[st.backward_s + st.recv_gradient_s for st in stages],
     )
     allreduce = [sum(stages[v].allreduce_s for v in mine) for mine in held]
-    step, peaks = _simulated_step(schedule, profile, cluster, balance, d, m, costs, allreduce, held)
-    memory = _rank_memory(model, balance, held, peaks, recompute, schedule)
+    step, peaks = _simulated_step(schedule, profile, cluster, bounds, d, m, costs, allreduce, held)
+    memory = _rank_memory(model, bounds, held, peaks, recompute, schedule)
     per_rank = [sum(stages[v].compute_s + stages[v].comm_s for v in mine) for mine in held]
     return Plan(
         schedule=schedule,
@@ -131,7 +131,7 @@ def _simulated_step(
     schedule: str,
     profile: Profile,
     cluster: Cluster,
-    balance: Sequence[int],
+    bounds: Sequence[int],
     d: int,
     m: int,
     costs: Costs,
@@ -147,9 +147,6 @@ def _simulated_step(
         step = max(end + ar for end, ar in zip(ends, allreduce, strict=True)) + overhead
         return step, result.peak_activations
     # 2BW: each rank's update (and the loop's overhead) before its first forward of a batch
-    bounds = [0]
-    for k in balance:
-        bounds.append(bounds[-1] + k)
     updates = [
         sum(b.update_s for v in mine for b in profile.blocks[bounds[v] : bounds[v + 1]])
         for mine in held
@@ -178,7 +175,7 @@ def _simulated_step(
 
 def _rank_memory(
     model: CostModel,
-    balance: Sequence[int],
+    bounds: Sequence[int],
     held: list[list[int]],
     peaks: tuple[int, ...],
     recompute: bool,
@@ -187,9 +184,7 @@ def _rank_memory(
     """Each rank's peak bytes (see the module notes)."""
     versions = 2 if schedule == "2bw-v" else 1
     factor = versions + 1 + (model.param_factor[0] - 2)  # weights, gradient, optimizer state
-    bounds = [0]
-    for k in balance:
-        bounds.append(bounds[-1] + k)
+    last = len(bounds) - 2  # the pipeline's last stage
     out = []
     for r, mine in enumerate(held):
         params = sum(model.par[bounds[v + 1]] - model.par[bounds[v]] for v in mine)
@@ -205,7 +200,7 @@ def _rank_memory(
                 per_mb.append(saved)
         buffers = sum(
             (model.in_bytes[bounds[v]] if v > 0 else 0.0)
-            + (model.out_bytes[bounds[v + 1] - 1] if v < len(balance) - 1 else 0.0)
+            + (model.out_bytes[bounds[v + 1] - 1] if v < last else 0.0)
             for v in mine
         )
         out.append(params * factor + peaks[r] * max(per_mb) + once + buffers)
@@ -266,16 +261,7 @@ def plan_virtual(
             f"no configuration of {total} devices can run global batch {batch} with schedule "
             f"{schedule!r} ({why}); use more micro-batches, more memory or another schedule"
         )
-    found.sort(key=rank)
-    return PlanResult(
-        best=found[0],
-        alternatives=tuple(found[1:keep]),
-        cluster=cluster,
-        global_batch_size=batch,
-        configurations=configurations,
-        infeasible=infeasible,
-        search_time_s=time.perf_counter() - started,
-    )
+    return ranked_result(found, keep, cluster, batch, configurations, infeasible, started)
 
 
 def predict_virtual(
