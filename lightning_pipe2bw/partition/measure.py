@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 import weakref
@@ -16,6 +17,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_pipe2bw.partition.profile import BlockProfile, Profile, ProfileSet
 from lightning_pipe2bw.runtime.inplace import writable
+from lightning_pipe2bw.runtime.splitgrad import SplitBackward
 from lightning_pipe2bw.runtime.stage import call_input
 
 __all__ = [
@@ -39,21 +41,26 @@ def profile_blocks(
     warmup: int = 2,
     repeats: int = 5,
     device: torch.device | str | None = None,
+    min_time_s: float = 0.0,
 ) -> Profile:
     """Measure every block of a body on one micro-batch ``sample`` (the body's input).
 
     Each block runs on a detached copy of the previous block's output (floating leaves require
     grad, as a pipeline stage receives them), which it may modify in place as a stage's blocks
     may (``nn.ReLU(inplace=True)``): the sample and the next block's input are not touched. ``forward_s`` and ``backward_s`` are medians over
-    ``repeats`` timed runs after ``warmup`` untimed ones. A run is what a stage does with one
+    ``repeats`` timed runs after ``warmup`` untimed ones, or more while the timed runs have
+    taken less than ``min_time_s`` in all (up to 10 x ``repeats``: small blocks' medians over a
+    handful of millisecond runs are noisy on a shared machine). A run is what a stage does with one
     micro-batch: every block's forward in order, keeping the outputs, then every block's
     backward in reverse order, each timed on its own. Timing the blocks in sequence, not each one
     repeated alone, matters: a block that runs again at once finds its weights still in cache,
     and on a CPU that made blocks look 25-50% faster than they run in a stage. The backward is
     ``torch.autograd.backward`` of the output's grad-requiring floating leaves with gradients of
     ones (``backward_s`` is 0 when no output leaf requires grad); gradients accumulate into
-    ``.grad`` as in gradient accumulation. ``output_bytes`` sums the output's tensor leaves;
-    ``param_bytes`` the block's distinct parameters.
+    ``.grad`` as in gradient accumulation. ``input_grad_s`` and ``weight_grad_s`` time the same
+    backward cut in two as the zero-bubble schedules' ``I`` and ``W`` run it (further runs:
+    every inputs' pass in reverse order, then every weights' pass). ``output_bytes`` sums the
+    output's tensor leaves; ``param_bytes`` the block's distinct parameters.
 
     ``saved_bytes`` is what autograd keeps alive for the block's backward: the tensors packed by
     ``torch.autograd.graph.saved_tensors_hooks`` during one forward that are still referenced by
@@ -84,6 +91,8 @@ def profile_blocks(
         raise ValueError(f"got {len(labels)} names for {len(mods)} blocks; give one name per block")
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
+    if not (math.isfinite(min_time_s) and min_time_s >= 0):
+        raise ValueError(f"min_time_s must be a number of seconds >= 0, got {min_time_s!r}")
     leaves = [x for x in pytree.tree_leaves(sample) if isinstance(x, Tensor)]
     batched = [x for x in leaves if x.ndim >= 1]
     if not batched:
@@ -113,10 +122,15 @@ def profile_blocks(
                 inputs.append(x)
                 profile, x = _measure_bytes(block, x, i, name)
                 results.append(profile)
-            forward, backward = _time_in_sequence(mods, labels, inputs, dev, warmup, repeats)
+            forward, backward = _time_in_sequence(
+                mods, labels, inputs, dev, _Runs(warmup, repeats, min_time_s)
+            )
+            cut = _time_split(
+                mods, labels, inputs, dev, _Runs(warmup, repeats, min_time_s), backward
+            )
         results = [
-            dataclasses.replace(r, forward_s=f, backward_s=b)
-            for r, f, b in zip(results, forward, backward, strict=True)
+            dataclasses.replace(r, forward_s=f, backward_s=b, input_grad_s=i, weight_grad_s=w)
+            for r, f, b, (i, w) in zip(results, forward, backward, cut, strict=True)
         ]
     meta: dict[str, Any] = {
         "torch": torch.__version__,
@@ -145,17 +159,19 @@ def profile_sizes(
     repeats: int = 5,
     device: torch.device | str | None = None,
     optimizer: MakeOptimizer | None = None,
+    min_time_s: float = 0.0,
 ) -> ProfileSet:
     """Profile the blocks at each micro-batch size; ``make_sample(b)`` gives a sample of size b.
     With ``optimizer``, each block's ``update_s`` is its parameters' update (see
-    :func:`update_times`)."""
+    :func:`update_times`). ``min_time_s``: see :func:`profile_blocks` (the updates share it)."""
     if not sizes:
         raise ValueError("profile_sizes needs at least one micro-batch size")
     profiles = []
     for size in sizes:
         profile = profile_blocks(
-            blocks, make_sample(size), names=names, warmup=warmup, repeats=repeats, device=device
-        )
+            blocks, make_sample(size), names=names, warmup=warmup, repeats=repeats,
+            device=device, min_time_s=min_time_s,
+        )  # fmt: skip
         if profile.microbatch_size != size:
             raise ValueError(
                 f"make_sample({size}) returned a sample with micro-batch size "
@@ -163,7 +179,9 @@ def profile_sizes(
             )
         profiles.append(profile)
     if optimizer is not None:
-        updates = update_times(blocks, optimizer, warmup=warmup, repeats=repeats, device=device)
+        updates = update_times(
+            blocks, optimizer, warmup=warmup, repeats=repeats, device=device, min_time_s=min_time_s
+        )
         profiles = [
             dataclasses.replace(
                 p,
@@ -184,8 +202,10 @@ def update_times(
     warmup: int = 2,
     repeats: int = 5,
     device: torch.device | str | None = None,
+    min_time_s: float = 0.0,
 ) -> list[float]:
-    """Median seconds of one ``optimizer`` step over each block's trainable parameters.
+    """Median seconds of one ``optimizer`` step over each block's trainable parameters (more
+    than ``repeats`` steps while a block's have taken less than its share of ``min_time_s``).
 
     The step runs on copies of the parameters, with random gradients, so the blocks and their
     gradients are untouched; the optimizer's state is created by the warm-up steps (Adam's first
@@ -203,12 +223,14 @@ def update_times(
             c.grad = torch.randn_like(c)
         opt = optimizer(copies)
         runs = []
-        for run in range(warmup + max(repeats, 1)):
+        loop = _Runs(warmup, max(repeats, 1), min_time_s / len(blocks))
+        for run in loop:
             _sync(dev)
             start = time.perf_counter()
             opt.step()
             _sync(dev)
             if run >= warmup:
+                loop.spent += time.perf_counter() - start
                 runs.append(time.perf_counter() - start)
         times.append(statistics.median(runs))
     return times
@@ -251,20 +273,36 @@ def _measure_bytes(block: nn.Module, x: Any, index: int, name: str) -> tuple[Blo
     return profile, nxt
 
 
+class _Runs:
+    """The runs of a timing loop: ``warmup`` untimed, then ``repeats`` timed ones, and more
+    while the timed runs have taken less than ``min_time_s`` (the loop adds each timed run's
+    seconds to ``spent``), up to 10 x ``repeats``."""
+
+    def __init__(self, warmup: int, repeats: int, min_time_s: float) -> None:
+        self.warmup, self.repeats, self.min_time_s = warmup, repeats, min_time_s
+        self.spent = 0.0
+
+    def __iter__(self) -> Iterator[int]:
+        run, least, most = 0, self.warmup + self.repeats, self.warmup + 10 * self.repeats
+        while run < least or (self.spent < self.min_time_s and run < most):
+            yield run
+            run += 1
+
+
 def _time_in_sequence(
     blocks: list[nn.Module],
     names: list[str],
     inputs: list[Any],
     dev: torch.device,
-    warmup: int,
-    repeats: int,
+    runs: _Runs,
 ) -> tuple[list[float], list[float]]:
     """Median forward and backward seconds of every block, timed as a stage runs them: all
     forwards in order, then all backwards in reverse (``inputs[i]`` is block i's input)."""
-    n = len(blocks)
+    n, warmup = len(blocks), runs.warmup
     forward: list[list[float]] = [[] for _ in range(n)]
     backward: list[list[float]] = [[] for _ in range(n)]
-    for run in range(warmup + repeats):
+    for run in runs:
+        began = time.perf_counter()
         ins = [_fresh(x) for x in inputs]
         outs = []
         for i, block in enumerate(blocks):
@@ -294,7 +332,72 @@ def _time_in_sequence(
             outs[i] = None  # its graph is freed, as a stage frees it after the backward
             del roots, ones
         del ins, outs
+        if run >= warmup:
+            runs.spent += time.perf_counter() - began
     return [statistics.median(f) for f in forward], [statistics.median(b) for b in backward]
+
+
+def _time_split(
+    blocks: list[nn.Module],
+    names: list[str],
+    inputs: list[Any],
+    dev: torch.device,
+    runs: _Runs,
+    backward: list[float],
+) -> list[tuple[float, float]]:
+    """Median (inputs' pass, weights' pass) seconds of every block's backward cut in two by
+    :class:`SplitBackward`, timed as a zero-bubble stage runs them: all forwards, every block's
+    inputs' pass in reverse order, then every block's weights' pass. A block whose input needs
+    no gradient (the body's first, on token ids) has only a weights' pass, its whole backward
+    (``backward[i]``); a block the split refuses runs whole in its inputs' pass (the engine does
+    the same)."""
+    n, warmup = len(blocks), runs.warmup
+    passes: list[tuple[list[float], list[float]]] = [([], []) for _ in range(n)]
+    for run in runs:
+        began = time.perf_counter()
+        ins = [_fresh(x) for x in inputs]
+        outs = [_call(block, ins[i], i, names[i]) for i, block in enumerate(blocks)]
+        cuts: list[SplitBackward | None] = [None] * n
+        for i in reversed(range(n)):
+            roots = [
+                t for t in pytree.tree_leaves(outs[i]) if isinstance(t, Tensor) and t.requires_grad
+            ]
+            leaves = [
+                t for t in pytree.tree_leaves(ins[i]) if isinstance(t, Tensor) and t.requires_grad
+            ]
+            ones: list[Tensor | None] = [torch.ones_like(t) for t in roots]
+            _sync(dev)
+            start = time.perf_counter()
+            cut = SplitBackward.plan(roots, ones, leaves) if roots and leaves else None
+            if cut is not None:
+                cut.inputs_pass()
+            elif roots and leaves:  # refused: the whole backward in the inputs' pass
+                torch.autograd.backward(roots, ones)
+            _sync(dev)
+            if run >= warmup and leaves:
+                passes[i][0].append(time.perf_counter() - start)
+            cuts[i] = cut
+            del roots, leaves, ones
+        for i in reversed(range(n)):
+            cut = cuts[i]
+            if cut is None:
+                continue
+            _sync(dev)
+            start = time.perf_counter()
+            cut.weights_pass()
+            _sync(dev)
+            if run >= warmup:
+                passes[i][1].append(time.perf_counter() - start)
+        del ins, outs, cuts
+        if run >= warmup:
+            runs.spent += time.perf_counter() - began
+    out = []
+    for i, (first, second) in enumerate(passes):
+        if not first:  # no input to differentiate: the backward is all weights
+            out.append((0.0, backward[i]))
+        else:
+            out.append((statistics.median(first), statistics.median(second) if second else 0.0))
+    return out
 
 
 def _call(block: nn.Module, inp: Any, index: int, name: str) -> Any:

@@ -28,15 +28,28 @@ class BlockProfile:
     saved_bytes: int  # tensors autograd saves for the block's backward (activation memory)
     param_bytes: int  # the block's parameters (one weight version)
     update_s: float = 0.0  # the optimizer's update of the block's parameters (once per step)
+    # the backward cut in two (zero-bubble schedules' I and W, ``SplitBackward``): the inputs'
+    # pass and the weights' pass; together more than ``backward_s`` (each pass walks its part of
+    # the graph, and a node on the cut runs twice). Both 0: not measured (see ``split_times``)
+    input_grad_s: float = 0.0
+    weight_grad_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for label in ("forward_s", "backward_s", "update_s"):
+        for label in ("forward_s", "backward_s", "update_s", "input_grad_s", "weight_grad_s"):
             value = getattr(self, label)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"BlockProfile {self.name}: {label} must be >= 0, got {value!r}")
         for label in ("output_bytes", "saved_bytes", "param_bytes"):
             if getattr(self, label) < 0:
                 raise ValueError(f"BlockProfile {self.name}: {label} must be >= 0")
+
+    @property
+    def split_times(self) -> tuple[float, float]:
+        """(inputs' pass, weights' pass) seconds of the backward cut in two: as measured, or
+        where it was not measured, half of ``backward_s`` each."""
+        if self.input_grad_s == 0.0 and self.weight_grad_s == 0.0:
+            return self.backward_s / 2, self.backward_s / 2
+        return self.input_grad_s, self.weight_grad_s
 
 
 @dataclass(frozen=True)
@@ -160,6 +173,8 @@ class ProfileSet:
                     a,
                     forward_s=lerp("forward_s"),
                     backward_s=lerp("backward_s"),
+                    input_grad_s=lerp("input_grad_s"),
+                    weight_grad_s=lerp("weight_grad_s"),
                     output_bytes=round(lerp("output_bytes")),
                     saved_bytes=round(lerp("saved_bytes")),
                 )
@@ -188,6 +203,8 @@ def _mapped(
             block,
             forward_s=time(block.forward_s, "forward_s"),
             backward_s=time(block.backward_s, "backward_s"),
+            input_grad_s=time(block.input_grad_s, "input_grad_s"),
+            weight_grad_s=time(block.weight_grad_s, "weight_grad_s"),
             output_bytes=round(size(block.output_bytes, "output_bytes")),
             saved_bytes=round(size(block.saved_bytes, "saved_bytes")),
         )

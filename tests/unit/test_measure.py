@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pipe2bw.partition.measure import profile_blocks, profile_sizes
-from lightning_pipe2bw.partition.profile import Profile, ProfileSet
+from lightning_pipe2bw.partition.profile import BlockProfile, Profile, ProfileSet
 
 torch.set_num_threads(1)
 
@@ -302,7 +302,65 @@ def test_in_place_blocks_are_profiled_on_copies() -> None:
     p = profile_blocks(body, sample, warmup=1, repeats=2)
     assert torch.equal(sample, kept)
     expected = kept.relu() + 1.0
-    assert len(body[2].seen) == 1 + 1 + 2  # measuring bytes, warm-up, timed runs
+    # measuring bytes, then warm-up and timed runs with one backward and with the cut one
+    assert len(body[2].seen) == 1 + 2 * (1 + 2)
     assert all(torch.equal(x, expected) for x in body[2].seen)
     assert p.blocks[0].saved_bytes == 0  # the in-place ReLU saves its input's storage
     assert p.blocks[4].backward_s > 0
+
+
+class Twice(nn.Module):
+    """A layer applied to its own output: its weight's gradient has two owners on the input
+    path, which the split of a backward refuses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(self.fc(x))
+
+
+class Counted(nn.Linear):
+    calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        Counted.calls += 1
+        return super().forward(x)
+
+
+def test_the_backward_cut_in_two_is_timed_per_block() -> None:
+    """``input_grad_s`` and ``weight_grad_s`` time the inputs' and the weights' pass of each
+    block's backward cut in two. A block on token ids (no input gradient) has only the weights'
+    pass, its whole backward; a block the cut refuses runs whole in its inputs' pass."""
+    body = nn.Sequential(
+        nn.Embedding(32, 16), nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)),
+        Twice(),
+    )  # fmt: skip
+    p = profile_blocks(body, torch.randint(0, 32, (B, 4)), warmup=1, repeats=3)
+    embed, mlp, twice = p.blocks
+    assert embed.input_grad_s == 0.0 and embed.weight_grad_s == embed.backward_s > 0
+    assert mlp.input_grad_s > 0 and mlp.weight_grad_s > 0
+    assert twice.input_grad_s > 0 and twice.weight_grad_s == 0.0
+    assert mlp.split_times == (mlp.input_grad_s, mlp.weight_grad_s)
+    # kept through JSON, scaled with the micro-batch size; unmeasured: halves of the backward
+    again = Profile.from_json(p.to_json())
+    assert again.blocks[1].split_times == mlp.split_times
+    doubled = ProfileSet.of(p).at(2 * B).blocks[1]
+    assert doubled.input_grad_s == pytest.approx(2 * mlp.input_grad_s)
+    legacy = BlockProfile("x", 1.0, 3.0, 0, 0, 0)
+    assert legacy.split_times == (1.5, 1.5)
+    with pytest.raises(ValueError, match="input_grad_s must be >= 0"):
+        BlockProfile("x", 1.0, 3.0, 0, 0, 0, input_grad_s=-1.0)
+
+
+def test_small_blocks_are_timed_for_at_least_min_time_s() -> None:
+    """``min_time_s`` adds timed runs (up to 10 x ``repeats``) while the runs have taken less."""
+    Counted.calls = 0
+    profile_blocks([Counted(4, 4)], torch.randn(B, 4), warmup=0, repeats=2)
+    few = Counted.calls  # measuring bytes, then 2 runs whole and 2 cut
+    Counted.calls = 0
+    profile_blocks([Counted(4, 4)], torch.randn(B, 4), warmup=0, repeats=2, min_time_s=60.0)
+    assert (few, Counted.calls) == (1 + 2 + 2, 1 + 20 + 20)
+    with pytest.raises(ValueError, match="min_time_s must be a number of seconds >= 0"):
+        profile_blocks([Counted(4, 4)], torch.randn(B, 4), min_time_s=-1.0)
