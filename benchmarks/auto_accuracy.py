@@ -52,6 +52,8 @@ def _one_model(args: argparse.Namespace) -> list[dict[str, Any]]:
                             "predicted_step_s": predicted,
                             "measured_step_s": measured,
                             "measured_over_predicted": measured / predicted,
+                            # where each rank's time went: seconds per step by action kind
+                            "ranks": [_per_step(r) for r in sorted(ranks, key=lambda r: r["rank"])],
                         }
                     )
                     print(
@@ -63,6 +65,16 @@ def _one_model(args: argparse.Namespace) -> list[dict[str, Any]]:
         finally:
             pool.close()
     return rows
+
+
+def _per_step(rank: dict[str, Any]) -> dict[str, Any]:
+    """One rank's timed steps, per step: wall, and the count and seconds of each action kind."""
+    n = rank["steps"]
+    return {
+        "rank": rank["rank"],
+        "wall_s": rank["wall_s"] / n,
+        "by_kind": {k: [c / n, s / n] for k, (c, s) in rank["by_kind"].items()},
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

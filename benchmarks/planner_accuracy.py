@@ -67,9 +67,10 @@ PLANS = [
 VIRTUAL = ("interleaved-1f1b", "zb-v", "2bw-v")
 
 
-def _link() -> tuple[float, float]:
+def _link() -> tuple[float, float, float]:
     device = torch.device("cpu")
-    return measure_bandwidth(device, 1), measure_latency(device, 1)
+    latency, send = measure_latency(device, 1)
+    return measure_bandwidth(device, 1), latency, send
 
 
 def loop_overhead(schedule: str, m: int, batch_size: int, warmup: int, steps: int) -> float:
@@ -115,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             profiles = ProfileSet.from_json(
                 pool.run(profile, args.batch_size, PLANS, args.repeats, timeout=600)[0]
             )
-            bandwidth, latency = pool.run(_link)[0]
+            bandwidth, latency, send = pool.run(_link)[0]
         finally:
             pool.close()
         one = RankPool(1)
@@ -129,7 +130,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         finally:
             one.close()
     print(
-        f"between two ranks: {bandwidth / 1e9:.2f} GB/s, {latency * 1e3:.2f} ms per message "
+        f"between two ranks: {bandwidth / 1e9:.2f} GB/s, {latency * 1e3:.2f} ms per message, "
+        f"{send * 1e3:.3f} ms of it in the send call "
         "(the pipeline's transport)"
     )
     print(
@@ -149,6 +151,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 intra_node_bandwidth=bandwidth,
                 inter_node_bandwidth=bandwidth,
                 latency_s=latency,
+                send_s=send,
                 step_overhead_s=overhead[schedule],
             )
             plan = predict(
@@ -246,6 +249,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "config": vars(args),
                 "bandwidth_bytes_per_s": bandwidth,
                 "latency_s": latency,
+                "send_s": send,
                 "step_overhead_s": overhead,
                 "profile": json.loads(profiles.to_json()),
                 "rows": rows,

@@ -330,19 +330,25 @@ def _schedule_of(name: str) -> str:
     return name.partition("@")[0].partition("~")[0]
 
 
-def _timeline_split(timeline: Sequence[Any], t0: float, t1: float) -> dict[str, float]:
-    """Seconds of compute, receive (waiting for a peer) and send actions inside [t0, t1]."""
-    out = {"compute_s": 0.0, "recv_s": 0.0, "send_s": 0.0}
+def _timeline_split(timeline: Sequence[Any], t0: float, t1: float) -> dict[str, Any]:
+    """Seconds of compute, receive (waiting for a peer) and send actions inside [t0, t1], and
+    ``by_kind``: the count and seconds of each action kind on each stage there ("F@0")."""
+    out: dict[str, Any] = {"compute_s": 0.0, "recv_s": 0.0, "send_s": 0.0}
+    by_kind: dict[str, list[float]] = {}  # action kind: [count, seconds]
     for entry in timeline:
         if entry.start < t0 or entry.end > t1:
             continue
         kind = entry.action.kind.value
+        tally = by_kind.setdefault(f"{kind}@{entry.action.stage}", [0, 0.0])
+        tally[0] += 1
+        tally[1] += entry.end - entry.start
         key = (
             "compute_s"
             if entry.action.is_compute
             else ("recv_s" if kind.startswith("RECV") else "send_s")
         )
         out[key] += entry.end - entry.start
+    out["by_kind"] = by_kind
     return out
 
 
@@ -364,7 +370,10 @@ def message_delays(ranks: Sequence[dict[str, Any]]) -> list[float]:
     by_stage = {r["stage"]: r["messages"] for r in ranks}
     delays: list[float] = []
     for s in range(len(by_stage) - 1):
-        for src, dst, send, recv in ((s, s + 1, "SEND_F", "RECV_F"), (s + 1, s, "SEND_B", "RECV_B")):
+        for src, dst, send, recv in (
+            (s, s + 1, "SEND_F", "RECV_F"),
+            (s + 1, s, "SEND_B", "RECV_B"),
+        ):
             sends: dict[int, list[tuple[float, float]]] = {}
             recvs: dict[int, list[tuple[float, float]]] = {}
             for kind, mb, start, end in by_stage[src]:
@@ -668,7 +677,9 @@ def add_ratios(rows: list[Row]) -> None:
     over the 1-thread process, efficiency, ours over torch's schedules and over all threads."""
     by_name = {(r.kind, r.name): r.samples_per_s for r in rows}
     reference = by_name.get(("single", "1 thread"))
-    all_threads = max((r.samples_per_s for r in rows if r.kind == "single" and r.name != "1 thread"), default=None)
+    all_threads = max(
+        (r.samples_per_s for r in rows if r.kind == "single" and r.name != "1 thread"), default=None
+    )
     torch_rows = [r.samples_per_s for r in rows if r.kind == "torch"]
     for row in rows:
         if reference:
@@ -974,7 +985,9 @@ def choose_peer(
         done = [row for row in trials if row is not None]
         for row in done:
             bench.trials.append(
-                dict(name=row.name, p=row.p, m=m, steps=trial_steps, samples_per_s=row.samples_per_s)
+                dict(
+                    name=row.name, p=row.p, m=m, steps=trial_steps, samples_per_s=row.samples_per_s
+                )
             )
         best = max(done, key=lambda row: row.samples_per_s) if done else None
         bench.best_peer[key] = best.name if best else None
@@ -1059,9 +1072,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     write_json(args.out, title, groups, bench, runtime, load_before, load_after)
 
 
-def build_groups(
-    configs: Sequence[tuple[int, int]], bench: Bench, rounds: int
-) -> list[list[Row]]:
+def build_groups(configs: Sequence[tuple[int, int]], bench: Bench, rounds: int) -> list[list[Row]]:
     """One group of lines per (p, m): the single-process baselines, ours, then torch's; each
     line the medians over the rounds of its runs and of their ratios within each round."""
     groups: list[list[Row]] = []
@@ -1165,7 +1176,13 @@ def write_json(
             "model": (
                 {"name": "gpt", **GPT, "dtype": "float32"}
                 if MODEL == "gpt"
-                else {"name": "mlp", "blocks": BLOCKS, "width": WIDTH, "hidden": HIDDEN, "dtype": "float32"}
+                else {
+                    "name": "mlp",
+                    "blocks": BLOCKS,
+                    "width": WIDTH,
+                    "hidden": HIDDEN,
+                    "dtype": "float32",
+                }
             ),
             "optimizer": f"AdamW(lr={LR})",
             "batch_size": bench.batch_size,

@@ -15,6 +15,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_pipe2bw import compat
+from lightning_pipe2bw.loopcost import loop_costs
 from lightning_pipe2bw.partition import BodyRef
 from lightning_pipe2bw.partition.plans import PlanResult
 from lightning_pipe2bw.pipeline.autoplan import (
@@ -46,7 +47,7 @@ def plan_auto(
     o = options
     inputs = AutoPlanInputs(
         o.schedule, o.data_parallel, o.microbatches, o.recompute, device, world_size,
-        num_processes,
+        num_processes, loop_costs=loop_costs,
     )  # fmt: skip
     loader = compat.training_dataloader(module.trainer)
     plan = plan_from_loader(module, ref, loader, inputs, compat.optimizer_factory(module))

@@ -21,6 +21,8 @@ _Terms = tuple[float, float, float, float, float, float]
 PLANNER_SCHEDULES = ("gpipe", "1f1b", "2bw", "pipedream", "zb-h1")
 # pay the pipeline fill and drain every step
 FLUSH_SCHEDULES = frozenset({"gpipe", "1f1b", "zb-h1"})
+# the schedules whose every backward is cut into an inputs' and a weights' pass (I and W)
+CUT_SCHEDULES = frozenset({"zb-h1"})
 
 
 def check_schedule(schedule: object) -> str:
@@ -56,7 +58,11 @@ class Cluster:
 
     ``memory_bytes`` is what one device may use for the stage (weights, gradients, optimizer
     state, activations); bandwidths are bytes/s of one point-to-point link, inside a node and
-    across nodes; ``latency_s`` is added once per message. ``step_overhead_s`` is what every
+    across nodes; ``latency_s`` is added once per message, on its receiver; ``send_s`` is what
+    the sender of a message spends on it (the transport's framing and bookkeeping, measured at
+    set-up like the latency; 0 where sends are asynchronous); ``action_s`` is what the engine
+    adds to every compute action (a forward, a backward, each half of a backward cut in two)
+    beyond its blocks' profiled compute. ``step_overhead_s`` is what every
     rank spends once per optimizer step outside the schedule and the update: the training loop's
     hooks, logging and the strategy's bookkeeping (measure it on the machine; see
     ``docs/planner.md``).
@@ -69,6 +75,8 @@ class Cluster:
     inter_node_bandwidth: float
     latency_s: float = 0.0
     step_overhead_s: float = 0.0
+    send_s: float = 0.0
+    action_s: float = 0.0
 
     def __post_init__(self) -> None:
         n = _positive_int("Cluster.num_devices", self.num_devices, "count the devices to use")
@@ -87,6 +95,8 @@ class Cluster:
         _positive_number(
             "Cluster.step_overhead_s", self.step_overhead_s, "give seconds, e.g. 2e-3", True
         )
+        _positive_number("Cluster.send_s", self.send_s, "give seconds, e.g. 5e-5", True)
+        _positive_number("Cluster.action_s", self.action_s, "give seconds, e.g. 1e-4", True)
 
     @property
     def num_nodes(self) -> int:
@@ -113,8 +123,12 @@ class Cluster:
 class StageCost:
     """One stage of one configuration, per micro-batch (``allreduce_s`` per optimizer step)."""
 
-    forward_s: float  # the stage's forward
-    backward_s: float  # its backward, plus the recomputed forward when ``recompute``
+    # the stage's forward, and its send of the activation (the cluster's ``send_s``; not on
+    # the last stage)
+    forward_s: float
+    # its backward (with the recomputed forward when ``recompute``), and its send of the
+    # inputs' gradient (not on the first stage)
+    backward_s: float
     recv_activation_s: float  # the activation from stage s - 1 (0 on the first stage)
     recv_gradient_s: float  # the gradient from stage s + 1 (0 on the last stage)
     allreduce_s: float  # ring all-reduce of the stage's gradients over its replicas
@@ -151,7 +165,11 @@ class CostModel:
     * compute: sum of forward + backward; with recompute the forward runs twice,
       forward + (forward + backward), which is the paper's 4/3 x compute when backward = 2 x
       forward; flush schedules add the stage's update / m (see :meth:`step_time` for the
-      others);
+      others); ZB-H1, which cuts every backward in two, pays the measured cost of the cut
+      (``BlockProfile.split_times`` less ``backward_s``) on every stage but the first, where
+      nothing is recomputed; each message costs its sender the cluster's ``send_s`` (the
+      activation in the forward, the gradient in the backward), and each compute action the
+      cluster's ``action_s`` (two for a backward cut in two);
     * comm: activation bytes entering the stage (output of block lo - 1) plus gradient bytes
       entering it (same size as the output of block hi - 1), each over its link's bandwidth
       (inter-node if the two devices are on different nodes for any replica), plus latency;
@@ -199,6 +217,11 @@ class CostModel:
                 for b in blocks
             ]
         )
+        # what cutting each block's backward in two (``I`` and ``W``) costs beyond one backward,
+        # paid by the schedules that cut every backward (the first stage leaves its backward
+        # whole: it sends no gradient), where the stage's activations are not recomputed
+        self.cut = self.schedule in CUT_SCHEDULES
+        self.cut_extra = _prefix_of([sum(b.split_times) - b.backward_s for b in blocks])
         updates = sum(b.update_s for b in blocks)
         # seconds per step outside the micro-batches' time: once after a flush (the stages pay
         # it side by side), else every stage's update and overhead in turn
@@ -273,9 +296,16 @@ class CostModel:
         x_in, x_out = self.in_bytes[lo], self.out_bytes[hi - 1]
         stash = x_in * self.in_flight[s] + sav if recompute else sav * self.in_flight[s]
         buffers = (0.0 if first else x_in) + (0.0 if last else x_out)
+        action = self.cluster.action_s
+        bwd = fb - fwd + (fwd if recompute else 0.0) + action
+        if self.cut:  # I and W: two actions (the first stage's I has nothing to do)
+            bwd += action
+            if not first and not recompute:
+                bwd += self.cut_extra[hi] - self.cut_extra[lo]
+        send = self.cluster.send_s
         return (
-            fwd,
-            fb - fwd + (fwd if recompute else 0.0),
+            fwd + action + (0.0 if last else send),
+            bwd + (0.0 if first else send),
             0.0 if first else x_in * self.in_inv[s] + self.lat_in[s],
             0.0 if last else x_out * self.out_inv[s] + self.lat_out[s],
             par * self.ar_inv[s] + self.ar_lat if self.w > 1 else 0.0,
@@ -314,6 +344,14 @@ class CostModel:
         # the stages' parameter memory sums to at least params x the smallest factor
         memory = self.par[self.n] * min(self.param_factor) / self.d
         return max(total / self.d, widest), memory
+
+
+def _prefix_of(values: list[float]) -> list[float]:
+    """Prefix sums: ``out[i]`` is the sum of ``values[:i]``."""
+    out = [0.0]
+    for value in values:
+        out.append(out[-1] + value)
+    return out
 
 
 def _prefix(rows: list[tuple[float, float, int, int]]) -> tuple[list[float], ...]:

@@ -10,8 +10,10 @@ is planned in three steps:
    search of the one-stage schedules, over 2d stages of a 1F1B cost model for the per-stage
    terms: forward, backward, boundary transfers, all-reduce);
 2. the schedule the engine would run (``schedule.virtual_schedule``, or the V's 2BW stream) is
-   simulated with those per-stage costs, each stage's incoming transfers folded into its
-   forward and backward as :func:`~lightning_pipe2bw.partition.planner.simulate_plan` does;
+   simulated with those per-stage costs, each stage's incoming transfers and its sends folded
+   into its forward and backward as :func:`~lightning_pipe2bw.partition.planner.simulate_plan`
+   does (a hand-over between two stages of one rank costs nothing; ZB-V's ``I`` and ``W`` cost
+   the measured passes of the backward cut in two);
    its step time is the prediction (a flush schedule: the makespan, then each rank's
    all-reduce, plus ``step_overhead_s``; 2BW on a V: the steady-state time of a batch, with
    each rank's update and ``step_overhead_s`` before its first forward of every batch);
@@ -52,7 +54,9 @@ from lightning_pipe2bw.schedule import (
 
 __all__ = ["STAGES_PER_RANK", "VIRTUAL_PLANNER_SCHEDULES", "virtual_plan", "virtual_problem"]
 
-VIRTUAL_PLANNER_SCHEDULES = ("interleaved-1f1b", "zb-v", "2bw-v")
+VIRTUAL_PLANNER_SCHEDULES = ("interleaved-1f1b", "zb-v", "2bw-v", "dualpipe-v")
+# the schedules with two stages per rank whose backwards are (some or all) cut into I and W
+_CUTTING = frozenset({"zb-v", "dualpipe-v"})
 STAGES_PER_RANK = 2
 _GIB = float(2**30)
 
@@ -69,6 +73,8 @@ def virtual_problem(
         return f"interleaved-1f1b needs m a multiple of d, m={m}"
     if schedule == "2bw-v" and m < d:
         return f"2bw-v needs m >= d, m={m}"
+    if schedule == "dualpipe-v" and m < 2 * d:
+        return f"dualpipe-v needs m >= 2d, m={m}"
     return None
 
 
@@ -100,10 +106,7 @@ def virtual_plan(
     placement = placement_of(schedule, d)
     assert placement is not None
     held = [[v for v in range(n) if placement[v] == r] for r in range(d)]
-    costs = Costs(
-        forward=[st.forward_s + st.recv_activation_s for st in stages],
-        backward=[st.backward_s + st.recv_gradient_s for st in stages],
-    )
+    costs = _stage_costs(schedule, profile, cluster, bounds, stages, placement, recompute)
     allreduce = [sum(stages[v].allreduce_s for v in mine) for mine in held]
     step, peaks = _simulated_step(schedule, profile, cluster, bounds, d, m, costs, allreduce, held)
     memory = _rank_memory(model, bounds, held, peaks, recompute, schedule)
@@ -125,6 +128,62 @@ def virtual_plan(
         throughput=w * profile.microbatch_size * m / step if step > 0 else float("inf"),
         fits=all(mem <= memory_limit for mem in memory),
     )
+
+
+def _stage_costs(
+    schedule: str,
+    profile: Profile,
+    cluster: Cluster,
+    bounds: Sequence[int],
+    stages: list[StageCost],
+    placement: Sequence[int],
+    recompute: bool,
+) -> Costs:
+    """Each stage's actions for the simulation: the forward and the backward with the stage's
+    incoming transfers folded in, and its sends. A hand-over between two stages of one rank
+    (the V's turn) is not a message: neither side pays for it. ZB-V cuts every backward in two,
+    DualPipeV those at its ends (the measured passes of its blocks); the first stage leaves its
+    backward whole to ``W``, and a stage that recomputes runs it whole in ``I``, as the engine
+    does."""
+    n, send = len(stages), cluster.send_s
+    forward, backward = [], []
+    for v, st in enumerate(stages):
+        local_in = v > 0 and placement[v - 1] == placement[v]
+        local_out = v < n - 1 and placement[v + 1] == placement[v]
+        forward.append(
+            st.forward_s
+            - (send if local_out else 0.0)
+            + (0.0 if local_in else st.recv_activation_s)
+        )
+        backward.append(
+            st.backward_s - (send if local_in else 0.0) + (0.0 if local_out else st.recv_gradient_s)
+        )
+    if schedule not in _CUTTING:
+        return Costs(forward=forward, backward=backward)
+    inputs, weights = [], []
+    for v, st in enumerate(stages):
+        local_in = v > 0 and placement[v - 1] == placement[v]
+        local_out = v < n - 1 and placement[v + 1] == placement[v]
+        received = 0.0 if local_out else st.recv_gradient_s  # waited for before the I
+        sent = 0.0 if v == 0 else send  # CostModel's backward sends the gradient
+        action = cluster.action_s  # the engine's cost of an action: the backward's is in W
+        if v == 0:
+            inputs.append(received + action)
+            weights.append(st.backward_s)
+        elif recompute:
+            inputs.append(backward[v])
+            weights.append(action)
+        else:
+            blocks = profile.blocks[bounds[v] : bounds[v + 1]]
+            rest = st.backward_s - sent - sum(b.backward_s for b in blocks)  # update, action
+            inputs.append(
+                sum(b.split_times[0] for b in blocks)
+                + (0.0 if local_in else sent)
+                + received
+                + action
+            )
+            weights.append(sum(b.split_times[1] for b in blocks) + rest)
+    return Costs(forward=forward, backward=backward, input_grad=inputs, weight_grad=weights)
 
 
 def _simulated_step(

@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from lightning_pipe2bw.runtime.transport import wire_device
 
 __all__ = [
     "AutoPlanInputs",
+    "MessageTimes",
     "auto_plan",
     "body_input",
     "compare_schedules",
@@ -38,6 +40,10 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# each timing loop of the profile runs for at least this long (small blocks: more repeats, so
+# that their medians hold on a machine the ranks share)
+PROFILE_MIN_TIME_S = 0.25
 
 
 class _Captured(Exception):
@@ -102,6 +108,13 @@ def _median_round_trip(
     return float(result.item())
 
 
+def _broadcast_float(value: float, device: torch.device) -> float:
+    """Global rank 0's ``value`` on every rank (collective over the default group)."""
+    box = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.broadcast(box, src=0)
+    return float(box.item())
+
+
 def measure_bandwidth(device: torch.device, peer: int, nbytes: int = 8 << 20) -> float:
     """Bytes per second from global rank 0 to ``peer`` (median of 3 round trips of ``nbytes``
     out and a byte back); collective over the default group: every rank gets the figure."""
@@ -121,33 +134,51 @@ def measure_bandwidth(device: torch.device, peer: int, nbytes: int = 8 << 20) ->
     return nbytes / _median_round_trip(device, peer, exchange, rounds=4, skip=1)
 
 
-def measure_latency(device: torch.device, peer: int, rounds: int = 50) -> float:
+class MessageTimes(NamedTuple):
+    """What one small message costs through the pipeline's own transport."""
+
+    latency_s: float  # from the sender's call until the receiver has it unpacked
+    send_s: float  # the sender's own call (framing, the copy into the channel)
+
+
+def measure_latency(device: torch.device, peer: int, rounds: int = 50) -> MessageTimes:
     """Seconds one small message takes from global rank 0 to ``peer`` and is unpacked, through
     the pipeline's own transport (its framing and Python overhead included): half the median
-    round trip. Collective over the default group: every rank gets the figure."""
+    round trip; and the median of rank 0's send calls. Collective over the default group:
+    every rank gets the figures."""
     # the transport a run would use (shared memory between CPU ranks of one host), made on
     # every rank: transports are numbered in creation order, and failure notices match by that
     # number, so every rank must create the same transports (failure.new_run)
     rank = dist.get_rank()
     transport = create_transport(device, [peer] if rank == 0 else [0] if rank == peer else [])
     message = torch.zeros(16, device=device)
+    sends: list[float] = []
 
     def exchange(first: bool) -> None:
         if first:
+            start = time.perf_counter()
             transport.send(message, peer)
+            sends.append(time.perf_counter() - start)
             transport.recv(peer)
         else:
             transport.recv(0)
             transport.send(message, 0)
 
+    skip = rounds // 5
     seconds = _median_round_trip(
-        device, peer, exchange, rounds=rounds, skip=rounds // 5, after=transport.settle
+        device, peer, exchange, rounds=rounds, skip=skip, after=transport.settle
     )
     if rank in (0, peer):
         transport.wait_sends()
     if isinstance(transport, SharedMemoryTransport):
         transport.close()
-    return seconds / 2
+    send = statistics.median(sends[skip:]) if sends else 0.0
+    return MessageTimes(seconds / 2, _broadcast_float(send, device))
+
+
+# measures, on global rank 0, the training loop's seconds per step and the engine's per
+# compute action (the seam's ``loopcost.loop_costs``: it runs Lightning)
+LoopCostsFn = Callable[[], tuple[float, float]]
 
 
 def local_cluster(
@@ -155,23 +186,29 @@ def local_cluster(
     world_size: int,
     processes_per_node: int,
     memory_fraction: float = 0.9,
+    loop_costs: LoopCostsFn | None = None,
 ) -> Cluster:
     """The cluster the run is on: device memory (a CUDA device's, or this machine's RAM shared
-    by its processes) and the measured bandwidth inside a node and across nodes."""
+    by its processes), the measured bandwidth inside a node and across nodes, a message's
+    latency and its sender's cost, and the training loop's cost per step and the engine's per
+    compute action (``loop_costs``, called on global rank 0: see :mod:`lightning_pipe2bw.loopcost`;
+    None: both 0; on a GPU the actions' host cost overlaps the device's work and is left out).
+    Collective."""
     if device.type == "cuda":
         memory = torch.cuda.get_device_properties(device).total_memory
     else:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // processes_per_node
     intra = inter = 1e12  # one process: nothing crosses a link
-    latency = 0.0
+    latency = send = 0.0
     if world_size > 1:
-        latency = measure_latency(device, 1)
+        latency, send = measure_latency(device, 1)
         intra = measure_bandwidth(device, 1 if processes_per_node > 1 else 0)
         inter = (
             measure_bandwidth(device, processes_per_node)
             if world_size > processes_per_node
             else intra
         )
+    loop, action = _loop_costs(device, loop_costs)
     return Cluster(
         num_devices=world_size,
         devices_per_node=min(processes_per_node, world_size),
@@ -179,7 +216,31 @@ def local_cluster(
         intra_node_bandwidth=intra,
         inter_node_bandwidth=inter,
         latency_s=latency,
+        send_s=send,
+        step_overhead_s=loop,
+        action_s=action,
     )
+
+
+def _loop_costs(device: torch.device, measure: LoopCostsFn | None) -> tuple[float, float]:
+    """Global rank 0's measured loop cost per step and engine cost per action (the latter 0 on
+    a GPU), on every rank; zeros, with a warning, where the measuring run fails."""
+    costs = torch.zeros(2, dtype=torch.float64)
+    if measure is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        try:
+            loop, action = measure()
+            costs[0] = loop
+            costs[1] = action if device.type == "cpu" else 0.0
+        except (RuntimeError, OSError, subprocess.SubprocessError) as err:
+            log.warning(
+                "pipe2bw: balance='auto' plans without the training loop's cost per step, "
+                "which could not be measured: %s", err,
+            )  # fmt: skip
+    if dist.is_initialized():
+        costs = costs.to(device)
+        dist.broadcast(costs, src=0)
+    loop, action = costs.tolist()
+    return loop, action
 
 
 @dataclass(frozen=True)
@@ -193,6 +254,7 @@ class AutoPlanInputs:
     device: torch.device
     world_size: int
     processes_per_node: int
+    loop_costs: LoopCostsFn | None = None  # see local_cluster
 
     @property
     def depth(self) -> int:
@@ -254,6 +316,7 @@ def auto_plan(
                 sorted({sizes[0], sizes[-1]}),
                 device=inputs.device,
                 optimizer=optimizer,
+                min_time_s=PROFILE_MIN_TIME_S,
             )
         except (ValueError, TypeError) as err:
             box[0] = err
@@ -261,7 +324,9 @@ def auto_plan(
     if isinstance(box[0], Exception):
         raise box[0]
     profiles: ProfileSet = box[0]
-    cluster = local_cluster(inputs.device, inputs.world_size, inputs.processes_per_node)
+    cluster = local_cluster(
+        inputs.device, inputs.world_size, inputs.processes_per_node, loop_costs=inputs.loop_costs
+    )
     if inputs.recompute is None:
         mode = "search"
     elif isinstance(inputs.recompute, bool):
