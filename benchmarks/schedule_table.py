@@ -1,7 +1,7 @@
 """Each schedule's bubble and peak activations at paper scale, from the simulator.
 
 For p = 4 to 64 ranks and m = p to 8p micro-batches, every flush schedule (``gpipe``, ``1f1b``,
-``zb-h1``, and with two stages per rank ``interleaved-1f1b`` and ``zb-v``, whose stages are half
+``zb-h1``, and with two stages per rank ``interleaved-1f1b``, ``zb-v`` and ``dualpipe-v`` (m >= 2p), whose stages are half
 as long) is simulated (``lightning_pipe2bw.schedule.simulate``, no communication cost) with two
 cost sets:
 
@@ -46,7 +46,7 @@ from lightning_pipe2bw.schedule import (
     zb_v,
 )
 
-SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v", "dualpipe-v")
 STAGES = (4, 8, 16, 32, 64)
 FACTORS = (1, 2, 4, 8)
 OUT = Path(__file__).resolve().parent / "results" / "schedule_table.json"
@@ -116,6 +116,8 @@ def table(ratios: dict[str, float]) -> list[dict[str, Any]]:
         for factor in FACTORS:
             m = factor * p
             for name in SCHEDULES:
+                if name == "dualpipe-v" and m < 2 * p:
+                    continue  # DualPipeV needs m >= 2p
                 row: dict[str, Any] = {"schedule": name, "p": p, "m": m,
                                        "closed_form": closed_form(name, p, m)}  # fmt: skip
                 for label, costs in cost_sets(2 if name in VIRTUAL_SCHEDULES else 1).items():
@@ -138,7 +140,8 @@ def markdown(rows: list[dict[str, Any]], ratios: dict[str, float]) -> str:
     the peaks (rank 0 / last rank, whole-stage micro-batches), one row per (p, m)."""
     by = {(r["p"], r["m"], r["schedule"]): r for r in rows}
     names = {"gpipe": "GPipe", "1f1b": "1F1B", "zb-h1": "ZB-H1",
-             "interleaved-1f1b": "interleaved 1F1B", "zb-v": "ZB-V"}  # fmt: skip
+             "interleaved-1f1b": "interleaved 1F1B", "zb-v": "ZB-V",
+             "dualpipe-v": "DualPipeV"}  # fmt: skip
     head = [names[n] for n in SCHEDULES if n != "gpipe"]
     lines = [
         f"measured on one GPT block (this CPU): F {ratios['F']:.2f} ms, I {ratios['I']:.2f} ms, "
@@ -151,24 +154,31 @@ def markdown(rows: list[dict[str, Any]], ratios: dict[str, float]) -> str:
         "| --- | --- |" + " --- |" * len(head),
     ]
 
-    def cell(r: dict[str, Any], label: str, closed: bool) -> str:
+    def cell(r: dict[str, Any] | None, label: str, closed: bool) -> str:
+        if r is None:
+            return "-"
         text = f"{r[label]['bubble']:.3f}"
         if closed and r["closed_form"] is not None:
             text += f" ({r['closed_form']:.3f})"
         return text
 
-    def peak(r: dict[str, Any]) -> str:
+    def peak(r: dict[str, Any] | None) -> str:
+        if r is None:
+            return "-"
         first, last = r["1:1:1"]["peak_first"], r["1:1:1"]["peak_last"]
         return f"{first:g} / {last:g}"
 
     for label, closed in (("1:1:1", True), ("measured", False)):
         if label == "measured":
             lines += ["", "bubble fraction, the measured ratios", ""]
-            lines += ["| p | m | " + " | ".join(head) + " |", "| --- | --- |" + " --- |" * len(head)]
+            lines += [
+                "| p | m | " + " | ".join(head) + " |",
+                "| --- | --- |" + " --- |" * len(head),
+            ]
         for p in STAGES:
             for factor in FACTORS:
                 m = factor * p
-                cells = [cell(by[(p, m, n)], label, closed) for n in SCHEDULES if n != "gpipe"]
+                cells = [cell(by.get((p, m, n)), label, closed) for n in SCHEDULES if n != "gpipe"]
                 lines.append(f"| {p} | {m} | " + " | ".join(cells) + " |")
     every = [names[n] for n in SCHEDULES]
     lines += [
@@ -181,7 +191,9 @@ def markdown(rows: list[dict[str, Any]], ratios: dict[str, float]) -> str:
     for p in STAGES:
         for factor in FACTORS:
             m = factor * p
-            lines.append(f"| {p} | {m} | " + " | ".join(peak(by[(p, m, n)]) for n in SCHEDULES) + " |")
+            lines.append(
+                f"| {p} | {m} | " + " | ".join(peak(by.get((p, m, n))) for n in SCHEDULES) + " |"
+            )
     return "\n".join(lines)
 
 

@@ -14,7 +14,7 @@ from rich.table import Table
 from lightning_pipe2bw.partition.costmodel import FLUSH_SCHEDULES, Cluster
 
 # the flush schedules with two stages per rank (their plans come from partition.virtualplan)
-VIRTUAL_FLUSH = frozenset({"interleaved-1f1b", "zb-v"})
+VIRTUAL_FLUSH = frozenset({"interleaved-1f1b", "zb-v", "dualpipe-v"})
 
 __all__ = ["Plan", "PlanResult", "format_balance"]
 

@@ -221,6 +221,16 @@ class Topology:
                     f"microbatches={p * max(1, round(m / p))})",
                 )
             )
+        if name == "dualpipe-v" and m < 2 * p:
+            problems.append(
+                Problem(
+                    "microbatches",
+                    m,
+                    f"schedule='dualpipe-v' needs at least as many micro-batches as its {2 * p} "
+                    f"stages (two per rank), got microbatches={m}; use microbatches={2 * p} or "
+                    "more",
+                )
+            )
         refused = [
             ("activation_budget", options.activation_budget is not None,
              "balance_activations / ActivationBalancer (BPipe)",

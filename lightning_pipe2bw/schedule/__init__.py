@@ -40,6 +40,7 @@ from .stream import OneFOneBStream, PlacedStream
 from .validate import ScheduleError, validate
 from .virtual import (
     VIRTUAL_SCHEDULES,
+    dualpipe_v,
     interleaved_1f1b,
     looped_placement,
     placement_of,
@@ -67,6 +68,7 @@ __all__ = [
     "add_offload",
     "add_offload_schedule",
     "check_sizes",
+    "dualpipe_v",
     "early_input_grads",
     "evict_share",
     "format_actions",

@@ -9,7 +9,9 @@ every rank k times and the pipeline's fill and drain, counted in stage times, sh
 * **V placement** (k = 2): rank r holds stages r and 2p - 1 - r, so the first and the last stage
   share rank 0 and a micro-batch's forward goes down the ranks and comes back up.
   :func:`zb_v` is the zero-bubble schedule on it (Qi et al., ICLR 2024, "ZB-V"): backwards cut
-  into ``I`` and ``W`` (see :mod:`.zerobubble`), ordered by list scheduling on unit costs.
+  into ``I`` and ``W`` (see :mod:`.zerobubble`), ordered by list scheduling on unit costs;
+  :func:`dualpipe_v` is DeepSeek's DualPipe folded onto it (DualPipeV), whole backwards in its
+  steady state and cut ones at its ends.
 
 Actions carry their stage (``action.stage``); ``Schedule.placement`` says which rank holds
 it, and ``Schedule.stages[r]`` is rank r's list.
@@ -26,6 +28,7 @@ from .stream import PlacedStream
 
 __all__ = [
     "VIRTUAL_SCHEDULES",
+    "dualpipe_v",
     "interleaved_1f1b",
     "looped_placement",
     "placement_of",
@@ -227,10 +230,101 @@ def two_bw_v(num_ranks: int, num_microbatches: int, num_batches: int = 2) -> Sch
     return Schedule("2bw-v", 2 * p, m * num_batches, tuple(lanes), placement=placement)
 
 
+def dualpipe_v(num_ranks: int, num_microbatches: int) -> Schedule:
+    """DualPipeV (DeepSeek-V3's DualPipe folded onto the V placement, as torch's
+    ``ScheduleDualPipeV`` runs it): rank r holds stage a = r (the way down) and stage
+    b = 2p - 1 - r (the way back up). Its phases, in micro-batch order on each stage:
+
+    1. 2 (p - r - 1) forwards of a;
+    2. r + 1 pairs: a forward of a, a forward of b;
+    3. p - r - 1 times: b's inputs' gradient (``I``), the oldest owed weights' gradient
+       (``W``), a forward of b;
+    4. m - 2p + r + 1 times: a forward of a with a whole backward of b, then a forward of b with
+       a whole backward of a (DualPipe overlaps each pair's communication with the other's
+       compute; the engine runs the pair one after the other);
+    5. p - r - 1 times: a backward of b, then a forward of b with a backward of a;
+    6. r + 1 pairs: a backward of b, a backward of a; from the middle pair on (odd ranks
+       before b's, even ranks before a's) cut in two, their ``W`` owed;
+    7. p - r - 1 times: the oldest owed ``W``, a backward of a (cut if the cut began);
+    8. the owed ``W``s.
+
+    Owed ``W``s run oldest first, so every stage's weights' gradients add up in micro-batch
+    order, as single-device gradient accumulation adds them. Needs m >= 2p (phase 4 runs at
+    least once on every rank).
+    """
+    check_sizes(num_ranks, num_microbatches)
+    p, m = num_ranks, num_microbatches
+    if m < 2 * p:
+        raise ValueError(
+            f"DualPipeV needs at least as many micro-batches as stages, 2p = {2 * p}, got "
+            f"m={m}; use microbatches={2 * p} or more"
+        )
+    lanes = tuple(_dualpipe_v_lane(p, m, r) for r in range(p))
+    return Schedule("dualpipe-v", 2 * p, m, lanes, placement=v_placement(p))
+
+
+def _dualpipe_v_lane(p: int, m: int, r: int) -> tuple[Action, ...]:
+    """Rank r's actions of :func:`dualpipe_v`, phase by phase."""
+    a, b = r, 2 * p - 1 - r
+    lane: list[Action] = []
+    forwards = {a: 0, b: 0}  # the next micro-batch of each stage's forward and backward
+    backwards = {a: 0, b: 0}
+    owed: list[Action] = []  # weights' gradients, oldest first
+
+    def forward(v: int) -> None:
+        lane.append(Action(v, ActionKind.FORWARD, forwards[v]))
+        forwards[v] += 1
+
+    def backward(v: int, cut: bool) -> None:
+        mb = backwards[v]
+        backwards[v] += 1
+        if cut:
+            lane.append(Action(v, ActionKind.INPUT_GRAD, mb))
+            owed.append(Action(v, ActionKind.WEIGHT_GRAD, mb))
+        else:
+            lane.append(Action(v, ActionKind.BACKWARD, mb))
+
+    def settle_one() -> None:
+        if owed:
+            lane.append(owed.pop(0))
+
+    for _ in range(2 * (p - r - 1)):
+        forward(a)
+    for _ in range(r + 1):
+        forward(a)
+        forward(b)
+    for _ in range(p - r - 1):
+        backward(b, cut=True)
+        settle_one()
+        forward(b)
+    for _ in range(m - 2 * p + r + 1):
+        forward(a)
+        backward(b, cut=False)
+        forward(b)
+        backward(a, cut=False)
+    for _ in range(p - r - 1):
+        backward(b, cut=False)
+        forward(b)
+        backward(a, cut=False)
+    cut = False
+    for i in range(r + 1):
+        cut = cut or (i == (r + 1) // 2 and r % 2 == 1)
+        backward(b, cut)
+        cut = cut or (i == (r + 1) // 2 and r % 2 == 0)
+        backward(a, cut)
+    for _ in range(p - r - 1):
+        settle_one()
+        backward(a, cut)
+    while owed:
+        settle_one()
+    return tuple(lane)
+
+
 VIRTUAL_SCHEDULES = {
     "interleaved-1f1b": interleaved_1f1b,
     "zb-v": zb_v,
     "2bw-v": two_bw_v,
+    "dualpipe-v": dualpipe_v,
 }
 
 # the stages per rank of interleaved 1F1B when the strategy runs it
@@ -242,7 +336,7 @@ def placement_of(name: str, num_ranks: int) -> tuple[int, ...] | None:
     or None for a schedule with one stage per rank."""
     if name == "interleaved-1f1b":
         return looped_placement(num_ranks, INTERLEAVED_CHUNKS)
-    if name in ("zb-v", "2bw-v"):
+    if name in ("zb-v", "2bw-v", "dualpipe-v"):
         return v_placement(num_ranks)
     return None
 
@@ -253,4 +347,6 @@ def virtual_schedule(name: str, num_ranks: int, num_microbatches: int) -> Schedu
         return interleaved_1f1b(num_ranks, num_microbatches, INTERLEAVED_CHUNKS)
     if name == "zb-v":
         return zb_v(num_ranks, num_microbatches)
+    if name == "dualpipe-v":
+        return dualpipe_v(num_ranks, num_microbatches)
     raise ValueError(f"{name!r} is not a schedule with several stages per rank")

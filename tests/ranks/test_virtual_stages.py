@@ -1,5 +1,5 @@
-"""Several stages per rank, run by the strategy: interleaved 1F1B (looped placement) and ZB-V
-(V placement) equal single-device gradient accumulation bitwise (tolerance 0: every stage runs
+"""Several stages per rank, run by the strategy: interleaved 1F1B (looped placement), ZB-V and
+DualPipeV (V placement) equal single-device gradient accumulation bitwise (tolerance 0: every stage runs
 its forwards and backwards in micro-batch order, so each weight's gradient adds up in the
 order one device adds it). The schedules themselves: ``tests/unit/test_virtual_schedules.py``."""
 
@@ -21,7 +21,7 @@ STEPS = 6
 
 CASES = [
     (name, p, m) for name in ("interleaved-1f1b", "zb-v") for p in (2, 4) for m in (p, 2 * p, 4 * p)
-]
+] + [("dualpipe-v", p, m) for p in (2, 4) for m in (2 * p, 4 * p)]  # DualPipeV: m >= 2p
 
 
 @pytest.mark.parametrize(("name", "p", "m"), CASES, ids=[f"{n}-p{p}-m{m}" for n, p, m in CASES])

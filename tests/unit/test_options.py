@@ -128,7 +128,17 @@ def test_unknown_option_names_list_the_valid_ones() -> None:
     [
         (
             {"schedule": "zb"},
-            ("gpipe", "1f1b", "2bw", "pipedream", "zb-h1", "interleaved-1f1b", "zb-v", "2bw-v"),
+            (
+                "gpipe",
+                "1f1b",
+                "2bw",
+                "pipedream",
+                "zb-h1",
+                "interleaved-1f1b",
+                "zb-v",
+                "2bw-v",
+                "dualpipe-v",
+            ),
         ),
         ({"start_method": "Spawn"}, ("popen", "spawn", "fork", "forkserver")),
         ({"state_dict_type": "dcp"}, ("full", "sharded")),
@@ -142,7 +152,7 @@ def test_unknown_names_carry_their_choices(raw: dict[str, Any], choices: tuple[s
 
 
 def test_schedules_of_several_stages_per_rank_are_accepted_and_placed() -> None:
-    for name in ("interleaved-1f1b", "zb-v"):
+    for name in ("interleaved-1f1b", "zb-v", "2bw-v", "dualpipe-v"):
         assert PipeOptions.problems(schedule=name) == []
     looped = Topology.for_schedule(4, 2, 1, "interleaved-1f1b")  # 2 pipelines of 2 ranks
     assert looped.placement == (0, 1, 0, 1) and looped.stage == 0
@@ -170,6 +180,11 @@ def test_what_virtual_stages_do_not_run_yet_is_refused_with_the_way_out() -> Non
     odd = PipeOptions.create(schedule="interleaved-1f1b", microbatches=3)
     (problem,) = Topology.for_schedule(2, 1, 0, "interleaved-1f1b").option_problems(odd)
     assert problem.option == "microbatches" and "use a multiple of 2" in problem.message
+    few = PipeOptions.create(schedule="dualpipe-v", microbatches=3)
+    (problem,) = Topology.for_schedule(2, 1, 0, "dualpipe-v").option_problems(few)
+    assert problem.option == "microbatches" and "its 4 stages" in problem.message
+    assert "use microbatches=4 or more" in problem.message
+    assert Topology.for_schedule(2, 1, 0, "dualpipe-v").placement == (0, 1, 1, 0)
 
 
 def test_settings_are_plain_and_equal_for_equal_options() -> None:
@@ -362,7 +377,9 @@ def test_what_a_training_runtime_cannot_run_is_collected() -> None:
     assert "the balanced share moves nothing" in problem.message
     assert runtime_problems(gpipe, training=False, **run) == []
     pipedream = PipeOptions.create(schedule="pipedream")
-    (problem,) = runtime_problems(pipedream, training=True, shared_across="0.weight = 3.weight", **run)
+    (problem,) = runtime_problems(
+        pipedream, training=True, shared_across="0.weight = 3.weight", **run
+    )
     assert problem.message.startswith(
         "parameters shared between blocks on different stages (0.weight = 3.weight) need "
         "every copy updated at the same step; schedule='pipedream'"
@@ -393,7 +410,7 @@ def test_the_config_is_checked_by_the_strategy_checks() -> None:
     problems = strategy_problems(bad, world_size=2)
     assert problems == [
         "strategy.schedule='zb' is unknown; valid: gpipe, 1f1b, 2bw, pipedream, zb-h1, "
-        "interleaved-1f1b, zb-v, 2bw-v",
+        "interleaved-1f1b, zb-v, 2bw-v, dualpipe-v",
         "strategy.microbatches: microbatches must be a positive int, got 0",
         "strategy.start_method='thread' is unknown; valid: auto, popen, spawn, fork, forkserver",
     ]

@@ -19,6 +19,7 @@ from lightning_pipe2bw.schedule import (
     Schedule,
     ScheduleError,
     add_communication,
+    dualpipe_v,
     forward_only,
     interleaved_1f1b,
     looped_placement,
@@ -312,3 +313,66 @@ def test_2bw_on_a_v_is_valid_balanced_and_due_in_time(p: int, extra: int, batche
 def test_2bw_on_a_v_needs_p_microbatches() -> None:
     with pytest.raises(ValueError, match="at least p = 3 micro-batches"):
         two_bw_v(3, 2)
+
+
+DUALPIPE_V_2x4 = parse_stages("""
+    0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3B1 3F2 0B0 3B2 3F3 0B1 3B3 0I2 0W2 0I3 0W3
+    1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2I3 1I3 2W3 1W3
+""")
+
+
+def _torch_dualpipe_v(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
+    """torch.distributed.pipelining's DualPipeV order for every rank, its overlapped forward and
+    backward pairs as the forward then the backward (as the engine runs them)."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    class Sizes:  # what the order's computation reads of the schedule
+        pp_group_size, _n_microbatches = p, m
+
+    kinds = {"FORWARD": F, "FULL_BACKWARD": B, "BACKWARD_INPUT": IG, "BACKWARD_WEIGHT": W}
+    lanes = []
+    for r in range(p):
+        lane = []
+        order = torch_schedules.ScheduleDualPipeV._calculate_single_rank_operations(Sizes(), r)
+        for action in order:
+            for part in action.sub_actions or (action,):
+                kind = kinds[part.computation_type.name]
+                lane.append(Action(part.stage_index, kind, part.microbatch_index))
+        lanes.append(tuple(lane))
+    return tuple(lanes)
+
+
+def test_dualpipe_v_golden_literal_and_torchs_order() -> None:
+    """DualPipeV on 2 ranks, 4 micro-batches; and the order torch's ScheduleDualPipeV computes,
+    for several sizes (its overlapped pairs one after the other)."""
+    assert dualpipe_v(2, 4).stages == DUALPIPE_V_2x4
+    assert dualpipe_v(2, 4).placement == v_placement(2)
+    for p, m in [(2, 4), (2, 7), (3, 6), (3, 11), (4, 8), (4, 16), (5, 13)]:
+        assert dualpipe_v(p, m).stages == _torch_dualpipe_v(p, m), (p, m)
+    with pytest.raises(ValueError, match=r"2p = 4, got m=3; use microbatches=4 or more"):
+        dualpipe_v(2, 3)
+
+
+@PROPS
+@given(p=st.integers(1, 6), extra=st.integers(0, 12))
+def test_dualpipe_v_properties(p: int, extra: int) -> None:
+    """Every stage: one forward and one backward (whole, or I then W) per micro-batch, forwards
+    and backwards in micro-batch order, and the weights' gradients (a whole backward's, or a W)
+    too: they add up as single-device accumulation adds them. It validates with and without
+    communication, one FIFO per pair of ranks runs it in the simulated time, and a rank holds
+    at most 2p + 1 stage micro-batches (ZB-V's 2p, plus one)."""
+    m = 2 * p + extra
+    schedule = dualpipe_v(p, m)
+    validate(schedule)
+    for r, lane in enumerate(schedule.stages):
+        for v in schedule.stages_of(r):
+            mine = [a for a in lane if a.stage == v]
+            forwards = [a.microbatch for a in mine if a.kind is F]
+            backwards = [a.microbatch for a in mine if a.kind in (B, IG)]
+            weights = [a.microbatch for a in mine if a.kind in (B, W)]
+            assert forwards == backwards == weights == list(range(m)), (v, mine)
+    comm = add_communication(schedule)
+    channelled = one_channel_per_pair(comm)
+    validate(channelled)
+    assert simulate(channelled).step_time == pytest.approx(simulate(comm).step_time)
+    assert max(simulate(comm).peak_activations) <= 2 * p + 1
