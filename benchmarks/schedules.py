@@ -67,6 +67,7 @@ OUR_SCHEDULES = (
     "interleaved-1f1b",
     "zb-v",
     "2bw-v",
+    "dualpipe-v",
 )
 DEFAULT_SCHEDULES = OUR_SCHEDULES[:5]  # one stage per rank; the virtual ones on request
 TRANSPORTS = ("auto", "shm", "gloo")  # PIPE2BW_TRANSPORT (lightning_pipe2bw.runtime.shm)
@@ -669,6 +670,7 @@ _TORCH_SAME = {
     "1f1b": "1F1B",
     "interleaved-1f1b": "Interleaved1F1B",
     "zb-v": "ZBVZeroBubble",
+    "dualpipe-v": "DualPipeV",
 }
 
 
