@@ -60,6 +60,8 @@ def _one_model(args: argparse.Namespace) -> list[dict[str, Any]]:
                             "predicted_step_s": predicted,
                             "measured_step_s": measured,
                             "measured_over_predicted": measured / predicted,
+                            "predicted_compute_s": rank0["predicted_compute_s"],
+                            "predicted_comm_s": rank0["predicted_comm_s"],
                             # where each rank's time went: seconds per step by action kind
                             "ranks": [_per_step(r) for r in sorted(ranks, key=lambda r: r["rank"])],
                         }

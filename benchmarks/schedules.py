@@ -454,6 +454,9 @@ def run_ours(
         # balance="auto": the step time the plan predicted, and what it chose
         "predicted_step_s": strategy.plan.best.step_time if strategy.plan else None,
         "plan": strategy.plan.best.summary() if strategy.plan else None,
+        # the plan's compute and receive time per micro-batch on each rank (balance="auto")
+        "predicted_compute_s": list(strategy.plan.best.compute_s) if strategy.plan else None,
+        "predicted_comm_s": list(strategy.plan.best.comm_s) if strategy.plan else None,
     }
 
 
