@@ -48,6 +48,7 @@ from .virtual import (
     v_placement,
     virtual_schedule,
     zb_v,
+    zb_v_pattern,
 )
 from .zerobubble import zb_h1
 
@@ -99,4 +100,5 @@ __all__ = [
     "with_communication",
     "zb_h1",
     "zb_v",
+    "zb_v_pattern",
 ]
