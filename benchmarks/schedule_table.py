@@ -1,13 +1,12 @@
 """Each schedule's bubble and peak activations at paper scale, from the simulator.
 
 For p = 4 to 64 ranks and m = p to 8p micro-batches, every flush schedule (``gpipe``, ``1f1b``,
-``zb-h1``, and with two stages per rank ``interleaved-1f1b``, ``zb-v`` and ``dualpipe-v`` (m >= 2p), whose stages are half
-as long) is simulated (``lightning_pipe2bw.schedule.simulate``, no communication cost) with two
-cost sets:
+``zb-h1``, and with two stages per rank ``interleaved-1f1b``, ``zb-v`` and ``dualpipe-v`` (m >=
+2p), whose stages are half as long), in the order the strategy runs it, is simulated
+(``lightning_pipe2bw.schedule.simulate``, no communication cost) with two cost sets:
 
 * F : I : W = 1 : 1 : 1 (a whole backward B = I + W = 2), the zero-bubble paper's setting;
-* the ratios measured here (ZB-V's order, made by list scheduling, is made for them) on one
-  pre-LayerNorm GPT block (``recipes.gpt``: width 256, 4 heads,
+* the ratios measured here on one pre-LayerNorm GPT block (``recipes.gpt``: width 256, 4 heads,
   sequence 128, micro-batch 8, fp32, one CPU thread): a forward, the backward cut into its inputs'
   pass and its weights' pass (``SplitBackward``), medians of ``--repeats`` runs.
 
@@ -43,7 +42,7 @@ from lightning_pipe2bw.schedule import (
     Schedule,
     get_schedule,
     simulate,
-    zb_v,
+    virtual_schedule,
 )
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v", "dualpipe-v")
@@ -63,14 +62,10 @@ def closed_form(name: str, p: int, m: int) -> float | None:
     return None
 
 
-def build(
-    name: str, p: int, m: int, ratios: tuple[float, float, float] = (1.0, 1.0, 1.0)
-) -> tuple[Schedule, int]:
-    """The schedule on p ranks and its stages per rank (ZB-V's order is made for ``ratios``)."""
-    if name == "zb-v":
-        return zb_v(p, m, ratios), 2
+def build(name: str, p: int, m: int) -> tuple[Schedule, int]:
+    """The schedule the strategy runs on p ranks, and its stages per rank."""
     if name in VIRTUAL_SCHEDULES:
-        return VIRTUAL_SCHEDULES[name](p, m), 2
+        return virtual_schedule(name, p, m), 2
     return get_schedule(name, p, m), 1
 
 
@@ -121,8 +116,7 @@ def table(ratios: dict[str, float]) -> list[dict[str, Any]]:
                 row: dict[str, Any] = {"schedule": name, "p": p, "m": m,
                                        "closed_form": closed_form(name, p, m)}  # fmt: skip
                 for label, costs in cost_sets(2 if name in VIRTUAL_SCHEDULES else 1).items():
-                    measured = (1.0, ratios["I"] / f, ratios["W"] / f)
-                    schedule, k = build(name, p, m, measured if label == "measured" else (1, 1, 1))
+                    schedule, k = build(name, p, m)
                     result = simulate(schedule, costs)
                     peaks = [n / k for n in result.peak_activations]
                     row[label] = {

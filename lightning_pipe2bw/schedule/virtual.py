@@ -134,7 +134,8 @@ def zb_v(
 def zb_v_pattern(num_ranks: int, num_microbatches: int) -> Schedule:
     """ZB-V in the fixed order of the zero-bubble paper (Qi et al., ICLR 2024, its ZB-V figure;
     torch's ``ScheduleZBVZeroBubble`` runs the same order): what the strategy runs for
-    ``schedule="zb-v"``. Rank r holds stage a = r (the way down) and b = 2p - 1 - r (the way
+    ``schedule="zb-v"`` when m > p (at m = p the pattern's holes cost more than the list order
+    of :func:`zb_v`, which it runs there). Rank r holds stage a = r (the way down) and b = 2p - 1 - r (the way
     back up):
 
     1. 2 (p - r) - 1 forwards of a;
@@ -421,7 +422,11 @@ def virtual_schedule(name: str, num_ranks: int, num_microbatches: int) -> Schedu
     if name == "interleaved-1f1b":
         return interleaved_1f1b(num_ranks, num_microbatches, INTERLEAVED_CHUNKS)
     if name == "zb-v":
-        return zb_v_pattern(num_ranks, num_microbatches)
+        # the fixed order, laid out for 2p - 1 micro-batches or more, leaves holes at m = p,
+        # where the list order fills them (the simulator, at any F : I : W)
+        if num_microbatches > num_ranks:
+            return zb_v_pattern(num_ranks, num_microbatches)
+        return zb_v(num_ranks, num_microbatches)
     if name == "dualpipe-v":
         return dualpipe_v(num_ranks, num_microbatches)
     raise ValueError(f"{name!r} is not a schedule with several stages per rank")
