@@ -16,8 +16,15 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from lightning_pipe2bw.partition.profile import BlockProfile, Profile, ProfileSet
-from lightning_pipe2bw.runtime.inplace import writable
-from lightning_pipe2bw.runtime.splitgrad import SplitBackward
+from lightning_pipe2bw.partition.timing import (
+    Runs,
+    call_block,
+    fresh,
+    sync,
+    time_in_sequence,
+    time_split,
+    tree_map,
+)
 from lightning_pipe2bw.runtime.stage import call_input
 
 __all__ = [
@@ -111,7 +118,7 @@ def profile_blocks(
     results: list[BlockProfile] = []
     rng = torch.random.fork_rng([dev.index] if cuda else [], device_type="cuda" if cuda else None)
     with _kept_state(mods), rng, torch.inference_mode(False), torch.enable_grad():
-        x = _tree_map(lambda t: t.detach().to(dev), sample)
+        x = tree_map(lambda t: t.detach().to(dev), sample)
         call = x  # a model's head (its last block) runs with the call's own arguments
         inputs = []
         with ExitStack() as moved:
@@ -122,12 +129,10 @@ def profile_blocks(
                 inputs.append(x)
                 profile, x = _measure_bytes(block, x, i, name)
                 results.append(profile)
-            forward, backward = _time_in_sequence(
-                mods, labels, inputs, dev, _Runs(warmup, repeats, min_time_s)
+            forward, backward = time_in_sequence(
+                mods, labels, inputs, dev, Runs(warmup, repeats, min_time_s)
             )
-            cut = _time_split(
-                mods, labels, inputs, dev, _Runs(warmup, repeats, min_time_s), backward
-            )
+            cut = time_split(mods, labels, inputs, dev, Runs(warmup, repeats, min_time_s), backward)
         results = [
             dataclasses.replace(r, forward_s=f, backward_s=b, input_grad_s=i, weight_grad_s=w)
             for r, f, b, (i, w) in zip(results, forward, backward, cut, strict=True)
@@ -223,12 +228,12 @@ def update_times(
             c.grad = torch.randn_like(c)
         opt = optimizer(copies)
         runs = []
-        loop = _Runs(warmup, max(repeats, 1), min_time_s / len(blocks))
+        loop = Runs(warmup, max(repeats, 1), min_time_s / len(blocks))
         for run in loop:
-            _sync(dev)
+            sync(dev)
             start = time.perf_counter()
             opt.step()
-            _sync(dev)
+            sync(dev)
             if run >= warmup:
                 loop.spent += time.perf_counter() - start
                 runs.append(time.perf_counter() - start)
@@ -240,7 +245,7 @@ def _measure_bytes(block: nn.Module, x: Any, index: int, name: str) -> tuple[Blo
     """One block's byte counts (times are filled in later), and its detached output (the next
     block's input)."""
     exclude = {storage_key(t)[0] for t in (*block.parameters(), *block.buffers())}
-    inp = _fresh(x)
+    inp = fresh(x)
     exclude |= {storage_key(t)[0] for t in pytree.tree_leaves(inp) if isinstance(t, Tensor)}
     packed: list[weakref.ref[Tensor]] = []
 
@@ -252,7 +257,7 @@ def _measure_bytes(block: nn.Module, x: Any, index: int, name: str) -> tuple[Blo
         return alias
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = _call(block, inp, index, name)
+        out = call_block(block, inp, index, name)
     storages: dict[int, int] = {}
     for ref in packed:
         t = ref()
@@ -261,7 +266,7 @@ def _measure_bytes(block: nn.Module, x: Any, index: int, name: str) -> tuple[Blo
             if key not in exclude:
                 storages[key] = size
     del inp
-    nxt = _tree_map(lambda t: t.detach(), out)
+    nxt = tree_map(lambda t: t.detach(), out)
     profile = BlockProfile(
         name=name,
         forward_s=0.0,
@@ -271,162 +276,6 @@ def _measure_bytes(block: nn.Module, x: Any, index: int, name: str) -> tuple[Blo
         param_bytes=sum(p.numel() * p.element_size() for p in block.parameters()),
     )
     return profile, nxt
-
-
-class _Runs:
-    """The runs of a timing loop: ``warmup`` untimed, then ``repeats`` timed ones, and more
-    while the timed runs have taken less than ``min_time_s`` (the loop adds each timed run's
-    seconds to ``spent``), up to 10 x ``repeats``."""
-
-    def __init__(self, warmup: int, repeats: int, min_time_s: float) -> None:
-        self.warmup, self.repeats, self.min_time_s = warmup, repeats, min_time_s
-        self.spent = 0.0
-
-    def __iter__(self) -> Iterator[int]:
-        run, least, most = 0, self.warmup + self.repeats, self.warmup + 10 * self.repeats
-        while run < least or (self.spent < self.min_time_s and run < most):
-            yield run
-            run += 1
-
-
-def _time_in_sequence(
-    blocks: list[nn.Module],
-    names: list[str],
-    inputs: list[Any],
-    dev: torch.device,
-    runs: _Runs,
-) -> tuple[list[float], list[float]]:
-    """Median forward and backward seconds of every block, timed as a stage runs them: all
-    forwards in order, then all backwards in reverse (``inputs[i]`` is block i's input)."""
-    n, warmup = len(blocks), runs.warmup
-    forward: list[list[float]] = [[] for _ in range(n)]
-    backward: list[list[float]] = [[] for _ in range(n)]
-    for run in runs:
-        began = time.perf_counter()
-        ins = [_fresh(x) for x in inputs]
-        outs = []
-        for i, block in enumerate(blocks):
-            _sync(dev)
-            start = time.perf_counter()
-            outs.append(_call(block, ins[i], i, names[i]))
-            _sync(dev)
-            if run >= warmup:
-                forward[i].append(time.perf_counter() - start)
-        for i in reversed(range(n)):
-            roots = [
-                t for t in pytree.tree_leaves(outs[i]) if isinstance(t, Tensor) and t.requires_grad
-            ]
-            ones = [torch.ones_like(t) for t in roots]
-            _sync(dev)
-            start = time.perf_counter()
-            if roots:
-                try:
-                    torch.autograd.backward(roots, ones)
-                except RuntimeError as err:
-                    raise ValueError(
-                        f"the backward of block {i} ({names[i]!r}) failed: {err}"
-                    ) from err
-            _sync(dev)
-            if run >= warmup:
-                backward[i].append(time.perf_counter() - start if roots else 0.0)
-            outs[i] = None  # its graph is freed, as a stage frees it after the backward
-            del roots, ones
-        del ins, outs
-        if run >= warmup:
-            runs.spent += time.perf_counter() - began
-    return [statistics.median(f) for f in forward], [statistics.median(b) for b in backward]
-
-
-def _time_split(
-    blocks: list[nn.Module],
-    names: list[str],
-    inputs: list[Any],
-    dev: torch.device,
-    runs: _Runs,
-    backward: list[float],
-) -> list[tuple[float, float]]:
-    """Median (inputs' pass, weights' pass) seconds of every block's backward cut in two by
-    :class:`SplitBackward`, timed as a zero-bubble stage runs them: all forwards, every block's
-    inputs' pass in reverse order, then every block's weights' pass. A block whose input needs
-    no gradient (the body's first, on token ids) has only a weights' pass, its whole backward
-    (``backward[i]``); a block the split refuses runs whole in its inputs' pass (the engine does
-    the same)."""
-    n, warmup = len(blocks), runs.warmup
-    passes: list[tuple[list[float], list[float]]] = [([], []) for _ in range(n)]
-    for run in runs:
-        began = time.perf_counter()
-        ins = [_fresh(x) for x in inputs]
-        outs = [_call(block, ins[i], i, names[i]) for i, block in enumerate(blocks)]
-        cuts: list[SplitBackward | None] = [None] * n
-        for i in reversed(range(n)):
-            roots = [
-                t for t in pytree.tree_leaves(outs[i]) if isinstance(t, Tensor) and t.requires_grad
-            ]
-            leaves = [
-                t for t in pytree.tree_leaves(ins[i]) if isinstance(t, Tensor) and t.requires_grad
-            ]
-            ones: list[Tensor | None] = [torch.ones_like(t) for t in roots]
-            _sync(dev)
-            start = time.perf_counter()
-            cut = SplitBackward.plan(roots, ones, leaves) if roots and leaves else None
-            if cut is not None:
-                cut.inputs_pass()
-            elif roots and leaves:  # refused: the whole backward in the inputs' pass
-                torch.autograd.backward(roots, ones)
-            _sync(dev)
-            if run >= warmup and leaves:
-                passes[i][0].append(time.perf_counter() - start)
-            cuts[i] = cut
-            del roots, leaves, ones
-        for i in reversed(range(n)):
-            cut = cuts[i]
-            if cut is None:
-                continue
-            _sync(dev)
-            start = time.perf_counter()
-            cut.weights_pass()
-            _sync(dev)
-            if run >= warmup:
-                passes[i][1].append(time.perf_counter() - start)
-        del ins, outs, cuts
-        if run >= warmup:
-            runs.spent += time.perf_counter() - began
-    out = []
-    for i, (first, second) in enumerate(passes):
-        if not first:  # no input to differentiate: the backward is all weights
-            out.append((0.0, backward[i]))
-        else:
-            out.append((statistics.median(first), statistics.median(second) if second else 0.0))
-    return out
-
-
-def _call(block: nn.Module, inp: Any, index: int, name: str) -> Any:
-    """``block`` on ``inp`` (a fresh copy, see :func:`_fresh`), made writable as a stage makes
-    what it receives: an in-place block modifies the copy, never the sample or the recorded
-    input of the next block."""
-    try:
-        return block(writable(inp))
-    except Exception as err:
-        raise ValueError(
-            f"block {index} ({name!r}) failed on its input (the sample for block 0, else the "
-            f"previous block's output): {type(err).__name__}: {err}. Check that the blocks chain "
-            "(each takes exactly the previous one's output) and that the sample is one micro-batch "
-            "of the body's input."
-        ) from err
-
-
-def _fresh(x: Any) -> Any:
-    """A detached copy of ``x`` whose floating leaves require grad, as a stage receives it."""
-
-    def copy(t: Tensor) -> Tensor:
-        c = t.detach().clone()
-        return c.requires_grad_() if c.is_floating_point() or c.is_complex() else c
-
-    return _tree_map(copy, x)
-
-
-def _tree_map(fn: Callable[[Tensor], Tensor], tree: Any) -> Any:
-    return pytree.tree_map(lambda v: fn(v) if isinstance(v, Tensor) else v, tree)
 
 
 def _leaf_bytes(tree: Any) -> int:
@@ -509,8 +358,3 @@ def _on_device(block: nn.Module, dev: torch.device, index: int) -> Iterator[None
         yield
     finally:
         block.to(home)
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
