@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -221,7 +222,9 @@ class CostModel:
         # paid by the schedules that cut every backward (the first stage leaves its backward
         # whole: it sends no gradient), where the stage's activations are not recomputed
         self.cut = self.schedule in CUT_SCHEDULES
-        self.cut_extra = _prefix_of([sum(b.split_times) - b.backward_s for b in blocks])
+        self.cut_extra = list(
+            itertools.accumulate((sum(b.split_times) - b.backward_s for b in blocks), initial=0.0)
+        )
         updates = sum(b.update_s for b in blocks)
         # seconds per step outside the micro-batches' time: once after a flush (the stages pay
         # it side by side), else every stage's update and overhead in turn
@@ -344,14 +347,6 @@ class CostModel:
         # the stages' parameter memory sums to at least params x the smallest factor
         memory = self.par[self.n] * min(self.param_factor) / self.d
         return max(total / self.d, widest), memory
-
-
-def _prefix_of(values: list[float]) -> list[float]:
-    """Prefix sums: ``out[i]`` is the sum of ``values[:i]``."""
-    out = [0.0]
-    for value in values:
-        out.append(out[-1] + value)
-    return out
 
 
 def _prefix(rows: list[tuple[float, float, int, int]]) -> tuple[list[float], ...]:

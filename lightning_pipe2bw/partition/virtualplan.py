@@ -146,10 +146,13 @@ def _stage_costs(
     backward whole to ``W``, and a stage that recomputes runs it whole in ``I``, as the engine
     does."""
     n, send = len(stages), cluster.send_s
+    # whether stage v's previous / next stage is on its own rank (a hand-over, no message)
+    local = [
+        (v > 0 and placement[v - 1] == placement[v], v < n - 1 and placement[v + 1] == placement[v])
+        for v in range(n)
+    ]
     forward, backward = [], []
-    for v, st in enumerate(stages):
-        local_in = v > 0 and placement[v - 1] == placement[v]
-        local_out = v < n - 1 and placement[v + 1] == placement[v]
+    for st, (local_in, local_out) in zip(stages, local, strict=True):
         forward.append(
             st.forward_s
             - (send if local_out else 0.0)
@@ -161,9 +164,7 @@ def _stage_costs(
     if schedule not in _CUTTING:
         return Costs(forward=forward, backward=backward)
     inputs, weights = [], []
-    for v, st in enumerate(stages):
-        local_in = v > 0 and placement[v - 1] == placement[v]
-        local_out = v < n - 1 and placement[v + 1] == placement[v]
+    for v, (st, (local_in, local_out)) in enumerate(zip(stages, local, strict=True)):
         received = 0.0 if local_out else st.recv_gradient_s  # waited for before the I
         sent = 0.0 if v == 0 else send  # CostModel's backward sends the gradient
         action = cluster.action_s  # the engine's cost of an action: the backward's is in W

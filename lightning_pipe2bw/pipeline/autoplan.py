@@ -94,7 +94,7 @@ def _median_round_trip(
     ``after`` runs untimed after each round. Collective over the default group: every rank
     gets rank 0's figure."""
     rank = dist.get_rank()
-    result = torch.zeros(1, dtype=torch.float64, device=device)
+    result = 0.0
     if rank in (0, peer):
         times = []
         for _ in range(rounds):
@@ -103,16 +103,18 @@ def _median_round_trip(
             times.append(time.perf_counter() - start)
             if after is not None:
                 after()
-        result.fill_(statistics.median(times[skip:]))
-    dist.broadcast(result, src=0)
-    return float(result.item())
+        result = statistics.median(times[skip:])
+    return _from_rank_0([result], device)[0]
 
 
-def _broadcast_float(value: float, device: torch.device) -> float:
-    """Global rank 0's ``value`` on every rank (collective over the default group)."""
-    box = torch.tensor([value], dtype=torch.float64, device=device)
+def _from_rank_0(values: Sequence[float], device: torch.device) -> list[float]:
+    """Global rank 0's ``values`` on every rank (collective over the default group; as given
+    where there is no process group)."""
+    if not dist.is_initialized():
+        return [float(v) for v in values]
+    box = torch.tensor(list(values), dtype=torch.float64, device=device)
     dist.broadcast(box, src=0)
-    return float(box.item())
+    return [float(v) for v in box.tolist()]
 
 
 def measure_bandwidth(device: torch.device, peer: int, nbytes: int = 8 << 20) -> float:
@@ -173,7 +175,7 @@ def measure_latency(device: torch.device, peer: int, rounds: int = 50) -> Messag
     if isinstance(transport, SharedMemoryTransport):
         transport.close()
     send = statistics.median(sends[skip:]) if sends else 0.0
-    return MessageTimes(seconds / 2, _broadcast_float(send, device))
+    return MessageTimes(seconds / 2, *_from_rank_0([send], device))
 
 
 # measures, on global rank 0, the training loop's seconds per step and the engine's per
@@ -225,21 +227,17 @@ def local_cluster(
 def _loop_costs(device: torch.device, measure: LoopCostsFn | None) -> tuple[float, float]:
     """Global rank 0's measured loop cost per step and engine cost per action (the latter 0 on
     a GPU), on every rank; zeros, with a warning, where the measuring run fails."""
-    costs = torch.zeros(2, dtype=torch.float64)
+    loop = action = 0.0
     if measure is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         try:
             loop, action = measure()
-            costs[0] = loop
-            costs[1] = action if device.type == "cpu" else 0.0
+            action = action if device.type == "cpu" else 0.0
         except (RuntimeError, OSError, subprocess.SubprocessError) as err:
             log.warning(
                 "pipe2bw: balance='auto' plans without the training loop's cost per step, "
                 "which could not be measured: %s", err,
             )  # fmt: skip
-    if dist.is_initialized():
-        costs = costs.to(device)
-        dist.broadcast(costs, src=0)
-    loop, action = costs.tolist()
+    loop, action = _from_rank_0([loop, action], device)
     return loop, action
 
 
