@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ from lightning_pipe2bw.partition.planargs import (
 )
 from lightning_pipe2bw.partition.plans import Plan, PlanResult
 from lightning_pipe2bw.partition.profile import Profile
+from lightning_pipe2bw.partition.simcosts import flush_step, simulation_costs
 from lightning_pipe2bw.partition.virtualplan import (
     VIRTUAL_PLANNER_SCHEDULES,
     plan_virtual,
@@ -39,7 +41,6 @@ from lightning_pipe2bw.schedule import (
     ActionKind,
     Costs,
     add_communication,
-    get_schedule,
     pipedream,
     simulate,
     two_bw,
@@ -64,14 +65,24 @@ _GIB = float(2**30)
 
 
 def _make_plan(
-    model: CostModel, balance: Sequence[int], flags: Sequence[bool], limit: float
+    model: CostModel,
+    balance: Sequence[int],
+    flags: Sequence[bool],
+    limit: float,
+    simulated: bool = True,
 ) -> Plan:
+    """The plan of one split; a flush schedule's step simulated (:func:`_flush_step`) unless
+    ``simulated`` is False (the search's closed form)."""
     stages: list[StageCost] = []
     lo = 0
     for s, (k, rc) in enumerate(zip(balance, flags, strict=True)):
         stages.append(model.stage(s, lo, lo + k, rc))
         lo += k
     t = max(st.time_s(model.m) for st in stages)
+    step = model.step_time(t)
+    if model.flush and simulated:
+        step = _flush_step(model, balance, flags, stages)
+    b = model.profile.microbatch_size
     return Plan(
         schedule=model.schedule,
         data_parallel=model.w,
@@ -85,10 +96,32 @@ def _make_plan(
         allreduce_s=tuple(st.allreduce_s for st in stages),
         memory_bytes=tuple(st.memory_bytes for st in stages),
         time_per_microbatch=t,
-        step_time=model.step_time(t),
-        throughput=model.throughput(t),
+        step_time=step,
+        throughput=model.w * b * model.m / step if step > 0 else _INF,
         fits=all(st.memory_bytes <= limit for st in stages),
     )
+
+
+def _flush_step(
+    model: CostModel,
+    balance: Sequence[int],
+    flags: Sequence[bool],
+    stages: Sequence[StageCost],
+) -> float:
+    """A flush schedule's step simulated on the list the engine runs (its ``I``, ``W`` and the
+    ``early_input_grad`` pass included), where the closed form ``(m + d - 1) t`` knows neither
+    the backwards cut in two nor a stage slower than another in the fill and drain."""
+    bounds = [0, *itertools.accumulate(balance)]
+    costs = simulation_costs(model, bounds, stages, range(model.d), flags)
+    step, _ = flush_step(
+        model.schedule,
+        model.d,
+        model.m,
+        costs,
+        [st.allreduce_s for st in stages],
+        model.cluster.step_overhead_s,
+    )
+    return step
 
 
 # ----------------------------------------------------------------------------- the search
@@ -205,9 +238,21 @@ def plan(
         if result is None:
             infeasible += cutoff == _INF
             continue
-        found.append(_make_plan(model, *result, limit))
+        found.append(_make_plan(model, *result, limit, simulated=False))
         found.sort(key=rank)
         del found[keep:]
+    # the closed form ranked and pruned the search (exact under it); the plans kept are timed
+    # by simulating the list the engine runs, and ranked by that
+    models = {(c.model.w, c.model.d, c.model.profile.microbatch_size): c.model for c in candidates}
+    found = sorted(
+        (
+            _make_plan(
+                models[p.data_parallel, p.depth, p.microbatch_size], p.balance, p.recompute, limit
+            )
+            for p in found
+        ),
+        key=rank,
+    )
 
     if not found:
         raise ValueError(_nothing_fits(candidates, skipped, cluster, batch, schedule, recompute))
@@ -364,9 +409,10 @@ def simulate_plan(
 
     Each stage's incoming transfers are folded into its compute: the activation from s - 1
     into its forward, the gradient from s + 1 into its backward (a receive blocks the stage for
-    its transfer time, as in the formula; ``Costs.comm`` stays 0). Flush schedules: the
-    simulated makespan of ``get_schedule(name, d, m)``, then each stage's all-reduce after its
-    last action, plus the cluster's ``step_overhead_s``. 2BW and PipeDream: the steady-state
+    its transfer time, as in the formula; ``Costs.comm`` stays 0). Flush schedules: their
+    plans' own ``step_time``, the simulated makespan of ``training_schedule(name, d, m)`` (with
+    the backwards the ``early_input_grad`` pass cuts in two), then each stage's all-reduce after
+    its last action, plus the cluster's ``step_overhead_s``. 2BW and PipeDream: the steady-state
     time of one batch, the makespan over ``batches + 1`` batches minus that over ``batches``
     (fill and drain cancel), or the slowest all-reduce if longer (it overlaps the next batch).
     There, each stage's optimizer update and ``step_overhead_s`` are work between two calls of
@@ -397,9 +443,7 @@ def simulate_plan(
     )
     overhead = cluster.step_overhead_s
     if plan.schedule in FLUSH_SCHEDULES:
-        result = simulate(get_schedule(plan.schedule, d, m), costs)
-        ends = [row[-1][2] if row else 0.0 for row in result.timeline]
-        return max(end + st.allreduce_s for end, st in zip(ends, stages, strict=True)) + overhead
+        return _flush_step(model, plan.balance, plan.recompute, stages)
     build = two_bw if plan.schedule == "2bw" else pipedream
 
     def makespan(k: int) -> float:

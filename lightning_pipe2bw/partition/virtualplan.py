@@ -9,11 +9,11 @@ is planned in three steps:
 1. the body is split into 2d contiguous stages minimising the slowest stage (the partition
    search of the one-stage schedules, over 2d stages of a 1F1B cost model for the per-stage
    terms: forward, backward, boundary transfers, all-reduce);
-2. the schedule the engine would run (``schedule.virtual_schedule``, or the V's 2BW stream) is
-   simulated with those per-stage costs, each stage's incoming transfers and its sends folded
-   into its forward and backward as :func:`~lightning_pipe2bw.partition.planner.simulate_plan`
-   does (a hand-over between two stages of one rank costs nothing; ZB-V's ``I`` and ``W`` cost
-   the measured passes of the backward cut in two);
+2. the schedule the engine would run (``schedule.training_schedule``: the compute order, its
+   messages and the ``early_input_grad`` pass; or the V's 2BW stream) is simulated with those
+   per-stage costs (:func:`~lightning_pipe2bw.partition.simcosts.simulation_costs`: each
+   stage's incoming transfers and its sends folded into its actions, a hand-over between two
+   stages of one rank free, a backward cut in two at the measured cost of its two passes);
    its step time is the prediction (a flush schedule: the makespan, then each rank's
    all-reduce, plus ``step_overhead_s``; 2BW on a V: the steady-state time of a batch, with
    each rank's update and ``step_overhead_s`` before its first forward of every batch);
@@ -41,22 +41,19 @@ from lightning_pipe2bw.partition.planargs import (
 )
 from lightning_pipe2bw.partition.plans import Plan, PlanResult
 from lightning_pipe2bw.partition.profile import Profile, ProfileSet
+from lightning_pipe2bw.partition.simcosts import flush_step, simulation_costs
 from lightning_pipe2bw.schedule import (
     ActionKind,
     Costs,
     Schedule,
-    add_communication,
     placement_of,
     simulate,
     two_bw_v,
-    virtual_schedule,
 )
 
 __all__ = ["STAGES_PER_RANK", "VIRTUAL_PLANNER_SCHEDULES", "virtual_plan", "virtual_problem"]
 
 VIRTUAL_PLANNER_SCHEDULES = ("interleaved-1f1b", "zb-v", "2bw-v", "dualpipe-v")
-# the schedules with two stages per rank whose backwards are (some or all) cut into I and W
-_CUTTING = frozenset({"zb-v", "dualpipe-v"})
 STAGES_PER_RANK = 2
 _GIB = float(2**30)
 
@@ -106,7 +103,7 @@ def virtual_plan(
     placement = placement_of(schedule, d)
     assert placement is not None
     held = [[v for v in range(n) if placement[v] == r] for r in range(d)]
-    costs = _stage_costs(schedule, profile, cluster, bounds, stages, placement, recompute)
+    costs = simulation_costs(model, bounds, stages, placement, (recompute,) * n)
     allreduce = [sum(stages[v].allreduce_s for v in mine) for mine in held]
     step, peaks = _simulated_step(schedule, profile, cluster, bounds, d, m, costs, allreduce, held)
     memory = _rank_memory(model, bounds, held, peaks, recompute, schedule)
@@ -130,63 +127,6 @@ def virtual_plan(
     )
 
 
-def _stage_costs(
-    schedule: str,
-    profile: Profile,
-    cluster: Cluster,
-    bounds: Sequence[int],
-    stages: list[StageCost],
-    placement: Sequence[int],
-    recompute: bool,
-) -> Costs:
-    """Each stage's actions for the simulation: the forward and the backward with the stage's
-    incoming transfers folded in, and its sends. A hand-over between two stages of one rank
-    (the V's turn) is not a message: neither side pays for it. ZB-V cuts every backward in two,
-    DualPipeV those at its ends (the measured passes of its blocks); the first stage leaves its
-    backward whole to ``W``, and a stage that recomputes runs it whole in ``I``, as the engine
-    does."""
-    n, send = len(stages), cluster.send_s
-    # whether stage v's previous / next stage is on its own rank (a hand-over, no message)
-    local = [
-        (v > 0 and placement[v - 1] == placement[v], v < n - 1 and placement[v + 1] == placement[v])
-        for v in range(n)
-    ]
-    forward, backward = [], []
-    for st, (local_in, local_out) in zip(stages, local, strict=True):
-        forward.append(
-            st.forward_s
-            - (send if local_out else 0.0)
-            + (0.0 if local_in else st.recv_activation_s)
-        )
-        backward.append(
-            st.backward_s - (send if local_in else 0.0) + (0.0 if local_out else st.recv_gradient_s)
-        )
-    if schedule not in _CUTTING:
-        return Costs(forward=forward, backward=backward)
-    inputs, weights = [], []
-    for v, (st, (local_in, local_out)) in enumerate(zip(stages, local, strict=True)):
-        received = 0.0 if local_out else st.recv_gradient_s  # waited for before the I
-        sent = 0.0 if v == 0 else send  # CostModel's backward sends the gradient
-        action = cluster.action_s  # the engine's cost of an action: the backward's is in W
-        if v == 0:
-            inputs.append(received + action)
-            weights.append(st.backward_s)
-        elif recompute:
-            inputs.append(backward[v])
-            weights.append(action)
-        else:
-            blocks = profile.blocks[bounds[v] : bounds[v + 1]]
-            rest = st.backward_s - sent - sum(b.backward_s for b in blocks)  # update, action
-            inputs.append(
-                sum(b.split_times[0] for b in blocks)
-                + (0.0 if local_in else sent)
-                + received
-                + action
-            )
-            weights.append(sum(b.split_times[1] for b in blocks) + rest)
-    return Costs(forward=forward, backward=backward, input_grad=inputs, weight_grad=weights)
-
-
 def _simulated_step(
     schedule: str,
     profile: Profile,
@@ -202,9 +142,7 @@ def _simulated_step(
     micro-batch) pairs."""
     overhead = cluster.step_overhead_s
     if schedule != "2bw-v":
-        result = simulate(add_communication(virtual_schedule(schedule, d, m)), costs)
-        ends = [row[-1][2] if row else 0.0 for row in result.timeline]
-        step = max(end + ar for end, ar in zip(ends, allreduce, strict=True)) + overhead
+        step, result = flush_step(schedule, d, m, costs, allreduce, overhead)
         return step, result.peak_activations
     # 2BW: each rank's update (and the loop's overhead) before its first forward of a batch
     updates = [

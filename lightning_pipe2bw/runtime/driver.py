@@ -22,15 +22,11 @@ from lightning_pipe2bw.runtime.channel import ObjectChannel
 from lightning_pipe2bw.runtime.engine import PipelineEngine, StepFn
 from lightning_pipe2bw.runtime.stepvalues import StepValues
 from lightning_pipe2bw.schedule import (
-    VIRTUAL_SCHEDULES,
     Action,
     Schedule,
-    add_communication,
     add_offload_schedule,
-    early_input_grads,
-    get_schedule,
     one_channel_per_pair,
-    virtual_schedule,
+    training_schedule,
 )
 
 __all__ = ["Driver", "DueGradient", "FlushDriver"]
@@ -181,14 +177,12 @@ class FlushDriver:
         actions (built once per size)."""
         m = num_microbatches
         if m not in self._schedules:
-            p = self.engine.num_stages
-            if self.schedule_name in VIRTUAL_SCHEDULES:
-                compute = virtual_schedule(self.schedule_name, p, m)
-            else:
-                compute = get_schedule(self.schedule_name, p, m)
-            sched = add_communication(compute)
-            if self.early_input_grad:
-                sched = early_input_grads(sched)
+            sched = training_schedule(
+                self.schedule_name,
+                self.engine.num_stages,
+                m,
+                early_input_grad=self.early_input_grad,
+            )
             if self.evicting:
                 sched = add_offload_schedule(sched, self.evicting)
             # a transport keeps one queue per pair of ranks (virtual stages: see the pass)

@@ -34,7 +34,7 @@ from .offload import (
     offload_stages,
     stashed_microbatches,
 )
-from .passes import early_input_grads, split_backward
+from .passes import early_input_grads, split_backward, training_schedule
 from .simulate import Costs, DeadlockError, SimResult, simulate
 from .stream import OneFOneBStream, PlacedStream
 from .validate import ScheduleError, validate
@@ -91,6 +91,7 @@ __all__ = [
     "simulate",
     "split_backward",
     "stashed_microbatches",
+    "training_schedule",
     "two_bw",
     "two_bw_v",
     "two_bw_version",

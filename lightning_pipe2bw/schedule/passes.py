@@ -13,9 +13,29 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .action import Action, ActionKind
-from .generators import Schedule
+from .comm import add_communication
+from .generators import Schedule, get_schedule
+from .virtual import VIRTUAL_SCHEDULES, virtual_schedule
 
-__all__ = ["early_input_grads", "split_backward"]
+__all__ = ["early_input_grads", "split_backward", "training_schedule"]
+
+
+def training_schedule(
+    name: str, num_stages: int, num_microbatches: int, *, early_input_grad: bool = True
+) -> Schedule:
+    """The action list a flush schedule's batch runs: the compute order of ``name`` (one stage
+    per rank, or a schedule of :data:`~lightning_pipe2bw.schedule.virtual.VIRTUAL_SCHEDULES`),
+    its communication, and with ``early_input_grad`` the :func:`early_input_grads` pass.
+
+    The engine's driver runs this list (adding offload actions for BPipe and ordering each
+    pair of ranks' messages, neither of which moves a compute action); the planner simulates
+    it, so that the step it predicts is the one that runs."""
+    if name in VIRTUAL_SCHEDULES:
+        compute = virtual_schedule(name, num_stages, num_microbatches)
+    else:
+        compute = get_schedule(name, num_stages, num_microbatches)
+    built = add_communication(compute)
+    return early_input_grads(built) if early_input_grad else built
 
 
 def split_backward(actions: Sequence[Action], slot: int) -> list[Action]:
