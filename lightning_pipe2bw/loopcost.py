@@ -2,25 +2,33 @@
 the training loop's fixed cost per step and the engine's cost per compute action.
 
 Neither can be timed by profiling the blocks, and the loop cannot be timed before it runs. So
-they are measured by a tiny run in a child process: ``Pipe2BWStrategy`` on one rank with one
-stage of one small linear block, a quiet ``Trainer`` (no logger, checkpoints or progress bar),
-once at 1 micro-batch per step and once at :data:`MICROBATCHES`. A step of m micro-batches
-takes ``loop + 2 m action`` (a forward and a backward per micro-batch, the block's own compute
-a few microseconds of it); the two medians give both:
+they are measured by tiny runs in child processes: ``Pipe2BWStrategy`` with one small linear
+block per stage, a quiet ``Trainer`` (no logger, checkpoints or progress bar), once at 1
+micro-batch per step and once at :data:`MICROBATCHES`; first on one rank, then as a pipeline of
+two ranks. On one rank a step of m micro-batches takes ``loop + 2 m action`` (a forward and a
+backward per micro-batch, the block's own compute a few microseconds of it); the two medians
+give both:
 
 - ``loop_s``: Lightning's loop (its hooks, the optimizer's wrappers, the step's bookkeeping)
-  and the strategy's own per-step work (splitting the batch, the driver, the step's values):
-  the cluster's ``step_overhead_s``;
+  and the strategy's own per-step work (splitting the batch, the driver, the step's values);
 - ``action_s``: what the engine adds to each compute action beyond the blocks (its dispatch,
   the activation stash's hooks, a micro-batch's slot, the user's ``training_step`` around the
   body): the cluster's ``action_s``.
 
-The child runs with the parent's interpreter and library versions but none of its process
-group (a fresh one-rank group on a free port), so nothing of the user's run (its RNG, its
-process group, its signal handlers) is touched. The figures are kept in a cache file (see
-:func:`cache_path`), keyed by the machine, the interpreter and the library versions, so a
-machine pays the run (a few seconds, mostly imports) once. A user's own ``training_step`` and
-callbacks (logging every step, say) cost more than the tiny run's: a lower bound.
+A pipeline's step costs more than one rank's: the last stage's values (the loss, what
+``training_step`` logged) cross to the other ranks, and every rank waits on its neighbours'
+messages. On two ranks a 1F1B step of m micro-batches takes ``loop + (m + 1) slot`` (the fill
+and drain add one slot to the m), so the two medians give
+
+- ``pipeline_loop_s``: the loop's fixed cost per step in a pipeline: the cluster's
+  ``step_overhead_s`` when the run has more than one rank (``loop_s`` when it has one).
+
+The children run with the parent's interpreter and library versions but none of its process
+group (a fresh group on a free port), so nothing of the user's run (its RNG, its process group,
+its signal handlers) is touched. The figures are kept in a cache file (see :func:`cache_path`),
+keyed by the machine, the interpreter and the library versions, so a machine pays the runs (a
+few seconds each, mostly imports) once. A user's own ``training_step`` and callbacks (logging
+every step, say) cost more than the tiny runs': a lower bound.
 """
 
 from __future__ import annotations
@@ -49,10 +57,12 @@ _TIMEOUT_S = 300.0
 
 
 class LoopCosts(NamedTuple):
-    """Seconds: the loop's fixed cost per step, and the engine's per compute action."""
+    """Seconds: the loop's fixed cost per step on one rank, the engine's per compute action, and
+    the loop's fixed cost per step in a pipeline of two ranks."""
 
     loop_s: float
     action_s: float
+    pipeline_loop_s: float
 
 
 def cache_path() -> Path:
@@ -114,8 +124,8 @@ def loop_costs() -> LoopCosts:
     path, key = cache_path(), _key()
     entry = _read_cache(path).get(key)
     if isinstance(entry, dict):
-        with contextlib.suppress(KeyError, TypeError, ValueError):
-            return LoopCosts(float(entry["loop_s"]), float(entry["action_s"]))
+        with contextlib.suppress(KeyError, TypeError, ValueError):  # (an older entry: again)
+            return LoopCosts(*(float(entry[field]) for field in LoopCosts._fields))
     costs = measure_loop_costs()
     data = _read_cache(path)  # again: another process may have written meanwhile
     data[key] = {**costs._asdict(), "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -124,36 +134,68 @@ def loop_costs() -> LoopCosts:
 
 
 def measure_loop_costs(timeout_s: float = _TIMEOUT_S) -> LoopCosts:
-    """Run the tiny child run (see the module notes) and return its figures. Raises
-    RuntimeError, with the child's output, if it fails."""
+    """Run the tiny child runs (see the module notes) and return their figures. Raises
+    RuntimeError, with the failing child's output, if one fails."""
+    one, many = _run(1, timeout_s)
+    action = max((many - one) / (2 * (MICROBATCHES - 1)), 0.0)
+    one_pipe, many_pipe = _run(2, timeout_s)
+    slot = max((many_pipe - one_pipe) / (MICROBATCHES - 1), 0.0)
+    return LoopCosts(
+        loop_s=max(one - 2 * action, 0.0),
+        action_s=action,
+        pipeline_loop_s=max(one_pipe - 2 * slot, 0.0),
+    )
+
+
+def _run(world_size: int, timeout_s: float) -> list[float]:
+    """The tiny run on ``world_size`` child processes (one rank each): rank 0's median step
+    seconds at 1 and at :data:`MICROBATCHES` micro-batches."""
     from lightning_pipe2bw.launcher import _free_port, torchrun_environment
 
-    env = {
+    base = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("TORCHELASTIC_", "SLURM_", "PMI_", "OMPI_", "LSB_", "PIPE2BW_"))
         and k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                       "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
     }  # fmt: skip
-    env.update(torchrun_environment(0, 1, _free_port(), "pipe2bw-loop-costs"))
-    env["CUDA_VISIBLE_DEVICES"] = ""  # the loop's own cost, on the host
-    done = subprocess.run(
-        [sys.executable, "-m", "lightning_pipe2bw.loopcost"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        check=False,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("LOOP_COSTS ")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(
-            f"pipe2bw: the run that measures the training loop's cost failed (exit "
-            f"{done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}"
+    base["CUDA_VISIBLE_DEVICES"] = ""  # the loop's own cost, on the host
+    port = _free_port()
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-m", "lightning_pipe2bw.loopcost"],
+            env={**base, **torchrun_environment(rank, world_size, port, "pipe2bw-loop-costs")},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
-    one, many = json.loads(lines[-1][len("LOOP_COSTS ") :])
-    action = max((many - one) / (2 * (MICROBATCHES - 1)), 0.0)
-    return LoopCosts(loop_s=max(one - 2 * action, 0.0), action_s=action)
+        for rank in range(world_size)
+    ]
+    deadline = time.monotonic() + timeout_s
+    outputs = []
+    try:
+        for child in children:
+            try:
+                out, err = child.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                out, err = "", f"no result in {timeout_s:.0f} s"
+            outputs.append((child.returncode, out, err))
+    finally:
+        for child in children:  # a rank that failed leaves its peer waiting: stop it
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    code, out, err = outputs[0]
+    lines = [line for line in out.splitlines() if line.startswith("LOOP_COSTS ")]
+    failed = [(c, o, e) for c, o, e in outputs if c != 0]
+    if failed or not lines:
+        code, out, err = failed[0] if failed else (code, out, err)
+        raise RuntimeError(
+            f"pipe2bw: the {world_size}-rank run that measures the training loop's cost failed "
+            f"(exit {code}):\n{(out + err)[-3000:]}"
+        )
+    medians: list[float] = json.loads(lines[-1][len("LOOP_COSTS ") :])
+    return medians
 
 
 def _child() -> None:  # pragma: no cover - runs in the child process of measure_loop_costs
@@ -172,10 +214,12 @@ def _child() -> None:  # pragma: no cover - runs in the child process of measure
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_pipe2bw"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+
     class Tiny(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.body = nn.Sequential(nn.Linear(4, 4))
+            self.body = nn.Sequential(*(nn.Linear(4, 4) for _ in range(world_size)))
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = batch
@@ -192,6 +236,7 @@ def _child() -> None:  # pragma: no cover - runs in the child process of measure
             self.starts.append(time.perf_counter())
 
     medians = []
+    torch.manual_seed(0)  # the same samples on every rank (the strategy checks that they are)
     for m in (1, MICROBATCHES):
         n = (_WARMUP + _STEPS + 1) * MICROBATCHES  # one epoch: no epoch ends among the steps
         loader = DataLoader(
@@ -201,7 +246,7 @@ def _child() -> None:  # pragma: no cover - runs in the child process of measure
         trainer = L.Trainer(
             strategy=Pipe2BWStrategy(schedule="1f1b", microbatches=m),
             accelerator="cpu",
-            devices=1,
+            devices=world_size,
             max_steps=_WARMUP + _STEPS + 1,
             logger=False,
             enable_checkpointing=False,
@@ -212,7 +257,8 @@ def _child() -> None:  # pragma: no cover - runs in the child process of measure
         trainer.fit(Tiny(), loader)
         starts = steps.starts[_WARMUP:]
         medians.append(statistics.median(b - a for a, b in itertools.pairwise(starts)))
-    print("LOOP_COSTS " + json.dumps(medians), flush=True)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("LOOP_COSTS " + json.dumps(medians), flush=True)
 
 
 if __name__ == "__main__":  # pragma: no cover

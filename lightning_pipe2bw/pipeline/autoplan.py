@@ -178,9 +178,10 @@ def measure_latency(device: torch.device, peer: int, rounds: int = 50) -> Messag
     return MessageTimes(seconds / 2, *_from_rank_0([send], device))
 
 
-# measures, on global rank 0, the training loop's seconds per step and the engine's per
-# compute action (the seam's ``loopcost.loop_costs``: it runs Lightning)
-LoopCostsFn = Callable[[], tuple[float, float]]
+# measures, on global rank 0, the training loop's seconds per step on one rank, the engine's
+# per compute action and the loop's per step in a pipeline (the seam's ``loopcost.loop_costs``:
+# it runs Lightning)
+LoopCostsFn = Callable[[], tuple[float, float, float]]
 
 
 def local_cluster(
@@ -210,7 +211,7 @@ def local_cluster(
             if world_size > processes_per_node
             else intra
         )
-    loop, action = _loop_costs(device, loop_costs)
+    loop, action = _loop_costs(device, loop_costs, world_size)
     return Cluster(
         num_devices=world_size,
         devices_per_node=min(processes_per_node, world_size),
@@ -224,13 +225,17 @@ def local_cluster(
     )
 
 
-def _loop_costs(device: torch.device, measure: LoopCostsFn | None) -> tuple[float, float]:
-    """Global rank 0's measured loop cost per step and engine cost per action (the latter 0 on
-    a GPU), on every rank; zeros, with a warning, where the measuring run fails."""
+def _loop_costs(
+    device: torch.device, measure: LoopCostsFn | None, world_size: int
+) -> tuple[float, float]:
+    """Global rank 0's measured loop cost per step (a pipeline's where the run has more than
+    one rank) and engine cost per action (0 on a GPU), on every rank; zeros, with a warning,
+    where the measuring run fails."""
     loop = action = 0.0
     if measure is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         try:
-            loop, action = measure()
+            one_rank, action, pipeline = measure()
+            loop = pipeline if world_size > 1 else one_rank
             action = action if device.type == "cpu" else 0.0
         except (RuntimeError, OSError, subprocess.SubprocessError) as err:
             log.warning(

@@ -1,5 +1,6 @@
-"""The training loop's cost per step and the engine's per action, measured for balance="auto"
-by a tiny run in a child process, once per machine (``lightning_pipe2bw/loopcost.py``)."""
+"""The training loop's cost per step (on one rank and in a pipeline) and the engine's per action,
+measured for balance="auto" by tiny runs in child processes, once per machine
+(``lightning_pipe2bw/loopcost.py``)."""
 
 from __future__ import annotations
 
@@ -18,16 +19,25 @@ def test_the_loop_costs_are_measured_once_kept_and_measured_again_when_unreadabl
     path = cache_path()
     assert path == tmp_path / "loop_costs.json"
     path.write_text(json.dumps({"another machine": {"loop_s": 1.0, "action_s": 1.0}}))
-    first = loop_costs()  # a real run of Lightning and the strategy in a child process
-    # a Lightning step costs a millisecond or a few on a CPU, an engine action tens of us
+    first = loop_costs()  # real runs of Lightning and the strategy in child processes
+    # a Lightning step costs a millisecond or a few on a CPU, an engine action tens of us; a
+    # pipeline's step more than one rank's (the step's values cross ranks)
     assert 1e-5 < first.loop_s < 0.5 and 0.0 <= first.action_s < 0.05, first
+    assert 1e-5 < first.pipeline_loop_s < 0.5, first
     kept = json.loads(path.read_text())
     assert kept["another machine"] == {"loop_s": 1.0, "action_s": 1.0}  # other entries stay
     assert len(kept) == 2
     # read back, not measured again (a second run would not give these floats to the last bit)
     assert loop_costs() == first
+    # an entry written before the pipeline's figure was measured: measured again
+    key = next(k for k in kept if k != "another machine")
+    del kept[key]["pipeline_loop_s"]
+    path.write_text(json.dumps(kept))
+    older = loop_costs()
+    assert older != first and 1e-5 < older.pipeline_loop_s < 0.5
+    assert json.loads(path.read_text())[key]["pipeline_loop_s"] == older.pipeline_loop_s
     path.write_text("{not json")  # unreadable: measured again and written anew
     again = loop_costs()
-    assert again != first and 1e-5 < again.loop_s < 0.5
+    assert again != older and 1e-5 < again.loop_s < 0.5
     (entry,) = json.loads(path.read_text()).values()
     assert entry["loop_s"] == again.loop_s

