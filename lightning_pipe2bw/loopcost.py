@@ -172,19 +172,19 @@ def _run(world_size: int, timeout_s: float) -> list[float]:
         for rank in range(world_size)
     ]
     deadline = time.monotonic() + timeout_s
-    outputs = []
+    texts = []
     try:
         for child in children:
             try:
-                out, err = child.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+                texts.append(child.communicate(timeout=max(deadline - time.monotonic(), 0.1)))
             except subprocess.TimeoutExpired:
-                out, err = "", f"no result in {timeout_s:.0f} s"
-            outputs.append((child.returncode, out, err))
+                texts.append(("", f"no result in {timeout_s:.0f} s"))
     finally:
         for child in children:  # a rank that failed leaves its peer waiting: stop it
             if child.poll() is None:
                 child.kill()
                 child.wait()
+    outputs = [(c.returncode, out, err) for c, (out, err) in zip(children, texts, strict=True)]
     code, out, err = outputs[0]
     lines = [line for line in out.splitlines() if line.startswith("LOOP_COSTS ")]
     failed = [(c, o, e) for c, o, e in outputs if c != 0]
