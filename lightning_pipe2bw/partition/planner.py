@@ -223,10 +223,10 @@ def plan(
                 candidates.append(_Candidate(model, mode, model.throughput(t_floor), mem_floor))
     candidates.sort(key=lambda c: -c.upper)
 
-    found: list[Plan] = []
+    kept: list[tuple[Plan, CostModel]] = []  # the search's best, by the closed form
     infeasible = 0
     for cand in candidates:
-        floor = found[-1].throughput if len(found) >= keep else 0.0
+        floor = kept[-1][0].throughput if len(kept) >= keep else 0.0
         if cand.upper <= floor:
             break  # sorted by bound: nothing after this one can enter the top `keep`
         if cand.memory_floor > limit:
@@ -238,20 +238,13 @@ def plan(
         if result is None:
             infeasible += cutoff == _INF
             continue
-        found.append(_make_plan(model, *result, limit, simulated=False))
-        found.sort(key=rank)
-        del found[keep:]
+        kept.append((_make_plan(model, *result, limit, simulated=False), model))
+        kept.sort(key=lambda pair: rank(pair[0]))
+        del kept[keep:]
     # the closed form ranked and pruned the search (exact under it); the plans kept are timed
     # by simulating the list the engine runs, and ranked by that
-    models = {(c.model.w, c.model.d, c.model.profile.microbatch_size): c.model for c in candidates}
     found = sorted(
-        (
-            _make_plan(
-                models[p.data_parallel, p.depth, p.microbatch_size], p.balance, p.recompute, limit
-            )
-            for p in found
-        ),
-        key=rank,
+        (_make_plan(model, p.balance, p.recompute, limit) for p, model in kept), key=rank
     )
 
     if not found:
@@ -437,13 +430,13 @@ def simulate_plan(
         stages.append(model.stage(s, lo, lo + k, rc))
         updates.append(sum(b.update_s for b in profile.blocks[lo : lo + k]))
         lo += k
+    if plan.schedule in FLUSH_SCHEDULES:
+        return _flush_step(model, plan.balance, plan.recompute, stages)
     costs = Costs(
         forward=[st.forward_s + st.recv_activation_s for st in stages],
         backward=[st.backward_s + st.recv_gradient_s for st in stages],
     )
     overhead = cluster.step_overhead_s
-    if plan.schedule in FLUSH_SCHEDULES:
-        return _flush_step(model, plan.balance, plan.recompute, stages)
     build = two_bw if plan.schedule == "2bw" else pipedream
 
     def makespan(k: int) -> float:
