@@ -18,19 +18,20 @@ So the pooler, the classifier on the first token, the masked-LM head and the mod
 
 from __future__ import annotations
 
-import copy
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lightning_pipe2bw.partition.observe import Observation, evaluating, observe
+from lightning_pipe2bw.partition.carry import Zeros, fill, template
+from lightning_pipe2bw.partition.observe import Observation, SplitError, evaluating, observe
+from lightning_pipe2bw.partition.paths import skeleton
 from lightning_pipe2bw.partition.pipemodel import PipeModel, _get, _set
+from lightning_pipe2bw.partition.standin import Run, swapped, training_kwargs
 from lightning_pipe2bw.runtime.stage import BodyInput
 
-__all__ = ["hf_layout", "pipe_model_for", "replay_head", "training_kwargs"]
+__all__ = ["ReplayHead", "hf_layout", "pipe_model_for", "training_kwargs"]
 
 
 def _base(model: nn.Module) -> tuple[str, nn.Module] | None:
@@ -145,8 +146,7 @@ def pipe_model_for(model: nn.Module, call: BodyInput | None = None) -> PipeModel
         for p in blanks
         if isinstance(t := _get(model, p), Tensor) and not isinstance(t, nn.Module)
     )
-    head = functools.partial(
-        replay_head,
+    head = ReplayHead(
         layers,
         {p: skeleton(m) for p in blanks if isinstance(m := _get(model, p), nn.Module)},
         shapes,
@@ -171,97 +171,121 @@ def _holds_parameters(model: nn.Module, path: str) -> bool:
     return isinstance(obj, nn.Parameter)
 
 
-def training_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
-    kwargs = dict(kwargs)
-    if getattr(getattr(model, "config", None), "use_cache", None) is not None:
-        kwargs.setdefault("use_cache", False)  # no key/value cache in training
-    return kwargs
-
-
-def skeleton(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` on the meta device (its structure, its parameters' shapes and
-    dtypes, no memory), made without copying its data."""
-    memo: dict[int, Any] = {}
-    for p in module.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
-    for b in module.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(module, memo)
-
-
 class _Blank(nn.Module):
     """Stands in, on the last stage, for a part that runs before the layers (the first
-    stage's): returns zeros shaped like the hidden state, which only the layers' stand-ins see.
-    What the forward reads of the part (``embeddings.patch_embeddings.projection.weight.dtype``)
-    it reads from the part's meta-device skeleton."""
+    stage's): returns what the part returned on the first stage for this micro-batch, shaped
+    alike (``shape``: its :func:`~partition.carry.template` from the carry), as zeros (or, for
+    the guard's second replay, random values from ``generator``); zeros like the hidden state
+    where the first stage did not say. What the forward reads of the part
+    (``embeddings.patch_embeddings.projection.weight.dtype``) it reads from the part's
+    meta-device skeleton."""
 
-    def __init__(self, shape: nn.Module, like: Tensor) -> None:
+    def __init__(
+        self,
+        skeleton_of: nn.Module,
+        like: Tensor,
+        shape: Any = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
         super().__init__()
-        object.__setattr__(self, "shape", shape)
-        object.__setattr__(self, "like", like)
+        self.__dict__.update(skeleton_of=skeleton_of, like=like, shape=shape, generator=generator)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(object.__getattribute__(self, "shape"), name)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
-        return torch.zeros_like(self.like)
-
-
-class _Pass(nn.Module):
-    """Stands in for a layer of another stage: hands its hidden state on unchanged (``hidden``
-    set: hands over that one, the last layer's real output)."""
-
-    def __init__(self, as_tuple: int, hidden: Tensor | None = None) -> None:
-        super().__init__()
-        self.as_tuple, self.hidden = as_tuple, hidden
+        return getattr(self.__dict__["skeleton_of"], name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        out = self.hidden
-        if out is None:
-            out = args[0] if args else kwargs.get("hidden_states")
-        if self.as_tuple:
-            return (out,) + (None,) * (self.as_tuple - 1)
-        return out
+        like, generator = self.__dict__["like"], self.__dict__["generator"]
+        shape = self.__dict__["shape"]
+        return fill(template(like) if shape is None else shape, like.device, generator)
 
 
-def replay_head(
-    blocks: str,
-    blank: Mapping[str, nn.Module],
-    blank_parameters: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
-    layer_tuple: int,
-    model: nn.Module,
-    hidden: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> Any:
-    """The end of the model's forward on the last stage: ``model(*args, **kwargs)`` with its
-    layers ``blocks`` swapped for stand-ins whose last hands over ``hidden`` (the last layer's
-    output), the modules ``blank`` (run before the layers, on the first stage; by path, their
-    meta-device skeletons) for blanks and
+class ReplayHead:
+    """The end of the model's forward on the last stage: ``model(*args, **kwargs)`` (the step's
+    arguments) with its layers ``blocks`` swapped for stand-ins whose last hands over the hidden
+    state the last layer produced (``partition.standin``), the modules ``blank`` (run before the
+    layers, on the first stage; by path, their meta-device skeletons) for blanks (:class:`_Blank`) and
     the parameters ``blank_parameters`` for zeros. Parts without parameters that run before the
-    layers (a rotary table, a dropout) run as they are, on ``hidden``'s device."""
-    layers = _get(model, blocks)
-    n = len(layers)  # type: ignore[arg-type]
-    stand_ins = [_Pass(layer_tuple) for _ in range(n - 1)] + [_Pass(layer_tuple, hidden)]
-    swapped: nn.Module = (
-        nn.Sequential(*stand_ins) if isinstance(layers, nn.Sequential) else nn.ModuleList(stand_ins)
-    )
-    saved = [(blocks, layers)] + [(p, _get(model, p)) for p in blank]
-    saved += [(p, _get(model, p)) for p, _, _ in blank_parameters]
-    _set(model, blocks, swapped)
-    unmade = _stateless_blanks(model, blank, hidden.device)
-    saved += [(p, _get(model, p)) for p in unmade]
-    for path, skeleton_of in blank.items():
-        _set(model, path, _Blank(skeleton_of, hidden))
-    for path in unmade:
-        _set(model, path, _Blank(_get(model, path), hidden))  # type: ignore[arg-type]
-    for path, size, dtype in blank_parameters:
-        _set(model, path, nn.Parameter(hidden.new_zeros(size, dtype=dtype), requires_grad=False))
-    try:
-        return model(*args, **training_kwargs(model, kwargs))
-    finally:
-        for path, obj in saved:
-            _set(model, path, obj)  # type: ignore[arg-type]
+    layers (a rotary table, a dropout) run as they are, on the hidden state's device. So the
+    pooler, the classifier on the first token, the masked-LM head and the model's own loss are
+    the model's code."""
+
+    def __init__(
+        self,
+        blocks: str,
+        blank: Mapping[str, nn.Module],
+        blank_parameters: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
+        layer_tuple: int,
+    ) -> None:
+        self.blocks, self.blank, self.blank_parameters = blocks, dict(blank), list(blank_parameters)
+        self.layer_tuple = layer_tuple
+
+    @property
+    def blanked(self) -> list[str]:
+        """The paths of the parts the replay blanks (the first stage's)."""
+        return [*self.blank, *(p for p, _, _ in self.blank_parameters)]
+
+    def __call__(
+        self, model: nn.Module, hidden: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        carry = {"hidden": hidden, "blanks": {}, "form": -1}
+        return self.replay(model, carry, BodyInput(args, kwargs))
+
+    def replay(
+        self,
+        model: nn.Module,
+        carry: dict[str, Any],
+        call: BodyInput,
+        generator: torch.Generator | None = None,
+        vary: Sequence[str] | None = None,
+    ) -> Any:
+        """The model's output for the step's ``call`` with the last layer's output from
+        ``carry``; with ``generator``, the blanks (those at the paths ``vary``, by default all)
+        hold random values instead of zeros."""
+
+        def source(path: str) -> torch.Generator | None:
+            return generator if vary is None or path in vary else None
+
+        hidden = carry["hidden"]
+        form = carry["form"] if carry["form"] >= 0 else self.layer_tuple
+        layers = _get(model, self.blocks)
+        run = Run(list(layers), "replay", form=form, hidden=hidden)  # type: ignore[arg-type]
+        saved = [(p, _get(model, p)) for p in self.blank]
+        saved += [(p, _get(model, p)) for p, _, _ in self.blank_parameters]
+        unmade = _stateless_blanks(model, self.blank, hidden.device)
+        saved += [(p, _get(model, p)) for p in unmade]
+        shapes = carry["blanks"]
+        for path, skeleton_of in self.blank.items():
+            _set(model, path, _Blank(skeleton_of, hidden, shapes.get(path), source(path)))
+        for path in unmade:
+            blank = _Blank(_get(model, path), hidden, shapes.get(path), source(path))  # type: ignore[arg-type]
+            _set(model, path, blank)
+        for path, size, dtype in self.blank_parameters:
+            value = fill(Zeros(size, dtype), hidden.device, source(path))
+            _set(model, path, nn.Parameter(value, requires_grad=False))
+        try:
+            with swapped(model, self.blocks, run):
+                return model(*call.args, **training_kwargs(model, call.kwargs))
+        except SplitError:
+            raise
+        except Exception as err:
+            if not run.reached:  # the forward failed before the layers, on the blanks
+                raise SplitError(
+                    f"{type(model).__name__}.forward raised {type(err).__name__} ({err}) before "
+                    "its layers on the last stage, where pipe2bw runs it with blanks for the "
+                    f"parts the first stage holds ({sorted(self.blank)}) to compute what comes "
+                    "after the layers: the forward computes with those parts' outputs in a way "
+                    "the blanks do not reproduce. Describe the model with PipeModel(model, ..., "
+                    "head=...) (docs/models.md) or train it on one device"
+                ) from err
+            if hasattr(err, "add_note"):
+                err.add_note(
+                    f"(raised on the last pipeline stage, in the end of {type(model).__name__}"
+                    ".forward, after its last layer)"
+                )
+            raise
+        finally:
+            for path, obj in saved:
+                _set(model, path, obj)  # type: ignore[arg-type]
 
 
 def _stateless_blanks(

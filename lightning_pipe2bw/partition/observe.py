@@ -39,6 +39,8 @@ class Observation:
     idle: list[str] = field(default_factory=list)  # parts with parameters that did not run
     layer_tuple: int = 0  # a layer's output: 0 a tensor, n a tuple of n (hidden first)
     output: Any = None  # what the model returned
+    # what the forward passed each layer: (positional, keyword) arguments, by layer index
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
 
 
 @dataclass
@@ -51,6 +53,7 @@ class _Trace:
     phases: dict[str, set[str]] = field(default_factory=dict)  # module path -> when it ran
     strays: list[tuple[int, str]] = field(default_factory=list)  # (layer, module outside it)
     layer_tuple: int = 0
+    calls: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=dict)
 
     def phase(self) -> str:
         if self.started == 0:
@@ -78,10 +81,11 @@ def observe(model: nn.Module, blocks: str, call: Callable[[], Any]) -> Observati
     handles = []
 
     def before_layer(i: int) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
             trace.started += 1
             trace.current = i
             trace.order.append(i)
+            trace.calls.setdefault(i, (tuple(args), dict(kwargs)))
 
         return hook
 
@@ -105,7 +109,8 @@ def observe(model: nn.Module, blocks: str, call: Callable[[], Any]) -> Observati
         if path in containers:
             continue
         if id(module) in index and path == f"{blocks}.{names[index[id(module)]]}":
-            handles.append(module.register_forward_pre_hook(before_layer(index[id(module)])))
+            hook = before_layer(index[id(module)])
+            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
             handles.append(module.register_forward_hook(after_layer))
         else:
             holds = any(True for _ in module.parameters())
@@ -145,7 +150,8 @@ def _conclude(
             "over stages; describe the model with PipeModel, keeping the shared module in "
             "`pre` or `post`, or train it on one device"
         )
-    seen = Observation(layer_tuple=trace.layer_tuple, output=output)
+    calls = [trace.calls[i] for i in range(n)]
+    seen = Observation(layer_tuple=trace.layer_tuple, output=output, calls=calls)
     _sort(model, "", blocks, containers, trace.phases, seen)
     return seen
 

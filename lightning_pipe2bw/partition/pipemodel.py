@@ -44,6 +44,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_pipe2bw.partition.carry import advance, call_of, pack
+from lightning_pipe2bw.partition.guard import (
+    call_problems,
+    describe,
+    kept_buffers,
+    rewound,
+    rng_state,
+    shape_key,
+)
+from lightning_pipe2bw.partition.observe import TURN_OFF, SplitError, compare_outputs
+from lightning_pipe2bw.partition.paths import get_path, set_path, skeleton
+from lightning_pipe2bw.partition.standin import Captured, Run, swapped, training_kwargs
 from lightning_pipe2bw.runtime.stage import (
     BodyInput,
     add_block_index,
@@ -61,51 +73,35 @@ __all__ = [
 # runs the last part of the model: (model, hidden state, the step's args, its kwargs) -> output
 Head = Callable[[nn.Module, Any, tuple[Any, ...], dict[str, Any]], Any]
 
-
-class _Captured(BaseException):
-    """Raised by the stand-in for the first layer: a BaseException, so that no ``except
-    Exception`` in the model's forward swallows it."""
-
-    def __init__(self, hidden: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        super().__init__("captured the first layer's input")
-        self.carry = (hidden, args, kwargs)
-
-
-class _Capture(nn.Module):
-    """Stands in for the first layer during the first block: stops the model's forward there."""
-
-    def forward(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
-        raise _Captured(hidden, args, kwargs)
+# the parts of a model by their dotted paths (kept under these names for the modules that use them)
+_get, _set = get_path, set_path
 
 
 class Released(nn.Module):
-    """What remains in the original model object of a part another stage runs."""
+    """What remains in the original model object of a part another stage runs: calling it
+    raises; its attributes are read from ``skeleton`` (the part on the meta device), so that a
+    forward that reads them (``layer.attention_type``, a weight's dtype) runs as it does with
+    the part."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, skeleton: nn.Module | None = None) -> None:
         super().__init__()
         self.path = path
+        self.__dict__["skeleton"] = skeleton  # not a submodule: no state, no hooks
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            shape = self.__dict__.get("skeleton")
+            if shape is None:
+                raise
+            return getattr(shape, name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
             f"{self.path!r} runs on another pipeline stage: this rank holds only its stage's part "
             "of the model (call the model through trainer.fit/validate/test/predict)"
         )
-
-
-def _get(root: nn.Module, path: str) -> nn.Module | Tensor:
-    obj: Any = root
-    for name in path.split("."):
-        obj = getattr(obj, name)
-    return obj  # type: ignore[no-any-return]
-
-
-def _set(root: nn.Module, path: str, value: nn.Module | Tensor) -> None:
-    parent_path, _, name = path.rpartition(".")
-    parent: Any = root.get_submodule(parent_path) if parent_path else root
-    if isinstance(value, nn.Parameter) or name in parent._parameters:
-        parent._parameters[name] = value
-    else:
-        parent._modules[name] = value
 
 
 class _Part(nn.Module):
@@ -173,14 +169,26 @@ def _set_nested(holder: nn.Module, path: str, value: nn.Module | Tensor) -> None
 
 
 class _First(_Part):
-    """Block 0: the model's forward up to its first layer (or ``embed`` when given)."""
+    """Block 0: the model's forward up to its layers, run with stand-ins for them
+    (``partition.standin``), which gives each layer's arguments (or ``embed`` when given, whose
+    arguments every layer takes). With ``check``, a micro-batch of new shapes is proved to split
+    exactly (``partition.guard``)."""
 
     def __init__(
-        self, model: nn.Module, paths: Sequence[str], blocks: str, embed: Callable[..., Any] | None
+        self,
+        model: nn.Module,
+        paths: Sequence[str],
+        blocks: str,
+        embed: Callable[..., Any] | None,
+        form: int = 0,
+        check: bool = True,
     ) -> None:
         super().__init__(model, paths)
         self.pipe_blocks = blocks
         self.pipe_embed = embed
+        self.pipe_form = form  # what a layer returns (observed at set-up): 0 a tensor, n a tuple
+        self.pipe_check = check
+        self.pipe_checked: set[Any] = set()  # the shapes proved to split exactly
 
     def forward(self, x: BodyInput) -> Any:
         if not isinstance(x, BodyInput):
@@ -189,58 +197,161 @@ class _First(_Part):
             )
         if self.pipe_embed is not None:
             with self.params_in_model():
-                return self.pipe_embed(self.whole_model, *x.args, **x.kwargs)
+                hidden, args, kwargs = self.pipe_embed(self.whole_model, *x.args, **x.kwargs)
+            n = len(_get(self.whole_model, self.pipe_blocks))  # type: ignore[arg-type]
+            return pack(hidden, [(tuple(args), dict(kwargs), None)] * n)
+        key = shape_key(x.args, x.kwargs, self.training) if self.pipe_check else None
+        if key is None or key in self.pipe_checked:
+            return self._carry(self._run(x, "capture"))
+        devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+        state = rng_state(devices)
+        run = self._run(x, "capture")
+        with torch.no_grad(), rewound(state, devices), kept_buffers(self):
+            probe = self._run(x, "probe", torch.Generator().manual_seed(0))
+        calls = [c for c in run.calls if c is not None]
+        problems = call_problems(calls, probe.calls, probe.problems)
+        if problems:
+            model = type(self.whole_model).__name__
+            raise SplitError(
+                f"the pipeline split of {model} would compute something else than the whole "
+                f"model on a micro-batch of new {describe(key)}: {'; '.join(problems)}. The "
+                f"first stage runs {model}.forward with stand-ins for its layers "
+                f"{self.pipe_blocks!r} to learn what each layer is passed, which is exact only "
+                "when no layer's arguments depend on what the layers compute and each layer's "
+                "output goes unchanged to the next. Describe the model with "
+                "PipeModel(model, blocks=..., embed=...) (docs/models.md) or train it on one "
+                f"device; {TURN_OFF} turns this guard off"
+            )
+        self.pipe_checked.add(key)
+        return self._carry(run)
+
+    def _carry(self, run: Run) -> Any:
+        calls = [c for c in run.calls if c is not None]
+        return pack(run.first, calls, run.templates, self.pipe_form if self.pipe_form else -1)
+
+    def _run(self, x: BodyInput, mode: str, generator: torch.Generator | None = None) -> Run:
+        """The model's forward on ``x`` up to its last layer, with stand-ins for the layers."""
         model = self.whole_model
         layers = _get(model, self.pipe_blocks)
-        stand_in: nn.Module = (
-            nn.Sequential(_Capture())
-            if isinstance(layers, nn.Sequential)
-            else nn.ModuleList([_Capture()])
-        )
-        kwargs = dict(x.kwargs)
-        if getattr(getattr(model, "config", None), "use_cache", None) is not None:
-            kwargs.setdefault("use_cache", False)  # no key/value cache in training
-        _set(model, self.pipe_blocks, stand_in)
+        run = Run(list(layers), mode, form=self.pipe_form, generator=generator)  # type: ignore[arg-type]
+        handles = [
+            module.register_forward_hook(run.template_of(path))
+            for path, module in self.parts()
+            if isinstance(module, nn.Module) and any(True for _ in module.parameters())
+        ]
         try:
-            with self.params_in_model():
-                model(*x.args, **kwargs)
-        except _Captured as captured:
-            return captured.carry
+            with swapped(model, self.pipe_blocks, run), self.params_in_model():
+                model(*x.args, **training_kwargs(model, x.kwargs))
+        except Captured:
+            return run
+        except SplitError:
+            raise
+        except Exception as err:
+            if not run.reached:  # the model's own code, before its layers: the user's to see
+                raise
+            raise SplitError(
+                f"{type(model).__name__}.forward raised {type(err).__name__} ({err}) after "
+                f"pipe2bw's stand-in for its layer {run.reached - 1} returned: on the first "
+                f"stage the forward runs up to its last layer with stand-ins for the layers "
+                f"{self.pipe_blocks!r}, which return their input{run.form_text()}. A forward "
+                "that computes with what a layer returns, other than handing its hidden state "
+                "to the next layer, cannot be split into stages; describe the model with "
+                "PipeModel (docs/models.md) or train it on one device"
+            ) from err
         finally:
-            _set(model, self.pipe_blocks, layers)  # type: ignore[arg-type]
-        raise RuntimeError(
-            f"{type(model).__name__}.forward returned without calling its layers "
-            f"{self.pipe_blocks!r}: name the list its forward iterates as `blocks`, or give an "
-            "`embed` function"
+            for handle in handles:
+                handle.remove()
+        n = len(layers)  # type: ignore[arg-type]
+        raise SplitError(
+            f"{type(model).__name__}.forward returned after calling {run.reached} of its {n} "
+            f"layers {self.pipe_blocks!r}: the pipeline runs every layer of the list once, in "
+            "order; name the list its forward iterates as `blocks`, or give an `embed` function"
         )
 
 
 class _Layer(_Part):
-    """One layer, called as the model's loop calls it."""
+    """One layer (``index`` in its list), called as the model's forward calls it, with the
+    arguments the carry holds for it."""
+
+    def __init__(self, model: nn.Module, paths: Sequence[str], index: int) -> None:
+        super().__init__(model, paths)
+        self.pipe_index = index
 
     def forward(self, carry: Any) -> Any:
-        hidden, args, kwargs = carry
-        out = _get(self, self.pipe_paths[0])(hidden, *args, **kwargs)  # type: ignore[operator]
-        if isinstance(out, tuple):  # older layers return (hidden, attentions, ...)
+        args, kwargs, key = call_of(carry, self.pipe_index)
+        layer = _get(self, self.pipe_paths[0])
+        hidden = carry["hidden"]
+        if key is None:
+            out = layer(hidden, *args, **kwargs)  # type: ignore[operator]
+        else:
+            out = layer(*args, **{key: hidden}, **kwargs)  # type: ignore[operator]
+        form = len(out) if isinstance(out, tuple) else 0
+        if form:  # layers that return (hidden, attentions, ...)
             out = out[0]
-        return out, args, kwargs
+        return advance(carry, self.pipe_index, out, form)
 
 
 class _Last(_Part):
-    """The last block: ``head`` with the step's own arguments (labels)."""
+    """The last block: ``head`` with the step's own arguments (labels). A head that replays the
+    model's forward (``partition.hf.ReplayHead``) is, with ``check``, proved on every
+    micro-batch of new shapes not to read the first stage's parts (``partition.guard``)."""
 
     takes_call_input = True
 
-    def __init__(self, model: nn.Module, paths: Sequence[str], head: Head) -> None:
+    def __init__(
+        self, model: nn.Module, paths: Sequence[str], head: Head, check: bool = True
+    ) -> None:
         super().__init__(model, paths)
         self.pipe_head = head
+        self.pipe_check = check
+        self.pipe_checked: set[Any] = set()
         self.call_input: BodyInput | None = None
 
     def forward(self, carry: Any) -> Any:
-        hidden, _, _ = carry  # (hidden, args, kwargs) from the last layer
         call = self.call_input or BodyInput((), {})
+        model = _whole(self)
         with self.params_in_model():
-            return self.pipe_head(_whole(self), hidden, call.args, call.kwargs)
+            replay = getattr(self.pipe_head, "replay", None)
+            if replay is None:
+                return self.pipe_head(model, carry["hidden"], call.args, call.kwargs)
+            key = shape_key(call.args, call.kwargs, self.training) if self.pipe_check else None
+            if key is None or key in self.pipe_checked:
+                return replay(model, carry, call)
+            devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+            state = rng_state(devices)
+            out = replay(model, carry, call)
+            with torch.no_grad(), rewound(state, devices), kept_buffers(self):
+                other = replay(model, carry, call, torch.Generator().manual_seed(0))
+        problems = compare_outputs(out, other, rtol=1e-5, atol=1e-6)
+        if problems:
+            name = type(model).__name__
+            read = self._culprits(model, carry, call, out, (state, devices))
+            raise SplitError(
+                f"the pipeline split of {name} would compute something else than the whole "
+                f"model on a micro-batch of new {describe(key)}: the end of {name}.forward, "
+                "which the last stage runs with blanks for the parts the first stage holds, "
+                f"gives another output when the blanks hold other values ({'; '.join(problems)})"
+                f": it reads what {read} computes, which only the first stage has. Describe "
+                "the model with PipeModel(model, ..., head=...) (docs/models.md) or train it "
+                f"on one device; {TURN_OFF} turns this guard off"
+            )
+        self.pipe_checked.add(key)
+        return out
+
+    def _culprits(
+        self, model: nn.Module, carry: Any, call: BodyInput, out: Any, random: Any
+    ) -> str:
+        """The blanked parts whose values change the replay's output, for the guard's message
+        (one replay per part, on the failure path only; ``random``: the random state and
+        devices the first replay ran with)."""
+        head: Any = self.pipe_head
+        read = []
+        for path in head.blanked:
+            with torch.no_grad(), rewound(*random), kept_buffers(self):
+                other = head.replay(model, carry, call, torch.Generator().manual_seed(0), [path])
+                if compare_outputs(out, other, rtol=1e-5, atol=1e-6):
+                    read.append(path)
+        return repr(read[0]) if len(read) == 1 else f"{read}" if read else "a part"
 
 
 @dataclass
@@ -268,9 +379,11 @@ class PipeModel:
     # model's output on the first micro-batch, which the split's output is checked against
     observed: Any = field(default=None, repr=False, compare=False)
 
-    def body(self) -> PipeModelBody:
-        """The model as an ``nn.Sequential`` of blocks (the model's modules, not copies)."""
-        return PipeModelBody(self)
+    def body(self, check: bool = True) -> PipeModelBody:
+        """The model as an ``nn.Sequential`` of blocks (the model's modules, not copies); with
+        ``check``, each micro-batch of new shapes is proved to split exactly
+        (``partition.guard``)."""
+        return PipeModelBody(self, check)
 
 
 def _chain(
@@ -297,7 +410,7 @@ class PipeModelBody(nn.Sequential):
     takes_any_call = True
     spec: PipeModel
 
-    def __init__(self, spec: PipeModel) -> None:
+    def __init__(self, spec: PipeModel, check: bool = True) -> None:
         model = spec.model
         layers = _get(model, spec.blocks)
         if not isinstance(layers, (nn.ModuleList, nn.Sequential)):
@@ -312,9 +425,11 @@ class PipeModelBody(nn.Sequential):
                 "modules or parameters by their dotted paths in the model)"
             )
         names = [f"{spec.blocks}.{name}" for name in layers._modules]
-        parts: list[nn.Module] = [_First(model, spec.pre, spec.blocks, spec.embed)]
-        parts += [_Layer(model, [n]) for n in names]
-        parts.append(_Last(model, spec.post, spec.head or functools.partial(_chain, spec.post)))
+        form = getattr(spec.observed, "layer_tuple", 0)
+        parts: list[nn.Module] = [_First(model, spec.pre, spec.blocks, spec.embed, form, check)]
+        parts += [_Layer(model, [n], i) for i, n in enumerate(names)]
+        head = spec.head or functools.partial(_chain, spec.post)
+        parts.append(_Last(model, spec.post, head, check))
         super().__init__(*parts)
         object.__setattr__(self, "spec", spec)
         if spec.init is not None:  # a body built on meta is initialised by the model's own init
@@ -375,7 +490,7 @@ def release(model: nn.Module, blocks: Sequence[nn.Module]) -> None:
             for path, obj in list(block.parts()):
                 if isinstance(obj, nn.Module):
                     if any(True for _ in obj.parameters()):  # modules without any stay: the
-                        _set(model, path, Released(path))  # last stage's replay runs them
+                        _set(model, path, Released(path, skeleton(obj)))  # replay runs them
                 else:
                     _set(model, path, nn.Parameter(torch.empty(0), requires_grad=False))
 

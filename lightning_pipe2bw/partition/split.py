@@ -7,9 +7,12 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_pipe2bw.partition.hf import hf_layout, pipe_model_for, training_kwargs
+from lightning_pipe2bw.partition.carry import call_of
+from lightning_pipe2bw.partition.guard import observed_problems
+from lightning_pipe2bw.partition.hf import hf_layout, pipe_model_for
 from lightning_pipe2bw.partition.observe import TURN_OFF, SplitError, compare_outputs, evaluating
 from lightning_pipe2bw.partition.pipemodel import PipeModel
+from lightning_pipe2bw.partition.standin import split_call, training_kwargs
 from lightning_pipe2bw.runtime.stage import BodyInput, StageBody
 
 # the arguments the user's step passes to a model on the first micro-batch, or None
@@ -31,7 +34,9 @@ class BodyRef:
         return getattr(self.parent, self.attr)  # type: ignore[no-any-return]
 
 
-def _resolve(root: nn.Module, path: str, call_of: CallOf | None = None, check: bool = True) -> BodyRef:
+def _resolve(
+    root: nn.Module, path: str, call_of: CallOf | None = None, check: bool = True
+) -> BodyRef:
     parent = root
     *heads, attr = path.split(".")
     for name in heads:
@@ -51,7 +56,7 @@ def _resolve(root: nn.Module, path: str, call_of: CallOf | None = None, check: b
             call = call_of(body) if call_of is not None else None
             spec = pipe_model_for(body, call)
             assert spec is not None
-            return _install(parent, attr, path, spec, call if check else None)
+            return _install(parent, attr, path, spec, call if check else None, check)
     if not isinstance(body, (nn.Sequential, StageBody)):
         hint = (
             " (a ModuleList has no forward: nn.Sequential(*layers) holds the same layers under "
@@ -71,12 +76,19 @@ def _resolve(root: nn.Module, path: str, call_of: CallOf | None = None, check: b
 
 
 def _install(
-    parent: nn.Module, attr: str, path: str, spec: PipeModel, call: BodyInput | None
+    parent: nn.Module,
+    attr: str,
+    path: str,
+    spec: PipeModel,
+    call: BodyInput | None,
+    check: bool = True,
 ) -> BodyRef:
     """Put ``spec``'s body in place of its model at ``parent.<attr>``: the model's own modules
     as a sequence of blocks (see ``partition.pipemodel``); with ``call`` (the step's arguments
-    on the first micro-batch), first check that the body computes what the model does."""
-    body = spec.body()
+    on the first micro-batch), first check that the body computes what the model does. With
+    ``check``, the body proves every micro-batch of new shapes to split exactly
+    (``partition.guard``)."""
+    body = spec.body(check)
     try:
         if call is not None:
             check_split(spec, body, call)
@@ -95,6 +107,7 @@ def check_split(spec: PipeModel, body: nn.Module, call: BodyInput) -> None:
     with evaluating(model):
         if spec.observed is not None:
             whole = spec.observed.output
+            _check_calls(spec, body, call)
         else:
             whole = model(*call.args, **training_kwargs(model, call.kwargs))
         split = body(*call.args, **call.kwargs)
@@ -108,6 +121,30 @@ def check_split(spec: PipeModel, body: nn.Module, call: BodyInput) -> None:
             "PipeModel(model, blocks=..., pre=[...], post=[...], head=...) from a "
             "`pipeline_body()` method of your LightningModule (docs/models.md), or turn the "
             f"check off with {TURN_OFF}"
+        )
+
+
+def _check_calls(spec: PipeModel, body: nn.Module, call: BodyInput) -> None:
+    """Raise :class:`SplitError` unless the first block gives each layer what the whole model's
+    forward passed it (``spec.observed.calls``): the arguments of a layer that the forward
+    computes from what an earlier layer returns (a position bias, the resolution of the next
+    stage) are not what a run with stand-ins for the layers gives."""
+    observed = spec.observed.calls
+    carry = body[0](BodyInput(call.args, call.kwargs))  # type: ignore[index,operator]
+    layers = spec.model.get_submodule(spec.blocks)
+    problems = []
+    for j, (args, kwargs) in enumerate(observed):
+        _, whole = split_call(layers[j], j, args, kwargs)  # type: ignore[index]
+        problems += observed_problems(j, whole, call_of(carry, j))
+    if problems:
+        shown = problems if len(problems) <= 4 else [*problems[:4], f"{len(problems) - 4} more"]
+        raise SplitError(
+            f"the pipeline split of {type(spec.model).__name__} cannot pass its layers "
+            f"{spec.blocks!r} what the whole model passes them: {'; '.join(shown)}. The forward "
+            "computes these arguments from what earlier layers return, besides the hidden "
+            "state, which does not travel between stages. Describe the model with "
+            "PipeModel(model, blocks=..., embed=...) (docs/models.md) or train it on one "
+            f"device; {TURN_OFF} turns this guard off"
         )
 
 
@@ -142,7 +179,7 @@ def find_body(
             parent_path, _, attr = where.rpartition(".")
             parent = module.get_submodule(parent_path) if parent_path else module
             call = call_of(target.model) if call_of is not None and check else None
-            return _install(parent, attr, where, target, call)
+            return _install(parent, attr, where, target, call, check)
         for path, sub in module.named_modules():
             if sub is target and path:
                 return _resolve(module, path, call_of, check)

@@ -1,7 +1,8 @@
 """The guard against a split that trains silently wrong (``check_split``), on the pool's ranks: a
-described model whose split computes something else is stopped at set-up, and at the first
-update a trainable parameter that got no gradient on any stage is named. The observed forward
-and the set-up check in one process: ``tests/unit/test_split_guard.py``."""
+described model whose split computes something else is stopped at set-up, a model whose split
+could not be checked at set-up is stopped at its first micro-batch, and at the first update a
+trainable parameter that got no gradient on any stage is named. The observed forward and the
+set-up check in one process: ``tests/unit/test_split_guard.py``."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ import torch
 import torch.distributed as dist
 from helpers import hf_models
 from helpers.models import quiet_trainer
+from helpers.pool import TaskError
 from torch import Tensor, nn
 
 from lightning_pipe2bw import Pipe2BWStrategy, PipeModel
 from lightning_pipe2bw.partition.observe import SplitError
-from lightning_pipe2bw.runtime.failure import StageFailure
 from ranks.test_real_models import M, _DescribedModule, image_loader
 
 
@@ -32,10 +33,9 @@ def _opt_late(check: bool) -> dict[str, Any]:
     module = _BuiltLate("opt")
     strategy = Pipe2BWStrategy(schedule="1f1b", microbatches=M, check_split=check)
     trainer = quiet_trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=2)
-    try:
-        trainer.fit(module, hf_models.loader("opt", 2))
-    except (SplitError, StageFailure) as err:  # its own finding, or the other stage's
-        return {"error": str(err), "stage": strategy.stage}
+    # an error leaves the task, as it leaves a real run: the pool then starts fresh ranks (the
+    # run stopped in the middle of a schedule, with messages in flight on the process group)
+    trainer.fit(module, hf_models.loader("opt", 2))
     state = strategy.full_state_dict()  # collective (rank 0 gets it); the model keeps parts
     if dist.get_rank() != 0:
         return {"error": None, "norm_moved": None}
@@ -43,23 +43,70 @@ def _opt_late(check: bool) -> dict[str, Any]:
     return {"error": None, "norm_moved": float((norm - 1).abs().max())}
 
 
-def test_the_first_update_names_a_parameter_no_stage_used(pools: Any) -> None:
-    """The guard's second half, for a model no forward could be watched on: each stage names
-    its parameters that got no gradient (OPT's final norm on the first stage; on the last, the
-    layers whose output the norm's stand-in replaced), and the way to turn the check off; with
-    the check off, the same run trains on with the norm never updated (the silent wrongness)."""
-    results = {r["stage"]: r["error"] for r in pools(2).run(_opt_late, True)}
-    print(f"GUARD first update, stage 0: {results[0][:200]}")
-    assert results[0].startswith(
-        "2 trainable parameter(s) of stage 0 got no gradient at the first update: "
-        "['model.model.decoder.final_layer_norm.bias', 'model.model.decoder.final_layer_norm.weight']"
-    ), results[0]
-    assert "check_split=False" in results[0]
-    # the last stage stops with its own finding, or with stage 0's if that reached it first
-    assert "got no gradient at the first update" in results[1], results[1]
+def test_a_model_no_forward_was_watched_on_is_stopped_at_its_first_micro_batch(pools: Any) -> None:
+    """For a model no forward could be watched on before the split (built on the meta device),
+    the guard runs on the ranks: at its first micro-batch the last stage replays the end of the
+    forward a second time with other values in the blanks of the first stage's parts, sees the
+    loss change with the final norm's blank (registration order put the norm on the first
+    stage) and stops every rank with the norm named, before any update; with the check off the
+    same run trains on with the norm never updated (the silent wrongness)."""
+    with pytest.raises(TaskError) as info:
+        pools(2).run(_opt_late, True)
+    rank0, rank1 = str(info.value).split("--- rank 1 ---")  # rank 0 runs the last stage
+    print(f"GUARD first micro-batch: {info.value.reason}")
+    assert "SplitError: the pipeline split of OPTForCausalLM would compute something" in rank0
+    assert "StageFailure: rank 0 (stage 1) failed in action 1F0: SplitError" in rank1, rank1
+    for text in (rank0, rank1):
+        assert "it reads what 'model.decoder.final_layer_norm' computes" in text
+        assert "check_split=False" in text
     off = pools(2).run(_opt_late, False)
     assert all(r["error"] is None for r in off)
     assert off[0]["norm_moved"] == 0.0  # never trained: what the check prevents
+
+
+def head_without_norm(model: nn.Module, hidden: Tensor, args: Any, kwargs: Any) -> Tensor:
+    return model.head(hidden[:, 0])  # type: ignore[no-any-return, operator]
+
+
+class _SkipsNorm(_DescribedModule):
+    """A description whose head forgets the final norm: at initialisation the norm is the
+    identity, so the split's output equals the model's and only the gradients tell."""
+
+    def pipeline_body(self) -> PipeModel:
+        return PipeModel(
+            self.net,
+            blocks="blocks",
+            pre=["patch_embed", "cls_token", "pos_embed"],
+            post=["norm", "head"],
+            head=head_without_norm,
+        )
+
+
+def _skips_norm(check: bool) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    module = _SkipsNorm()
+    strategy = Pipe2BWStrategy(schedule="1f1b", microbatches=M, check_split=check)
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=2)
+    trainer.fit(module, image_loader(2))  # an error leaves the task (see _opt_late)
+    return {"error": None}
+
+
+def test_the_first_update_names_a_parameter_no_stage_used(pools: Any) -> None:
+    """The guard's last line: a part that is the identity at initialisation gives the same
+    output whether it runs or not, so no output check sees a head that skips it; at the first
+    update the stage holding it names its parameters without a gradient (the other stage stops
+    with that error), and with the check off the run trains on."""
+    with pytest.raises(TaskError) as info:
+        pools(2).run(_skips_norm, True)
+    rank0, rank1 = str(info.value).split("--- rank 1 ---")  # rank 0 runs the last stage
+    print(f"GUARD first update: {info.value.reason}")
+    assert (
+        "SplitError: 2 trainable parameter(s) of stage 1 got no gradient at the first update: "
+        "['net.norm.bias', 'net.norm.weight']"
+    ) in rank0, rank0[-2000:]
+    assert "check_split=False" in rank0
+    assert "got no gradient at the first update" in rank1, rank1[-2000:]
+    assert all(r["error"] is None for r in pools(2).run(_skips_norm, False))
 
 
 def mean_token_head(model: nn.Module, hidden: Tensor, args: Any, kwargs: Any) -> Tensor:

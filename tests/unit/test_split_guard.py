@@ -45,8 +45,10 @@ def test_the_forward_shows_where_registration_order_misleads() -> None:
 
 
 def test_the_set_up_check_catches_a_split_that_computes_something_else() -> None:
-    """The guard's first half on the split registration order gives OPT: the final norm never
-    runs, so the loss and the logits differ from the whole model's."""
+    """The guard on the split registration order gives OPT: the final norm sits on the first
+    stage, where the forward never reaches it; the last stage's replay of the end of the
+    forward reads the norm's output (a blank there), so the loss and the logits change with the
+    blank's values, and the norm is named."""
     model, call = _opt_call()
     static = pipe_model_for(model)
     assert static is not None
@@ -55,11 +57,11 @@ def test_the_set_up_check_catches_a_split_that_computes_something_else() -> None
     message = str(info.value)
     print(f"GUARD set-up: {message[:300]}")
     assert message.startswith(
-        "the pipeline split of OPTForCausalLM computes something else than the whole model on "
-        "the first micro-batch (logits: max |difference|"
+        "the pipeline split of OPTForCausalLM would compute something else than the whole model "
+        "on a micro-batch of new input shapes [[2, 12], [2, 12]]"
     )
-    assert "loss: max |difference|" in message
-    assert "'model.decoder.final_layer_norm'" in message  # where it was put, named
+    assert "(logits: max |difference|" in message and "loss: max |difference|" in message
+    assert "it reads what 'model.decoder.final_layer_norm' computes" in message  # named
     assert "check_split=False" in message
 
 
