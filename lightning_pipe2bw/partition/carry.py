@@ -3,20 +3,28 @@ every layer still to run, the arguments the model's forward passes that layer.
 
 A model's layers need not take the same arguments: Gemma 2 passes its sliding-window layers one
 attention mask and its full-attention layers another, Gemma 3 and ModernBERT give each kind of
-layer its own rotary table. The first stage learns what each layer is passed from the model's own
-forward (``partition.standin``), once per micro-batch, and packs it here:
+layer its own rotary table, T5 passes the position bias its first layer computes on to the
+others, and an encoder-decoder's decoder layers take the encoder's output. The stage that opens a
+stack of layers learns what each layer is passed from the model's own forward
+(``partition.standin``), once per micro-batch, and packs it here:
 
 - ``shared``: every distinct tensor among the layers' arguments, once (the masks and rotary
   tables most layers share travel once, not once per layer);
-- ``calls``: for each layer still to run, its positional and keyword arguments with each tensor
-  replaced by a :class:`Ref` to its place in ``shared`` (a pytree node without leaves: the
-  message's header stays plain values, see ``runtime.wire``);
+- ``calls``: for each layer still to run (by its index over all stacks), its positional and
+  keyword arguments with each tensor replaced by a :class:`Ref` to its place in ``shared`` (a
+  pytree node without leaves: the message's header stays plain values, see ``runtime.wire``);
+- ``fills``: the places in ``shared`` that a layer's output fills when it has run (a value the
+  layer returns besides its hidden state that the forward passes to a later layer);
 - ``last``: the last layer that uses each shared tensor; once it has run, the tensor is dropped
-  (``None``) and no later stage receives it;
-- ``blanks``: the shape of what each part of the first stage returned (see
-  :class:`Zeros`), which the last stage's replay of the model's forward returns in its place;
-- ``form``: what a layer returns, 0 a tensor, n a tuple of n (hidden state first), -1 not yet
-  known: the replay's stand-ins return that form.
+  (``None``) and no later stage receives it (:data:`KEEP`: never, a part's output the last
+  stage's replay needs);
+- ``blanks``: what each part run by an earlier block returned, for the replays of the model's
+  forward on later stages: its structure with each tensor as :class:`Zeros` (its shape and
+  dtype), or as a :class:`Ref` where the value itself travels;
+- ``outputs``: the output of an earlier stack (by its index) where a later replay needs it (an
+  encoder's output, which the decoder's end returns), as a :class:`Ref`;
+- ``forms``: what each stack's layers return (0 a tensor, n a tuple of n, hidden state first),
+  as the layers that ran found it.
 
 A carry is a dict of plain containers, so that the transports, the activation stash and the
 hand-over between stages of one rank treat it like any payload; a stage never modifies the carry
@@ -25,23 +33,36 @@ it received (its backward and a recomputation read it again), it builds the next
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-__all__ = ["Carry", "LayerCall", "Ref", "Zeros", "advance", "call_of", "fill", "pack", "template"]
+__all__ = [
+    "KEEP",
+    "Carry",
+    "LayerCall",
+    "Pending",
+    "Ref",
+    "Zeros",
+    "advance",
+    "call_of",
+    "fill",
+    "pack",
+    "resolve",
+]
 
 # one layer's call: its positional arguments after the hidden state, its keyword arguments, and
 # the keyword that passes the hidden state (None: the first positional argument)
 LayerCall = tuple[tuple[Any, ...], dict[str, Any], "str | None"]
 Carry = dict[str, Any]
+KEEP = -1  # a shared tensor no layer's run drops
 
 
 class Ref:
-    """A tensor of a layer's arguments, by its place in the carry's ``shared`` tuple."""
+    """A tensor, by its place in the carry's ``shared`` tuple."""
 
     __slots__ = ("index",)
 
@@ -53,8 +74,8 @@ class Ref:
 
 
 class Zeros:
-    """A tensor of a part's output by its shape and dtype only: the last stage's replay of the
-    model's forward fills it in (zeros) where the first stage ran the part."""
+    """A tensor of a part's output by its shape and dtype only: a later stage's replay of the
+    model's forward fills it in (zeros) where an earlier stage ran the part."""
 
     __slots__ = ("dtype", "shape")
 
@@ -63,6 +84,28 @@ class Zeros:
 
     def __repr__(self) -> str:
         return f"Zeros({self.shape}, {self.dtype})"
+
+
+class Pending:
+    """In a captured call: the value layer ``layer`` (by its index over all stacks) returns at
+    ``position`` of its output, which the forward passes to a later layer."""
+
+    __slots__ = ("layer", "position")
+
+    def __init__(self, layer: int, position: int) -> None:
+        self.layer, self.position = layer, position
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Pending) and (other.layer, other.position) == (
+            self.layer,
+            self.position,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.layer, self.position))
+
+    def __repr__(self) -> str:
+        return f"<output [{self.position}] of layer {self.layer}>"
 
 
 # pytree nodes without leaves: what they stand for is in the tree's structure, which the
@@ -85,41 +128,80 @@ def _is_ref(x: Any) -> bool:
     return isinstance(x, Ref)
 
 
+def resolve(tree: Any, shared: tuple[Any, ...]) -> Any:
+    """``tree`` with each :class:`Ref` replaced by its tensor in ``shared``."""
+    return pytree.tree_map(
+        lambda x: shared[x.index] if isinstance(x, Ref) else x, tree, is_leaf=_is_ref
+    )
+
+
 def pack(
     hidden: Any,
-    calls: Sequence[LayerCall],
-    blanks: dict[str, Any] | None = None,
-    form: int = -1,
+    calls: Mapping[int, LayerCall],
+    parts: Mapping[str, tuple[Any, bool]] | None = None,
+    outputs: Mapping[int, Any] | None = None,
+    before: Carry | None = None,
 ) -> Carry:
-    """The carry of the first stage: the first layer's hidden state and every layer's call
-    (``calls[j]`` for layer j), each distinct tensor once."""
-    shared: list[Tensor] = []
+    """The carry of the stage that opens a stack: its first layer's hidden state, the layers'
+    ``calls`` (by index over all stacks), what the parts it ran returned (``parts``: path ->
+    (output, whether the value itself travels)), the outputs of earlier stacks that travel to
+    later replays (``outputs``: stack -> its last layer's output), and what the carry ``before``
+    it held for later replays (its blanks, outputs and forms)."""
+    shared: list[Tensor | None] = []
     slot: dict[int, int] = {}  # id(tensor) -> its place in shared
     last: list[int] = []
+    fills: dict[int, list[tuple[int, int]]] = {}
+    pending: dict[Pending, int] = {}
 
-    def ref_at(layer: int) -> Any:
-        def ref(t: Tensor) -> Ref:
+    def place(t: Any, use: int) -> Ref:
+        if isinstance(t, Pending):
+            k = pending.get(t)
+            if k is None:
+                k = pending[t] = len(shared)
+                shared.append(None)  # the layer's run fills it
+                last.append(use)
+                fills.setdefault(t.layer, []).append((t.position, k))
+        else:
             k = slot.get(id(t))
             if k is None:
                 k = slot[id(t)] = len(shared)
                 shared.append(t)
-                last.append(layer)
-            last[k] = layer
-            return Ref(k)
+                last.append(use)
+        if last[k] != KEEP:
+            last[k] = KEEP if use == KEEP else max(last[k], use)
+        return Ref(k)
 
-        return ref
+    def is_value(x: Any) -> bool:
+        return isinstance(x, (Tensor, Pending))
 
     packed = {}
-    for j, (args, kwargs, key) in enumerate(calls):
-        a, k = pytree.tree_map_only(Tensor, ref_at(j), (tuple(args), dict(kwargs)))
+    for j in sorted(calls):
+        args, kwargs, key = calls[j]
+        a, k = pytree.tree_map(
+            lambda x, j=j: place(x, j) if is_value(x) else x,
+            (tuple(args), dict(kwargs)),
+            is_leaf=is_value,
+        )
         packed[j] = (a, k, key)
+    blanks: dict[str, Any] = {}
+    if before is not None:  # what earlier blocks' parts returned: kept for later replays
+        for path, shape in before["blanks"].items():
+            value = resolve(shape, before["shared"])
+            blanks[path] = pytree.tree_map_only(Tensor, lambda t: place(t, KEEP), value)
+    for path, (output, carried) in (parts or {}).items():
+        blanks[path] = _template(output, (lambda t: place(t, KEEP)) if carried else None)
+    kept = dict(resolve(before["outputs"], before["shared"])) if before is not None else {}
+    kept.update(outputs or {})
+    travelled = {k: _template(v, lambda t: place(t, KEEP)) for k, v in kept.items()}
     return {
         "hidden": hidden,
         "shared": tuple(shared),
         "calls": packed,
+        "fills": {j: tuple(f) for j, f in fills.items()},
         "last": tuple(last),
-        "blanks": blanks or {},
-        "form": form,
+        "blanks": blanks,
+        "outputs": travelled,
+        "forms": dict(before["forms"]) if before is not None else {},
     }
 
 
@@ -132,31 +214,43 @@ def call_of(carry: Carry, layer: int) -> LayerCall:
             f"those of layers {sorted(calls)}): the stages ran the layers out of order"
         )
     args, kwargs, key = calls[layer]
-    shared = carry["shared"]
-    a, k = pytree.tree_map(
-        lambda x: shared[x.index] if isinstance(x, Ref) else x, (args, kwargs), is_leaf=_is_ref
-    )
+    a, k = resolve((args, kwargs), carry["shared"])
     return a, k, key
 
 
-def advance(carry: Carry, layer: int, hidden: Any, form: int) -> Carry:
-    """The carry after layer ``layer`` ran: its output ``hidden``, without that layer's call nor
-    the shared tensors no later layer uses (a new carry; ``carry`` is left as it was)."""
-    shared = carry["shared"]
+def advance(carry: Carry, layer: int, stack: int, output: Any) -> Carry:
+    """The carry after layer ``layer`` (of ``stack``) returned ``output``: its hidden state, the
+    values it returns that later layers take, without its call nor the shared tensors no later
+    layer uses (a new carry; ``carry`` is left as it was)."""
+    form = len(output) if isinstance(output, tuple) else 0
+    hidden = output[0] if form else output
+    shared = list(carry["shared"])
+    for position, k in carry["fills"].get(layer, ()):
+        if position >= form:
+            raise RuntimeError(
+                f"layer {layer} returned {form or 'a tensor, not a tuple'} values, but the "
+                f"forward passed its output [{position}] on to a later layer"
+            )
+        shared[k] = output[position]
     last = carry["last"]
-    if any(k == layer for k in last):
-        shared = tuple(None if last[k] == layer else t for k, t in enumerate(shared))
+    for k, use in enumerate(last):
+        if use == layer:
+            shared[k] = None
     calls = {j: c for j, c in carry["calls"].items() if j != layer}
-    return {**carry, "hidden": hidden, "shared": shared, "calls": calls, "form": form}
+    forms = carry["forms"]
+    if forms.get(stack) != form:
+        forms = {**forms, stack: form}
+    return {**carry, "hidden": hidden, "shared": tuple(shared), "calls": calls, "forms": forms}
 
 
-def template(output: Any) -> Any:
-    """What the replay needs of a part's output: its structure, each tensor as :class:`Zeros`
-    (its shape and dtype), plain values as they are, other objects dropped (None)."""
+def _template(output: Any, value: Any = None) -> Any:
+    """What a replay needs of a part's output: its structure, each tensor as :class:`Zeros`
+    (``value`` given: as what ``value`` makes of it, a :class:`Ref`), plain values as they are,
+    other objects dropped (None)."""
 
     def meta(x: Any) -> Any:
         if isinstance(x, Tensor):
-            return Zeros(tuple(x.shape), x.dtype)
+            return value(x) if value is not None else Zeros(tuple(x.shape), x.dtype)
         if x is None or isinstance(x, (bool, int, float, str, torch.dtype)):
             return x
         return None
@@ -164,12 +258,19 @@ def template(output: Any) -> Any:
     return pytree.tree_map(meta, output)
 
 
-def fill(shape: Any, device: torch.device, generator: torch.Generator | None = None) -> Any:
-    """A part's output from its :func:`template`: zeros, or with ``generator`` random values
-    (the guard's second replay, which must give the same result if the end of the forward does
-    not read the part's output)."""
+def fill(
+    shape: Any,
+    device: torch.device,
+    shared: tuple[Any, ...] = (),
+    generator: torch.Generator | None = None,
+) -> Any:
+    """A part's output from its template in ``blanks``: the values that travel (:class:`Ref`
+    into ``shared``), zeros for the others, or with ``generator`` random values (the guard's
+    second replay, which must give the same result if the forward does not read them)."""
 
     def make(z: Any) -> Any:
+        if isinstance(z, Ref):
+            return shared[z.index]
         if not isinstance(z, Zeros):
             return z  # a plain value, as the part returned it
         if generator is None:
@@ -178,4 +279,9 @@ def fill(shape: Any, device: torch.device, generator: torch.Generator | None = N
             return torch.randn(z.shape, generator=generator, device="cpu").to(device, z.dtype)
         return torch.randint(1, 3, z.shape, generator=generator, device="cpu").to(device, z.dtype)
 
-    return pytree.tree_map(make, shape, is_leaf=lambda x: isinstance(x, Zeros))
+    return pytree.tree_map(make, shape, is_leaf=lambda x: isinstance(x, (Zeros, Ref)))
+
+
+def template(output: Any) -> Any:
+    """:func:`_template` without values: every tensor as :class:`Zeros`."""
+    return _template(output)

@@ -25,7 +25,7 @@ them, so that training is unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -33,8 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from lightning_pipe2bw.partition.carry import LayerCall
-from lightning_pipe2bw.partition.standin import Extra
+from lightning_pipe2bw.partition.carry import LayerCall, Pending
 
 __all__ = [
     "call_problems",
@@ -114,13 +113,13 @@ def _differs(a: Any, b: Any) -> str | None:
     """How the argument ``b`` of the probe differs from ``a`` of the capture, or None."""
     la, sa = pytree.tree_flatten(a)
     lb, sb = pytree.tree_flatten(b)
-    extra = next((x for x in lb if isinstance(x, Extra)), None)
-    if extra is not None:
-        return f"is what layer {extra.layer} returns besides its hidden state (its output [{extra.position}])"
     if sa != sb:
         return "has another structure"
     for x, y in zip(la, lb, strict=True):
-        if isinstance(x, Tensor) and isinstance(y, Tensor):
+        if isinstance(x, Pending) or isinstance(y, Pending):
+            if x != y:
+                return f"changes with what the layers before it return ({x!r}, then {y!r})"
+        elif isinstance(x, Tensor) and isinstance(y, Tensor):
             if x.shape != y.shape or not torch.allclose(
                 x.detach().double(), y.detach().double(), rtol=1e-5, atol=1e-6, equal_nan=True
             ):
@@ -133,11 +132,13 @@ def _differs(a: Any, b: Any) -> str | None:
 
 
 def call_problems(
-    capture: list[LayerCall], probe: list[LayerCall | None], problems: list[str]
+    capture: Mapping[int, LayerCall], probe: Mapping[int, LayerCall], problems: list[str]
 ) -> list[str]:
-    """What makes a split wrong, from a capture's calls and a probe's (see the module notes)."""
+    """What makes a split wrong, from a capture's calls and a probe's, by layer (see the module
+    notes)."""
     found = list(problems)
-    for j, (a, b) in enumerate(zip(capture, probe, strict=True)):
+    for j in sorted(capture):
+        a, b = capture[j], probe.get(j)
         if b is None:
             found.append(f"layer {j} is not called when the layers compute other values")
             continue

@@ -10,7 +10,7 @@ with module hooks, does. :func:`observe` runs it on one micro-batch at set-up;
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,69 +37,105 @@ class Observation:
     before: list[str] = field(default_factory=list)  # parts that ran before the first layer
     after: list[str] = field(default_factory=list)  # parts that ran after the last layer
     idle: list[str] = field(default_factory=list)  # parts with parameters that did not run
-    layer_tuple: int = 0  # a layer's output: 0 a tensor, n a tuple of n (hidden first)
+    # several layer lists: the parts that ran between list k and list k + 1, for each k
+    between: list[list[str]] = field(default_factory=list)
+    # what each list's layers returned: 0 a tensor, n a tuple of n (hidden first); and the
+    # positions of that tuple that held a value (not None) besides the hidden state
+    forms: dict[int, int] = field(default_factory=dict)
+    markers: dict[int, tuple[int, ...]] = field(default_factory=dict)
     output: Any = None  # what the model returned
-    # what the forward passed each layer: (positional, keyword) arguments, by layer index
+    # what the forward passed each layer (index over all lists): (positional, keyword) arguments
     calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
+
+    @property
+    def layer_tuple(self) -> int:
+        """What the first list's layers return (0 a tensor, n a tuple of n)."""
+        return self.forms.get(0, 0)
 
 
 @dataclass
 class _Trace:
-    count: int  # the layers in the list
-    started: int = 0
-    finished: int = 0
-    current: int | None = None  # the layer running now
-    order: list[int] = field(default_factory=list)  # layer indices in the order they ran
-    phases: dict[str, set[str]] = field(default_factory=dict)  # module path -> when it ran
+    counts: list[int]  # the layers in each list
+    started: list[int] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)
+    current: tuple[int, int] | None = None  # (list, layer) running now
+    sequence: list[tuple[int, int]] = field(default_factory=list)  # (list, layer) as they ran
+    phases: dict[str, set[int]] = field(default_factory=dict)  # module path -> when it ran
     strays: list[tuple[int, str]] = field(default_factory=list)  # (layer, module outside it)
-    layer_tuple: int = 0
+    forms: dict[int, int] = field(default_factory=dict)
+    markers: dict[int, set[int]] = field(default_factory=dict)
     calls: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=dict)
 
-    def phase(self) -> str:
-        if self.started == 0:
-            return "before"
-        return "after" if self.finished >= self.count else "between"
+    def __post_init__(self) -> None:
+        self.started = [0] * len(self.counts)
+        self.finished = [0] * len(self.counts)
+
+    def phase(self) -> int:
+        """When a part runs: 2k before list k (2K after the last of K lists), 2k + 1 between two
+        layers of list k."""
+        k = 0
+        while k < len(self.counts) and self.finished[k] >= self.counts[k]:
+            k += 1
+        if k < len(self.counts) and self.started[k]:
+            return 2 * k + 1
+        return 2 * k
 
 
-def observe(model: nn.Module, blocks: str, call: Callable[[], Any]) -> Observation:
+def observe(model: nn.Module, blocks: str | Sequence[str], call: Callable[[], Any]) -> Observation:
     """Run ``call()`` (one forward of ``model``) with hooks on every module of ``model`` and say,
-    for each part that is not the layer list ``blocks`` nor a module the layer list sits in,
-    whether it ran before the first layer or after the last. Raises :class:`SplitError` where
-    the forward does something a split cannot carry: no call of the layers, layers out of order
-    or twice, a layer that calls a module with parameters outside it (a shared module), a part
-    with parameters that runs both before and after the layers, or between two of them. A
-    module without parameters (a dropout, a rotary table) stays on every stage, so it may run
+    for each part that is not a layer list ``blocks`` (one path, or several the forward runs one
+    after the other) nor a module the lists sit in, whether it ran before the first layer,
+    between two lists, or after the last layer. Raises :class:`SplitError` where the forward
+    does something a split cannot carry: no call of the layers, layers out of order or twice, a
+    layer that calls a module with parameters outside it (a shared module), a part with
+    parameters that runs at two of those points, or between two layers of a list. A module
+    without parameters (a dropout, a rotary table) stays on every stage, so it may run
     anywhere."""
-    layers = model.get_submodule(blocks)
-    index = {id(layer): i for i, layer in enumerate(layers.children())}
-    names = list(layers._modules)  # the layers' names in the list, by index
-    # the modules the list sits in (the model, the base model, an encoder): their forward spans
+    stacks = [blocks] if isinstance(blocks, str) else list(blocks)
+    lists = [model.get_submodule(path) for path in stacks]
+    index = {
+        id(layer): (k, i) for k, layers in enumerate(lists) for i, layer in enumerate(layers.children())
+    }
+    names = [list(layers._modules) for layers in lists]  # the layers' names in each list
+    offsets = [sum(len(n) for n in names[:k]) for k in range(len(names))]
+    # the modules the lists sit in (the model, the base model, an encoder): their forward spans
     # the layers' calls, so they are containers, not parts
-    heads = blocks.split(".")
-    containers = {""} | {".".join(heads[:k]) for k in range(1, len(heads) + 1)}
-    trace = _Trace(len(index))
+    containers = {""}
+    for path in stacks:
+        heads = path.split(".")
+        containers |= {".".join(heads[:k]) for k in range(1, len(heads) + 1)}
+    trace = _Trace([len(n) for n in names])
     handles = []
 
-    def before_layer(i: int) -> Callable[..., None]:
+    def before_layer(k: int, i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-            trace.started += 1
-            trace.current = i
-            trace.order.append(i)
-            trace.calls.setdefault(i, (tuple(args), dict(kwargs)))
+            trace.started[k] += 1
+            trace.current = (k, i)
+            trace.sequence.append((k, i))
+            trace.calls.setdefault(offsets[k] + i, (tuple(args), dict(kwargs)))
 
         return hook
 
-    def after_layer(module: nn.Module, args: Any, output: Any) -> None:
-        trace.finished += 1
-        trace.current = None
-        trace.layer_tuple = len(output) if isinstance(output, tuple) else 0
+    def after_layer(k: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            trace.finished[k] += 1
+            trace.current = None
+            if isinstance(output, tuple):
+                trace.forms[k] = len(output)
+                held = {p for p in range(1, len(output)) if output[p] is not None}
+                trace.markers.setdefault(k, set()).update(held)
+            else:
+                trace.forms[k] = 0
+
+        return hook
 
     def before_part(path: str, holds: bool) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
             if trace.current is not None:
-                inside = path.startswith(f"{blocks}.{names[trace.current]}.")
+                k, i = trace.current
+                inside = path.startswith(f"{stacks[k]}.{names[k][i]}.")
                 if not inside and holds:  # a module without parameters is on every stage
-                    trace.strays.append((trace.current, path))
+                    trace.strays.append((offsets[k] + i, path))
                 return
             trace.phases.setdefault(path, set()).add(trace.phase())
 
@@ -108,10 +144,11 @@ def observe(model: nn.Module, blocks: str, call: Callable[[], Any]) -> Observati
     for path, module in model.named_modules():
         if path in containers:
             continue
-        if id(module) in index and path == f"{blocks}.{names[index[id(module)]]}":
-            hook = before_layer(index[id(module)])
+        where = index.get(id(module))
+        if where is not None and path == f"{stacks[where[0]]}.{names[where[0]][where[1]]}":
+            hook = before_layer(*where)
             handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-            handles.append(module.register_forward_hook(after_layer))
+            handles.append(module.register_forward_hook(after_layer(where[0])))
         else:
             holds = any(True for _ in module.parameters())
             handles.append(module.register_forward_pre_hook(before_part(path, holds)))
@@ -120,70 +157,93 @@ def observe(model: nn.Module, blocks: str, call: Callable[[], Any]) -> Observati
     finally:
         for handle in handles:
             handle.remove()
-    return _conclude(model, blocks, containers, trace, output)
+    return _conclude(model, stacks, containers, trace, output)
 
 
 def _conclude(
-    model: nn.Module, blocks: str, containers: set[str], trace: _Trace, output: Any
+    model: nn.Module, stacks: list[str], containers: set[str], trace: _Trace, output: Any
 ) -> Observation:
     name = type(model).__name__
-    n = trace.count
-    if trace.started == 0:
+    expected = [(k, i) for k, n in enumerate(trace.counts) for i in range(n)]
+    for k, path in enumerate(stacks):
+        if trace.started[k] == 0:
+            raise SplitError(
+                f"{name}.forward did not call its layers {path!r} on the first micro-batch: the "
+                "split runs a model whose forward calls its layer list; describe it with "
+                "PipeModel(model, blocks=..., pre=[...], post=[...]) and an `embed` function"
+            )
+    if trace.sequence != expected:
+        for k, path in enumerate(stacks):
+            order = [i for j, i in trace.sequence if j == k]
+            if order != list(range(trace.counts[k])):
+                shown = order if len(order) <= 12 else [*order[:12], "..."]
+                raise SplitError(
+                    f"{name}.forward called its {trace.counts[k]} layers {path!r} in the order "
+                    f"{shown}, not once each in order: the pipeline runs each layer once, in "
+                    "its list's order; describe the model with PipeModel and an order its "
+                    "forward keeps"
+                )
         raise SplitError(
-            f"{name}.forward did not call its layers {blocks!r} on the first micro-batch: the "
-            "split runs a model whose forward calls its layer list; describe it with "
-            "PipeModel(model, blocks=..., pre=[...], post=[...]) and an `embed` function"
-        )
-    if trace.order != list(range(n)):
-        shown = trace.order if len(trace.order) <= 12 else [*trace.order[:12], "..."]
-        raise SplitError(
-            f"{name}.forward called its {n} layers {blocks!r} in the order {shown}, not once "
-            "each in order: the pipeline runs each layer once, in its list's order; describe "
-            "the model with PipeModel and an order its forward keeps"
+            f"{name}.forward runs its layer lists {stacks} interleaved, not one after the "
+            "other: the pipeline runs each list whole before the next"
         )
     if trace.strays:
         layer, path = trace.strays[0]
+        where = repr(stacks[0]) if len(stacks) == 1 else str(stacks)
         more = f" (and {len(trace.strays) - 1} more)" if len(trace.strays) > 1 else ""
         raise SplitError(
-            f"layer {layer} of {name} ({blocks!r}) calls {path!r}, which is not part of it{more}: "
+            f"layer {layer} of {name} ({where}) calls {path!r}, which is not part of it{more}: "
             "a layer that uses a module outside it (a module shared by layers) cannot be split "
             "over stages; describe the model with PipeModel, keeping the shared module in "
             "`pre` or `post`, or train it on one device"
         )
-    calls = [trace.calls[i] for i in range(n)]
-    seen = Observation(layer_tuple=trace.layer_tuple, output=output, calls=calls)
-    _sort(model, "", blocks, containers, trace.phases, seen)
+    calls = [trace.calls[g] for g in range(len(expected))]
+    markers = {k: tuple(sorted(v)) for k, v in trace.markers.items()}
+    seen = Observation(output=output, calls=calls, forms=dict(trace.forms), markers=markers)
+    seen.between = [[] for _ in range(len(stacks) - 1)]
+    _sort(model, "", set(stacks), containers, trace.phases, seen, len(stacks))
     return seen
 
 
-def _phases_under(path: str, phases: dict[str, set[str]]) -> set[str]:
-    found: set[str] = set()
+def _phases_under(path: str, phases: dict[str, set[int]]) -> set[int]:
+    found: set[int] = set()
     for p, when in phases.items():
         if p == path or p.startswith(path + "."):
             found |= when
     return found
 
 
+def _when(phase: int, stacks: int) -> str:
+    if phase % 2:
+        return "between two layers" + (f" of list {phase // 2}" if stacks > 1 else "")
+    if phase == 0:
+        return "before the layers"
+    if phase == 2 * stacks:
+        return "after the layers"
+    return f"between layer list {phase // 2 - 1} and list {phase // 2}"
+
+
 def _sort(
     model: nn.Module,
     prefix: str,
-    blocks: str,
+    stacks: set[str],
     containers: set[str],
-    phases: dict[str, set[str]],
+    phases: dict[str, set[int]],
     seen: Observation,
+    count: int,
 ) -> None:
     """Put each child of the container at ``prefix`` (and, through containers, their children)
-    in ``before``, ``after`` or ``idle``; a part that ran in several phases is split into its
-    children when it was not called itself, else refused."""
+    in ``before``, ``between[k]``, ``after`` or ``idle``; a part that ran at several points is
+    split into its children when it was not called itself, else refused."""
     parent = model.get_submodule(prefix) if prefix else model
     for child_name, child in parent.named_children():
         if child is None:
             continue
         path = f"{prefix}.{child_name}" if prefix else child_name
-        if path == blocks:
+        if path in stacks:
             continue
         if path in containers:
-            _sort(model, path, blocks, containers, phases, seen)
+            _sort(model, path, stacks, containers, phases, seen, count)
             continue
         when = _phases_under(path, phases)
         holds = any(True for _ in child.parameters())
@@ -191,19 +251,30 @@ def _sort(
             if holds:
                 seen.idle.append(path)
             continue
-        if when == {"before"} or (not holds and "before" in when):
-            seen.before.append(path)  # without parameters a part stays on every stage too
-        elif when == {"after"} or not holds:
+        even = sorted(p for p in when if p % 2 == 0)
+        if (len(when) == 1 and even) or (not holds and even):
+            _place(seen, path, even[0], count)  # without parameters a part is on every stage
+        elif not holds:
             seen.after.append(path)
         elif path not in phases and any(True for _ in child.children()):
-            _sort(model, path, blocks, containers, phases, seen)  # a holder: look inside
+            _sort(model, path, stacks, containers, phases, seen, count)  # a holder: look inside
         else:
-            ran = " and ".join(sorted(when))
+            ran = " and ".join(_when(p, count) for p in sorted(when))
             raise SplitError(
-                f"{path!r} of {type(model).__name__} runs {ran} the layers: the split puts a "
-                "part on the first stage (before the layers) or the last (after them), not both"
-                "; describe the model with PipeModel, or give the part a copy for each use"
+                f"{path!r} of {type(model).__name__} runs {ran}: the split puts a part on one "
+                "stage, the first (before the layers), the last (after them) or where the next "
+                "layer list starts; describe the model with PipeModel, or give the part a "
+                "copy for each use"
             )
+
+
+def _place(seen: Observation, path: str, phase: int, count: int) -> None:
+    if phase == 0:
+        seen.before.append(path)
+    elif phase == 2 * count:
+        seen.after.append(path)
+    else:
+        seen.between[phase // 2 - 1].append(path)
 
 
 @contextmanager

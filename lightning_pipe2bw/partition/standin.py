@@ -1,20 +1,25 @@
-"""Running a model's own forward with stand-ins for its layers: how the first stage learns what
-each layer is passed, and how the last stage runs the end of the forward.
+"""Running a model's own forward with stand-ins for its layers: how a stage learns what each layer
+is passed, and how a later stage runs the forward's own code between and after the layers.
 
-A :class:`Run` swaps the model's layer list for :class:`StandIn` modules, one per layer, each
-answering for its layer: it reads through to the layer's attributes (a forward that picks a
-layer's mask by ``layer.attention_type`` reads the real value, or the meta-device skeleton of a
-layer another stage holds), and when the forward calls it, it records the call and returns its
-input in the form the layer returns. Modes:
+A :class:`Run` swaps each of the model's layer lists (a :class:`Stack`: one for a decoder-only
+model, the encoder's and the decoder's for an encoder-decoder) for :class:`StandIn` modules, one
+per layer, each answering for its layer: it reads through to the layer's attributes (a forward
+that picks a layer's mask by ``layer.attention_type`` reads the real value, or the meta-device
+skeleton of a layer another stage holds), and when the forward calls it, it acts by its stack's
+mode:
 
-- ``"capture"`` (first stage, every micro-batch): every layer's arguments, as the model's own
-  code computes them for this micro-batch; the run stops at the last layer;
+- ``"capture"`` (the stage that opens the stack, every micro-batch): records every layer's
+  arguments, as the model's own code computes them for this micro-batch, returns its input (in
+  the form the layer returns its output, with markers where the forward passes a layer's other
+  values on) and stops the forward at the last layer;
 - ``"probe"`` (the guard, once per new shape): the same with each layer's output changed (its
-  input plus noise, markers for the other values it returns), to prove that no layer's
-  arguments depend on what the layers compute and that the forward hands each layer's output
-  to the next unchanged: what a split into stages needs to be exact;
-- ``"replay"`` (last stage): the stand-ins pass their input on and the last hands over the
-  hidden state the last layer produced, so that the forward's own code runs after the layers.
+  input plus noise), to prove that no layer's arguments depend on what the layers compute and
+  that the forward hands each layer's output to the next unchanged: what a split into stages
+  needs to be exact;
+- ``"replay"`` (the stage after a stack: the junction into the next stack, or the last stage):
+  hands its input on, and the last hands over the hidden state the stack's last layer produced,
+  so that the forward's own code runs after the layers; ``"pass"``: hands its input on (an
+  earlier stack, whose output the replay does not need).
 """
 
 from __future__ import annotations
@@ -22,19 +27,20 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lightning_pipe2bw.partition.carry import LayerCall, template
+from lightning_pipe2bw.partition.carry import LayerCall, Pending
 from lightning_pipe2bw.partition.observe import SplitError
 from lightning_pipe2bw.partition.paths import get_path, set_path
 
 __all__ = [
     "Captured",
-    "Extra",
     "Run",
+    "Stack",
     "StandIn",
     "hidden_key",
     "split_call",
@@ -44,22 +50,8 @@ __all__ = [
 
 
 class Captured(BaseException):
-    """Raised by the last layer's stand-in to stop a capture: a BaseException, so that no
-    ``except Exception`` in the model's forward swallows it."""
-
-
-class Extra:
-    """A probe's marker for a value a layer returns besides its hidden state (its output
-    ``[position]``): found among a later layer's arguments, it shows that the model passes
-    layer outputs on, which a split does not carry."""
-
-    __slots__ = ("layer", "position")
-
-    def __init__(self, layer: int, position: int) -> None:
-        self.layer, self.position = layer, position
-
-    def __repr__(self) -> str:
-        return f"<output [{self.position}] of layer {self.layer}>"
+    """Raised by the last stand-in of the stack a run captures, to stop the forward there: a
+    BaseException, so that no ``except Exception`` in the model's forward swallows it."""
 
 
 _KEYS: dict[type, str | None] = {}
@@ -101,15 +93,13 @@ def split_call(
 
 
 class StandIn(nn.Module):
-    """Stands in for layer ``index`` during a :class:`Run`; reads through to the layer's own
-    attributes (``target``: the layer, or what the model object keeps of a layer another stage
-    holds)."""
+    """Stands in for layer ``index`` of stack ``stack`` during a :class:`Run`; reads through to
+    the layer's own attributes (``target``: the layer, or what the model object keeps of a layer
+    another stage holds)."""
 
-    def __init__(self, index: int, run: Run, target: Any) -> None:
+    def __init__(self, stack: int, index: int, run: Run, target: Any) -> None:
         super().__init__()
-        self.__dict__["index"] = index
-        self.__dict__["run"] = run
-        self.__dict__["target"] = target
+        self.__dict__.update(stack=stack, index=index, run=run, target=target)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -121,7 +111,29 @@ class StandIn(nn.Module):
             return getattr(target, name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.__dict__["run"].called(self.__dict__["index"], args, kwargs)
+        d = self.__dict__
+        return d["run"].called(d["stack"], d["index"], args, kwargs)
+
+
+@dataclass
+class Stack:
+    """One list of layers in a :class:`Run`: where it is in the model, what its stand-ins read
+    through to, the index of its first layer over all stacks, and what its stand-ins do
+    (``mode``: ``"idle"`` not expected to run, ``"pass"`` hand their input on, the last the
+    stack's ``output`` where it is known, ``"replay"`` the same with the last handing over the
+    run's ``hidden``, ``"capture"``/``"probe"`` record each call and stop the forward at the
+    last), the form its layers return their output in, and the positions of that output whose
+    values the forward passes on (a capture returns a :class:`~partition.carry.Pending`
+    there)."""
+
+    path: str
+    layers: list[Any]
+    offset: int = 0
+    mode: str = "idle"
+    form: int = 0
+    markers: tuple[int, ...] = ()
+    output: Any = None  # pass: what the last stand-in returns (the stack's real output), if known
+    noisy: bool = False  # pass: the guard's run, the last stand-in returns its input plus noise
 
 
 class Run:
@@ -129,74 +141,84 @@ class Run:
 
     def __init__(
         self,
-        layers: Sequence[Any],
-        mode: str,
-        form: int = 0,
+        stacks: Sequence[Stack],
         hidden: Any = None,
         generator: torch.Generator | None = None,
     ) -> None:
-        self.layers = list(layers)  # what each stand-in reads through to
-        self.mode, self.form, self.hidden, self.generator = mode, max(form, 0), hidden, generator
-        self.calls: list[LayerCall | None] = [None] * len(self.layers)
-        self.first: Any = None  # the first layer's hidden state
+        self.stacks = list(stacks)
+        self.hidden, self.generator = hidden, generator
+        self.calls: dict[int, LayerCall] = {}  # by layer index over all stacks
+        self.first: Any = None  # the hidden state of the captured stack's first layer
         self.sent: Any = None  # what the previous stand-in returned (probe)
         self.problems: list[str] = []  # probe: where the forward did not hand a layer's output on
         self.reached = 0  # the stand-ins' calls so far
-        self.templates: dict[str, Any] = {}  # what each part before the layers returned
+        self.outputs: dict[str, Any] = {}  # what each watched part returned
 
-    def template_of(self, path: str) -> Any:
-        """A forward hook for the part at ``path``: keeps the shape of what it returns before
-        the layers (the last stage's replay returns that in its place)."""
+    def output_of(self, path: str) -> Any:
+        """A forward hook for the part at ``path``: keeps what it returns."""
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not self.reached:
-                self.templates[path] = template(output)
+            self.outputs[path] = output
 
         return hook
 
-    def form_text(self) -> str:
-        if not self.form:
-            return ""
-        return f" (in a tuple of {self.form}, as the layers return their output)"
-
-    def stand_ins(self) -> list[StandIn]:
-        return [StandIn(i, self, layer) for i, layer in enumerate(self.layers)]
-
-    def called(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        n = len(self.layers)
+    def called(self, k: int, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        stack = self.stacks[k]
+        n = len(stack.layers)
         self.reached += 1
-        hidden, call = split_call(self.layers[index], index, args, kwargs)
-        if self.mode == "replay":
-            return self._shaped(self.hidden if index == n - 1 else hidden, index, markers=False)
-        done = sum(c is not None for c in self.calls)
+        hidden, call = split_call(stack.layers[index], index, args, kwargs)
+        if stack.mode == "pass":
+            if index == n - 1 and stack.output is not None:
+                hidden = stack.output
+            elif index == n - 1 and stack.noisy:
+                hidden = _perturbed(hidden, self.generator)
+            return self._shaped(stack, hidden, index)
+        if stack.mode == "replay":
+            return self._shaped(stack, self.hidden if index == n - 1 else hidden, index)
+        if stack.mode == "idle":
+            raise SplitError(
+                f"the model's forward called layer {index} of {stack.path!r} where pipe2bw did "
+                "not expect it: it runs its layer lists one after the other, each once"
+            )
+        g = stack.offset + index
+        done = sum(stack.offset <= j < stack.offset + n for j in self.calls)
         if index != done:
             raise SplitError(
-                f"the model's forward called layer {index} after {done} of its {n} layers: the "
-                "pipeline runs each layer once, in its list's order"
+                f"the model's forward called layer {index} of {stack.path!r} after {done} of "
+                f"its {n} layers: the pipeline runs each layer once, in its list's order"
             )
-        self.calls[index] = call
+        self.calls[g] = call
         if index == 0:
             self.first = hidden
-        if self.mode == "probe":
+        if stack.mode == "probe":
             if index > 0 and not _same(hidden, self.sent):
                 self.problems.append(
-                    f"the forward changes the hidden state between layer {index - 1} and layer "
-                    f"{index} (it calls layer {index} with something else than what layer "
-                    f"{index - 1} returned)"
+                    f"the forward changes the hidden state between layer {g - 1} and layer {g} "
+                    f"(it calls layer {g} with something else than what layer {g - 1} returned)"
                 )
             hidden = _perturbed(hidden, self.generator)
             self.sent = hidden
         if index == n - 1:
             raise Captured()
-        return self._shaped(hidden, index, markers=self.mode == "probe")
+        return self._shaped(stack, hidden, index, marked=True)
 
-    def _shaped(self, hidden: Any, index: int, markers: bool) -> Any:
-        """``hidden`` as the layer returns its output: a tuple of ``form`` (hidden first) or the
-        tensor itself; a probe puts markers where the layer returns other values."""
-        if not self.form:
+    def _shaped(self, stack: Stack, hidden: Any, index: int, marked: bool = False) -> Any:
+        """``hidden`` as the stack's layers return their output: a tuple of ``form`` (hidden
+        first, the values the forward passes on as markers in a capture, None elsewhere) or the
+        tensor itself."""
+        if not stack.form:
             return hidden
-        rest = tuple(Extra(index, k) if markers else None for k in range(1, self.form))
+        g = stack.offset + index
+        rest = [
+            Pending(g, p) if marked and p in stack.markers else None for p in range(1, stack.form)
+        ]
         return (hidden, *rest)
+
+    def form_text(self) -> str:
+        forms = {s.form for s in self.stacks}
+        if forms == {0}:
+            return ""
+        return " (in a tuple, as the layers return their output)"
 
 
 def _same(received: Any, sent: Any) -> bool:
@@ -217,21 +239,20 @@ def _perturbed(hidden: Any, generator: torch.Generator | None) -> Any:
 
 
 @contextmanager
-def swapped(model: nn.Module, path: str, run: Run) -> Iterator[None]:
-    """The model's layer list at ``path`` replaced by ``run``'s stand-ins for the block."""
-    layers = get_path(model, path)
-    stand_ins = run.stand_ins()
-    set_path(
-        model,
-        path,
-        nn.Sequential(*stand_ins)
-        if isinstance(layers, nn.Sequential)
-        else nn.ModuleList(stand_ins),
-    )
+def swapped(model: nn.Module, run: Run) -> Iterator[None]:
+    """Each of the model's layer lists replaced by ``run``'s stand-ins for them."""
+    saved = []
+    for k, stack in enumerate(run.stacks):
+        layers = get_path(model, stack.path)
+        stand_ins = [StandIn(k, i, run, t) for i, t in enumerate(stack.layers)]
+        swap = nn.Sequential(*stand_ins) if isinstance(layers, nn.Sequential) else None
+        saved.append((stack.path, layers))
+        set_path(model, stack.path, swap if swap is not None else nn.ModuleList(stand_ins))
     try:
         yield
     finally:
-        set_path(model, path, layers)
+        for path, layers in reversed(saved):
+            set_path(model, path, layers)
 
 
 def training_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:

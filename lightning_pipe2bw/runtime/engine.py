@@ -567,7 +567,8 @@ class PipelineEngine:
         first, last = v == 0, v == self.last_stage
         # the received leaves stay in slot.inputs (their .grad is the gradient sent upstream);
         # the blocks run on aliases of them, which an in-place first block may modify
-        if not first and not last:
+        middle = not first and not last
+        if middle and not body.takes_call(v):
             slot.outputs = body.run_blocks(writable(slot.inputs), slot.params, stage=v)
             return
 
@@ -584,7 +585,11 @@ class PipelineEngine:
                     return out
                 slot.outputs = out
                 raise _BodyReached
-            return stage_body.run_blocks(writable(slot.inputs), slot.params, call=x, stage=v)
+            out = stage_body.run_blocks(writable(slot.inputs), slot.params, call=x, stage=v)
+            if middle:  # a block of this stage took the step's arguments; the step stops here
+                slot.outputs = out
+                raise _BodyReached
+            return out
 
         body.set_call(call)
         try:

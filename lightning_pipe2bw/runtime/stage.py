@@ -317,6 +317,14 @@ class StageBody(nn.Module):
         start = sum(self.balance[:stage])
         return [i for i in self.indices if start <= i < start + self.balance[stage]]
 
+    def takes_call(self, stage: int) -> bool:
+        """Whether a block of ``stage`` takes the step's own arguments (a model's head, or the
+        junction into an encoder-decoder's decoder): the stage then runs the user's step up to
+        the body's call, to have them."""
+        return self.takes_any_call and any(
+            getattr(self.block(i), "takes_call_input", False) for i in self.segment(stage)
+        )
+
     def run_blocks(
         self,
         x: Any,
