@@ -12,7 +12,7 @@ whole model does, provided it reads nothing the blanks stand in for; the guard
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from lightning_pipe2bw.partition.carry import Carry, Zeros, fill, template
 from lightning_pipe2bw.partition.observe import SplitError
-from lightning_pipe2bw.partition.paths import get_path, set_path, skeleton
+from lightning_pipe2bw.partition.paths import get_path, set_path
 from lightning_pipe2bw.partition.standin import Captured, Run, swapped, training_kwargs
 from lightning_pipe2bw.runtime.stage import BodyInput
 
@@ -42,11 +42,11 @@ class Blank(nn.Module):
     there, from the carry: travelled values as they are, zeros or, with ``generator``, random
     values for the others; zeros shaped like ``like`` where the carry holds nothing). What the
     forward reads of the part (``embeddings.patch_embeddings.projection.weight.dtype``) it
-    reads from the part's meta-device skeleton."""
+    reads from ``attributes`` (the part, or what the model object keeps of it)."""
 
     def __init__(
         self,
-        skeleton_of: nn.Module,
+        attributes: nn.Module,
         like: Tensor,
         shape: Any = None,
         shared: tuple[Any, ...] = (),
@@ -54,11 +54,11 @@ class Blank(nn.Module):
     ) -> None:
         super().__init__()
         self.__dict__.update(
-            skeleton_of=skeleton_of, like=like, shape=shape, shared=shared, generator=generator
+            attributes=attributes, like=like, shape=shape, shared=shared, generator=generator
         )
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["skeleton_of"], name)
+        return getattr(self.__dict__["attributes"], name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         d = self.__dict__
@@ -68,11 +68,12 @@ class Blank(nn.Module):
 
 @dataclass
 class Blanks:
-    """The parts of earlier blocks a replay stands in for: modules by path (their meta-device
-    skeletons, taken while the model was whole) and parameters held directly by a container
-    (path, shape, dtype)."""
+    """The parts of earlier blocks a replay stands in for: modules by path and parameters held
+    directly by a container (path, shape, dtype). What the forward reads of a blanked module it
+    reads from what the model object holds there: the module itself where the stage has it, else
+    what a released part keeps (``pipemodel.Released``: its meta-device skeleton)."""
 
-    modules: dict[str, nn.Module] = field(default_factory=dict)
+    modules: list[str] = field(default_factory=list)
     parameters: list[tuple[str, tuple[int, ...], torch.dtype]] = field(default_factory=list)
 
     @classmethod
@@ -83,7 +84,7 @@ class Blanks:
             obj = get_path(model, path)
             if isinstance(obj, nn.Module):
                 if any(True for _ in obj.parameters()):
-                    blanks.modules[path] = skeleton(obj)
+                    blanks.modules.append(path)
             elif isinstance(obj, Tensor):
                 blanks.parameters.append((path, tuple(obj.shape), obj.dtype))
         return blanks
@@ -114,8 +115,9 @@ class Blanks:
         unmade = _stateless_blanks(model, self.modules, like.device)
         saved += [(p, get_path(model, p)) for p in unmade]
         try:
-            for path, shape_of in self.modules.items():
-                blank = Blank(shape_of, like, shapes.get(path), shared, source(path))
+            for path in self.modules:
+                held = get_path(model, path)
+                blank = Blank(held, like, shapes.get(path), shared, source(path))  # type: ignore[arg-type]
                 set_path(model, path, blank)
             for path in unmade:
                 module = get_path(model, path)
@@ -213,9 +215,7 @@ class ReplayHead:
         )
 
 
-def _stateless_blanks(
-    model: nn.Module, blank: Mapping[str, nn.Module], device: torch.device
-) -> list[str]:
+def _stateless_blanks(model: nn.Module, blank: Sequence[str], device: torch.device) -> list[str]:
     """Modules without parameters left in the model object (the first stage's rotary table)
     follow the stage's device: a later stage's model object is not moved as a whole. Those
     whose buffers were never materialised (a model built on the meta device: the first stage

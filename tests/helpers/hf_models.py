@@ -183,6 +183,7 @@ def train_reference(
     lr: float = LR,
     delayed: bool = False,
     correction: str = "auto",
+    eps: float = 1e-8,
 ) -> dict[str, Tensor]:
     """One device, the whole model (``build()``, called twice: it must seed itself): AdamW on
     the gradient accumulated over ``m`` micro-batches of each batch (micro-batch i's loss
@@ -190,7 +191,7 @@ def train_reference(
     W(-1) = W(0), with its delay ``correction`` (as ``helpers.models.reference_2bw``). The final state
     dict."""
     model, shadow = build().train(), build().train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
     history = [{k: v.detach().clone() for k, v in model.state_dict().items()}]
     terms = correction_terms(correction) if delayed else {}
     points = {0: history[0]}  # where each batch is evaluated, under a prediction
@@ -200,7 +201,7 @@ def train_reference(
         if delayed:  # the gradient of the version before the newest, on the shadow copy
             if "predict" in terms:
                 points[step + 1] = predicted(
-                    model, opt, lambda params: torch.optim.AdamW(params, lr=lr)
+                    model, opt, lambda params: torch.optim.AdamW(params, lr=lr, eps=eps)
                 )
                 shadow.load_state_dict(points[step])
             else:

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 import torch
 import torch.distributed as dist
-from helpers import hf_models
+from helpers import hf_models, hf_zoo
 from helpers.models import (
     RegressionModel,
     TiedModel,
@@ -440,3 +440,65 @@ def test_the_model_may_be_named_as_the_body(pools: Any) -> None:
     """``Pipe2BWStrategy(body="model")`` names the Hugging Face model instead of finding it."""
     results = pools(2).run(_fit, "llama", "1f1b", body="model")
     assert max_abs_diff(results[0]["state"], hf_models.reference("llama", STEPS, M)) == 0.0
+
+
+# ---------------------------------------------------------------------- the layers' own arguments
+def _fit_zoo(family: str, schedule: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    module = hf_zoo.ZooModule(family)
+    strategy = Pipe2BWStrategy(schedule=schedule, microbatches=M)
+    steps = len(hf_zoo.LENGTHS)
+    trainer = quiet_trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=steps)
+    trainer.fit(module, hf_zoo.loader(family))
+    state = strategy.full_state_dict()  # collective
+    return {
+        "state": state if dist.get_rank() == 0 else None,
+        "blocks": list(strategy.engine.body.indices) if strategy.engine else [],
+    }
+
+
+def _zoo_exact(pools: Any, family: str, schedule: str, ranks: int) -> None:
+    results = pools(ranks).run(_fit_zoo, family, schedule)
+    ref = hf_zoo.reference(family, M, delayed=schedule == "2bw")
+    state = results[0]["state"]
+    diff = max_abs_diff(state, ref)
+    worst = max(state, key=lambda k: (state[k].double() - ref[k].double()).abs().max().item())
+    blocks = [r["blocks"] for r in results]
+    print(f"ZOO {family} {schedule} p={ranks}: max|dW| {diff:.3e} (at {worst}); blocks {blocks}")
+    assert diff <= TOL
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+@pytest.mark.parametrize("family", ["gemma2", "qwen2_sw", "modernbert"])
+def test_layers_that_take_their_own_arguments_train_exactly(
+    pools: Any, family: str, schedule: str, ranks: int
+) -> None:
+    """Gemma 2 (sliding and full attention, one mask each), Qwen2 with sliding layers then full
+    ones, and ModernBERT (local and global attention, each with its own mask and rotary table,
+    chosen by an attribute of the layer): every layer is called with what the model's forward
+    gives it, on batches of 4, then 12 tokens (windows of 8), against one device."""
+    _zoo_exact(pools, family, schedule, ranks)
+
+
+@pytest.mark.parametrize(
+    ("family", "schedule", "ranks"),
+    [("bart", "1f1b", 2), ("bart", "2bw", 4), ("t5", "1f1b", 4), ("t5", "2bw", 2), ("whisper", "1f1b", 2)],
+)
+def test_an_encoder_decoder_trains_as_two_stacks_of_layers(
+    pools: Any, family: str, schedule: str, ranks: int
+) -> None:
+    """BART, T5 (whose layers pass a position bias on) and Whisper: the encoder's layers and the
+    decoder's split over the stages, the decoder's stage replaying the forward up to its layers
+    with the encoder's output; exact against one device."""
+    _zoo_exact(pools, family, schedule, ranks)
+
+
+@pytest.mark.parametrize("family", ["swin", "wav2vec2_ctc"])
+def test_layers_that_change_resolution_and_a_ctc_head_train_exactly(
+    pools: Any, family: str
+) -> None:
+    """Swin's stages change resolution (the forward computes each stage's size from the layer
+    list's own attributes) and Wav2Vec2's CTC head needs the convolutional encoder's output
+    lengths (the last stage replays them on blanks shaped as the first stage's outputs)."""
+    _zoo_exact(pools, family, "1f1b", 2)
