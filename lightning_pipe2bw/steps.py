@@ -188,10 +188,13 @@ class PipelinedSteps:
         self.check_use = False
         runtime = self.runtime
         shared = {id(c.param) for c in runtime.tied.copies} if runtime.tied else set()
+        # a model's parameters its whole forward never ran get no gradient on one device either
+        idle = runtime.body.unused_by_model
+        skip = {id(p) for key, p in runtime.body.named_weights() if key in idle} if idle else set()
         unused = [
             p
             for p, grad in due.pairs
-            if p.requires_grad and grad is None and id(p) not in shared
+            if p.requires_grad and grad is None and id(p) not in shared and id(p) not in skip
         ]
         check_every_parameter_used(runtime.parameter_names(unused), runtime.topology.stage)
 

@@ -163,9 +163,10 @@ class Pipe2BWStrategy(ParallelStrategy):
         check_split: the guard against a split that trains silently wrong (on by default): at
             set-up, a model that is not an ``nn.Sequential`` (a Hugging Face model, a
             ``PipeModel``) is run whole and split on the first micro-batch and their outputs
-            must agree; at the first update, every trainable parameter must have received a
-            gradient (as DDP checks; each stage checks its own). ``False`` turns both off. See
-            ``docs/models.md``.
+            must agree; each micro-batch of new shapes is proved to split exactly on the stages
+            before they train on it (once per shape); at the first update, every trainable
+            parameter the model uses must have received a gradient (as DDP checks; each stage
+            checks its own). ``False`` turns all three off. See ``docs/models.md``.
 
     The options are checked at once (:class:`~lightning_pipe2bw.pipeline.options.PipeOptions`,
     every problem in one error); :meth:`from_options` takes them already built.

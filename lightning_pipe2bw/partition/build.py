@@ -85,6 +85,8 @@ def build_stage(
         built_on_meta=any(_has_meta(blocks[i]) for i in owned),
         stages=held,
     )
+    if model_body is not None:
+        stage_body.unused_by_model = model_body.unused_by_model
     if model is not None:
         release(model, [b for i, b in enumerate(blocks) if i not in owned])
     setattr(ref.parent, ref.attr, stage_body)  # the other stages' blocks are released here

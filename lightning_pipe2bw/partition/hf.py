@@ -152,7 +152,7 @@ def pipe_model_for(model: nn.Module, call: BodyInput | None = None) -> PipeModel
     observed: Observation | None = None
     if call is not None:
         kwargs = training_kwargs(model, call.kwargs)
-        with evaluating(model):
+        with evaluating(model, grad=True):  # which parameters the output depends on, too
             observed = observe(model, stacks, lambda: model(*call.args, **kwargs))
         pre, between, post = observed.before, observed.between, observed.after
         # parts that did not run stay where registration order puts them; the guard and the

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["TURN_OFF", "Observation", "SplitError", "compare_outputs", "evaluating", "observe"]
 
@@ -46,6 +46,10 @@ class Observation:
     output: Any = None  # what the model returned
     # what the forward passed each layer (index over all lists): (positional, keyword) arguments
     calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
+    # trainable parameters no output of the forward depends on (the cross-attention of a
+    # decoder used alone, a pooler a causal LM does not return): no gradient on one device
+    # either; found where the forward ran with gradient
+    unused: list[str] = field(default_factory=list)
 
     @property
     def layer_tuple(self) -> int:
@@ -200,9 +204,27 @@ def _conclude(
     calls = [trace.calls[g] for g in range(len(expected))]
     markers = {k: tuple(sorted(v)) for k, v in trace.markers.items()}
     seen = Observation(output=output, calls=calls, forms=dict(trace.forms), markers=markers)
+    seen.unused = _without_gradient(model, output)
+    seen.output = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, output)
     seen.between = [[] for _ in range(len(stacks) - 1)]
     _sort(model, "", set(stacks), containers, trace.phases, seen, len(stacks))
     return seen
+
+
+def _without_gradient(model: nn.Module, output: Any) -> list[str]:
+    """The trainable parameters that no tensor of the forward's ``output`` depends on (the
+    cross-attention of a decoder used on its own, a pooler whose output the model does not
+    return), by name: on one device they get no gradient either. Empty where the forward ran
+    without gradient."""
+    roots = [
+        t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad
+    ]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not roots or not named:
+        return []
+    total = torch.stack([(r.float() * 0).sum() for r in roots]).sum()
+    grads = torch.autograd.grad(total, [p for _, p in named], allow_unused=True)
+    return [n for (n, _), g in zip(named, grads, strict=True) if g is None]
 
 
 def _phases_under(path: str, phases: dict[str, set[int]]) -> set[int]:
@@ -278,12 +300,13 @@ def _place(seen: Observation, path: str, phase: int, count: int) -> None:
 
 
 @contextmanager
-def evaluating(model: nn.Module) -> Iterator[None]:
+def evaluating(model: nn.Module, grad: bool = False) -> Iterator[None]:
     """``model`` in eval mode (dropout off, batch norm's running statistics read, not updated)
-    with the random number generators' states put back afterwards."""
+    with the random number generators' states put back afterwards; without gradient unless
+    ``grad``."""
     modes = [(m, m.training) for m in model.modules()]
     devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
+    with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(grad):
         model.eval()
         try:
             yield

@@ -232,6 +232,9 @@ class PipeModelBody(nn.Sequential):
                 "modules that hold them to `pre` (run before the layers) or `post` (after)"
             )
         self._owner = {key: index for index, part in enumerate(parts) for key in part.state_dict()}
+        # parameters the whole model's forward never reached (as observed): no gradient on one
+        # device either
+        self.unused_by_model = frozenset(getattr(spec.observed, "unused", ()))
         self._register_state_dict_hook(drop_block_index)
         self._register_load_state_dict_pre_hook(self._add_block_index, with_module=False)
 

@@ -193,6 +193,9 @@ class StageBody(nn.Module):
         object.__setattr__(self, "model", model)  # not a child: it holds other stages' blocks
         # parameters shared by several blocks of the whole body (partition.ties.Tie)
         self.ties: list[Any] = list(ties)
+        # a model's parameters (by key) whose modules its whole forward never ran: on one device
+        # they get no gradient either, so the first update's check leaves them out
+        self.unused_by_model: frozenset[str] = frozenset()
         # drops blocks from the model object (a block that leaves this stage frees its memory)
         self.release = release
         # builds what the user's module holds again from every block (the hand-back)

@@ -1,0 +1,322 @@
+"""Hugging Face families as they come, each against Lightning's reference on one device: the
+README's model table.
+
+    python benchmarks/model_zoo.py [--families gemma2,t5,...] [--out benchmarks/results/model_zoo.json]
+
+Each family is a tiny random config (no download), held by a LightningModule whose step calls the
+model as a user writes it, trained with ``Pipe2BWStrategy(schedule="1f1b", microbatches=4)`` on
+2 CPU ranks for 5 AdamW steps (epsilon 1e-6, see ``tests/helpers/hf_zoo.py``) on batches whose
+length changes (4, 12, 12, 8, 12 tokens; sliding windows of 8), and compared with one device
+accumulating the same micro-batches: the largest difference of any weight after the 5 steps, or
+the error pipe2bw refuses the model with. About 4 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ranks import RankPool, TaskError
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LENGTHS = (4, 12, 12, 8, 12)
+BATCH, M, STEPS = 8, 4, 5
+
+
+def _families() -> dict[str, tuple[Callable[[], Any], str]]:
+    """name -> (builder, input kind)."""
+    import transformers as T
+    from helpers import hf_zoo
+
+    T.logging.set_verbosity_error()
+    small = dict(
+        hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64,
+        vocab_size=64, max_position_embeddings=64, num_key_value_heads=2,
+        pad_token_id=0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+
+    def make(cls: Any, **kw: Any) -> Callable[[], Any]:
+        def build() -> Any:
+            config = cls.config_class()
+            for key, value in (small | kw).items():
+                setattr(config, key, value)
+            for key in ("hidden_dropout_prob", "attention_probs_dropout_prob", "dropout",
+                        "attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
+                        "hidden_dropout", "activation_dropout"):  # fmt: skip
+                if hasattr(config, key) and isinstance(getattr(config, key), float):
+                    setattr(config, key, 0.0)
+            return cls(config)
+
+        return build
+
+    image = dict(image_size=32, patch_size=8, num_channels=3, num_labels=5)
+    families: dict[str, tuple[Callable[[], Any], str]] = {
+        "GPT-2": (make(T.GPT2LMHeadModel), "causal"),
+        "Llama": (make(T.LlamaForCausalLM), "causal"),
+        "OPT": (make(T.OPTForCausalLM, ffn_dim=64, word_embed_proj_dim=32), "causal"),
+        "GPT-J": (make(T.GPTJForCausalLM, rotary_dim=4), "causal"),
+        "CodeGen": (make(T.CodeGenForCausalLM, rotary_dim=4), "causal"),
+        "GPTBigCode": (make(T.GPTBigCodeForCausalLM), "causal"),
+        "GPT-Neo": (
+            make(T.GPTNeoForCausalLM, attention_types=[[["global", "local"], 2]], window_size=8),
+            "causal",
+        ),
+        "MPT": (make(T.MptForCausalLM), "causal"),
+        "StableLM": (make(T.StableLmForCausalLM), "causal"),
+        "Starcoder2": (make(T.Starcoder2ForCausalLM, sliding_window=8), "causal"),
+        "XGLM": (make(T.XGLMForCausalLM, d_model=32, ffn_dim=64, num_layers=4), "causal"),
+        "Mistral (sliding window)": (lambda: hf_zoo.build("mistral_sw"), "causal"),
+        "Qwen2 (layer_types)": (lambda: hf_zoo.build("qwen2_sw"), "causal"),
+        "Qwen3 (layer_types)": (
+            make(
+                T.Qwen3ForCausalLM,
+                head_dim=8,
+                use_sliding_window=True,
+                sliding_window=8,
+                max_window_layers=2,
+                layer_types=["sliding_attention"] * 2 + ["full_attention"] * 2,
+            ),
+            "causal",
+        ),
+        "Gemma 2": (lambda: hf_zoo.build("gemma2"), "causal"),
+        "Gemma 3": (lambda: hf_zoo.build("gemma3"), "causal"),
+        "Cohere2": (
+            make(
+                T.Cohere2ForCausalLM,
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"] * 2,
+            ),
+            "causal",
+        ),
+        "GPT-OSS": (
+            make(
+                T.GptOssForCausalLM,
+                head_dim=8,
+                sliding_window=8,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                layer_types=["sliding_attention", "full_attention"] * 2,
+            ),
+            "causal",
+        ),
+        "BERT (classifier)": (make(T.BertForSequenceClassification, num_labels=3), "seqcls"),
+        "BERT (masked LM)": (make(T.BertForMaskedLM), "causal"),
+        "RoBERTa (masked LM)": (make(T.RobertaForMaskedLM, pad_token_id=1), "causal"),
+        "DistilBERT (classifier)": (
+            make(
+                T.DistilBertForSequenceClassification,
+                dim=32,
+                hidden_dim=64,
+                n_layers=4,
+                n_heads=2,
+                num_labels=3,
+                seq_classif_dropout=0.0,
+            ),
+            "seqcls",
+        ),
+        "DeBERTa-v2 (classifier)": (
+            make(T.DebertaV2ForSequenceClassification, num_labels=3, pooler_hidden_size=32),
+            "seqcls",
+        ),
+        "ELECTRA (classifier)": (
+            make(T.ElectraForSequenceClassification, embedding_size=32, num_labels=3),
+            "seqcls",
+        ),
+        "ELECTRA (tokens)": (
+            make(T.ElectraForTokenClassification, embedding_size=32, num_labels=3),
+            "tokcls",
+        ),
+        "Qwen2 (classifier)": (make(T.Qwen2ForSequenceClassification, num_labels=3), "seqcls"),
+        "ModernBERT": (lambda: hf_zoo.build("modernbert"), "causal"),
+        "ViT": (make(T.ViTForImageClassification, **image), "image"),
+        "Swin": (lambda: hf_zoo.build("swin"), "image"),
+        "ConvNeXt": (
+            lambda: T.ConvNextForImageClassification(
+                T.ConvNextConfig(num_stages=2, hidden_sizes=[8, 16], depths=[1, 2], num_labels=5)
+            ),
+            "image",
+        ),
+        "ResNet": (
+            make(
+                T.ResNetForImageClassification,
+                embedding_size=8,
+                hidden_sizes=[8, 16],
+                depths=[1, 2],
+                num_labels=5,
+            ),
+            "image",
+        ),
+        "CLIP (text)": (make(T.CLIPTextModel), "text_features"),
+        "CLIP (vision)": (make(T.CLIPVisionModel, **image), "image_features"),
+        "BART": (lambda: hf_zoo.build("bart"), "seq2seq"),
+        "mBART": (lambda: hf_zoo.build("mbart"), "seq2seq"),
+        "Marian": (lambda: hf_zoo.build("marian"), "seq2seq"),
+        "T5": (lambda: hf_zoo.build("t5"), "seq2seq"),
+        "Whisper": (lambda: hf_zoo.build("whisper"), "whisper"),
+        "Wav2Vec2 (CTC)": (lambda: hf_zoo.build("wav2vec2_ctc"), "ctc"),
+        "ALBERT (masked LM)": (make(T.AlbertForMaskedLM, embedding_size=32), "causal"),
+        "XLM": (make(T.XLMWithLMHeadModel, emb_dim=32, n_layers=4, n_heads=4), "causal"),
+    }
+    return families
+
+
+def _batches(kind: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    from helpers import hf_zoo
+
+    g = torch.Generator().manual_seed(0)
+    if kind == "seq2seq":
+        return hf_zoo.batches("bart", LENGTHS)
+    if kind == "whisper":
+        return hf_zoo.batches("whisper", LENGTHS)
+    if kind == "ctc":
+        return hf_zoo.batches("wav2vec2_ctc", LENGTHS)
+    out = []
+    for n in LENGTHS:
+        if kind in ("image", "image_features"):
+            out.append(
+                (
+                    torch.randn(BATCH, 3, 32, 32, generator=g),
+                    torch.randint(0, 5, (BATCH,), generator=g),
+                )
+            )
+        elif kind == "seqcls":
+            out.append(
+                (
+                    torch.randint(2, 64, (BATCH, n), generator=g),
+                    torch.randint(0, 3, (BATCH,), generator=g),
+                )
+            )
+        elif kind == "tokcls":
+            out.append(
+                (
+                    torch.randint(2, 64, (BATCH, n), generator=g),
+                    torch.randint(0, 3, (BATCH, n), generator=g),
+                )
+            )
+        else:
+            ids = torch.randint(2, 64, (BATCH, n), generator=g)
+            out.append((ids, ids))
+    return out
+
+
+def _loss(model: Any, kind: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if kind == "image":
+        return model(pixel_values=x, labels=y).loss  # type: ignore[no-any-return]
+    if kind == "image_features":
+        return model(pixel_values=x).pooler_output.pow(2).mean()  # type: ignore[no-any-return]
+    if kind == "text_features":
+        return model(input_ids=x).pooler_output.pow(2).mean()  # type: ignore[no-any-return]
+    if kind == "whisper":
+        return model(input_features=x, labels=y).loss  # type: ignore[no-any-return]
+    if kind == "ctc":
+        return model(input_values=x, labels=y).loss  # type: ignore[no-any-return]
+    return model(input_ids=x, labels=y).loss  # type: ignore[no-any-return]
+
+
+def _fit(name: str) -> dict[str, Any]:
+    import torch.distributed as dist
+    from helpers.models import quiet_trainer
+    from lightning.pytorch import LightningModule
+    from torch.utils.data import DataLoader
+
+    from lightning_pipe2bw import Pipe2BWStrategy
+
+    torch.set_num_threads(1)
+    build, kind = _families()[name]
+
+    class Module(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = build()
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return _loss(self.model, kind, *batch)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3, eps=1e-6)
+
+    module = Module()
+    strategy = Pipe2BWStrategy(schedule="1f1b", microbatches=M)
+    trainer = quiet_trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=STEPS)
+    trainer.fit(module, DataLoader(_batches(kind), batch_size=None))  # type: ignore[arg-type]
+    state = strategy.full_state_dict()
+    return {"state": state if dist.get_rank() == 0 else None, "class": type(module.model).__name__}
+
+
+def _reference(name: str) -> dict[str, torch.Tensor]:
+    from helpers.hf_models import train_reference
+
+    build, kind = _families()[name]
+
+    def seeded() -> Any:
+        torch.manual_seed(0)
+        return build()
+
+    state = train_reference(
+        seeded, _batches(kind), M, lambda m, x, y: _loss(m, kind, x, y), eps=1e-6
+    )
+    return {f"model.{k}": v for k, v in state.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--families", help="comma-separated names (default: all)")
+    parser.add_argument("--out", default=str(RESULTS / "model_zoo.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    names = args.families.split(",") if args.families else list(_families())
+    pool = RankPool(2)
+    rows = []
+    try:
+        for name in names:
+            start = time.perf_counter()
+            try:
+                result = pool.run(_fit, name, timeout=600)[0]
+                ref = _reference(name)
+                state = result["state"]
+                diff = max((state[k].double() - ref[k].double()).abs().max().item() for k in ref)
+                row = {"family": name, "class": result["class"], "max_dw": diff}
+            except TaskError as err:
+                lines = [
+                    line
+                    for line in str(err).splitlines()
+                    if "Error: " in line and not line.startswith(" ")
+                ]
+                row = {
+                    "family": name,
+                    "error": (lines[-1] if lines else err.reason).split("Error: ", 1)[-1],
+                }
+            row["seconds"] = time.perf_counter() - start
+            rows.append(row)
+            shown = (
+                f"max|dW| {row['max_dw']:.1e}"
+                if "max_dw" in row
+                else f"refused: {row['error'][:150]}"
+            )
+            print(f"{name}: {shown}", flush=True)
+    finally:
+        pool.close()
+    print("\n| family | class | result (p = 2, m = 4, 5 AdamW steps) |")
+    print("| --- | --- | --- |")
+    for row in rows:
+        if "max_dw" in row:
+            result = "exact" if row["max_dw"] == 0 else f"exact, max abs dW {row['max_dw']:.1e}"
+            print(f"| {row['family']} | `{row['class']}` | {result} |")
+        else:
+            print(f"| {row['family']} | | refused: {row['error'][:160]} |")
+    Path(args.out).write_text(json.dumps({"lengths": LENGTHS, "rows": rows}, indent=2))
+    print(f"JSON: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
