@@ -343,7 +343,7 @@ class Junction(_Guarded):
         stacks = _stacks(model, self.pipe_layout, modes, carry["forms"], _outputs(carry), noisy)
         for stack in stacks:
             stack.noisy = stack.noisy and (vary is None or stack.path in vary)
-        run = Run(stacks, hidden=carry["hidden"], generator=generator)
+        run = Run(stacks, hidden=carry["hidden"], generator=generator, rest=carry.get("rest"))
         with self.params_in_model():
             out = forward_with(
                 model, call, run, self.watched(), self.pipe_blanks, carry, generator, vary
@@ -374,10 +374,13 @@ class Layer(Part):
     """One layer (``index`` over all stacks, in stack ``stack``), called as the model's forward
     calls it, with the arguments the carry holds for it."""
 
-    def __init__(self, model: nn.Module, paths: Sequence[str], index: int, stack: int = 0) -> None:
+    def __init__(
+        self, model: nn.Module, paths: Sequence[str], index: int, stack: int = 0, last: bool = False
+    ) -> None:
         super().__init__(model, paths)
         self.pipe_index = index
         self.pipe_stack = stack
+        self.pipe_last = last  # the last layer of its stack: the rest of its output travels on
 
     def forward(self, carry: Any) -> Any:
         args, kwargs, key = call_of(carry, self.pipe_index)
@@ -387,7 +390,7 @@ class Layer(Part):
             out = layer(hidden, *args, **kwargs)  # type: ignore[operator]
         else:
             out = layer(*args, **{key: hidden}, **kwargs)  # type: ignore[operator]
-        return advance(carry, self.pipe_index, self.pipe_stack, out)
+        return advance(carry, self.pipe_index, self.pipe_stack, out, self.pipe_last)
 
 
 class Last(_Guarded):
@@ -456,7 +459,7 @@ class Last(_Guarded):
         )
         for stack in stacks:
             stack.noisy = stack.noisy and (vary is None or stack.path in vary)
-        run = Run(stacks, hidden=carry["hidden"], generator=generator)
+        run = Run(stacks, hidden=carry["hidden"], generator=generator, rest=carry.get("rest"))
         return forward_with(model, call, run, (), self.pipe_blanks, carry, generator, vary)
 
     def _culprits(self, carry: Any, call: BodyInput, out: Any, random: Any) -> list[str]:

@@ -24,7 +24,9 @@ stack of layers learns what each layer is passed from the model's own forward
 - ``outputs``: the output of an earlier stack (by its index) where a later replay needs it (an
   encoder's output, which the decoder's end returns), as a :class:`Ref`;
 - ``forms``: what each stack's layers return (0 a tensor, n a tuple of n, hidden state first),
-  as the layers that ran found it.
+  as the layers that ran found it;
+- ``rest``: after the last layer of a stack, the rest of its output (besides the hidden state),
+  which the forward's code after the stack may read.
 
 A carry is a dict of plain containers, so that the transports, the activation stash and the
 hand-over between stages of one rank treat it like any payload; a stage never modifies the carry
@@ -46,6 +48,7 @@ __all__ = [
     "LayerCall",
     "Pending",
     "Ref",
+    "Size",
     "Zeros",
     "advance",
     "call_of",
@@ -108,8 +111,24 @@ class Pending:
         return f"<output [{self.position}] of layer {self.layer}>"
 
 
+class Size:
+    """A ``torch.Size`` among a layer's arguments (a resolution): torch's pytree would rebuild
+    it as a plain tuple, so it travels as this node and is a ``torch.Size`` again when read."""
+
+    __slots__ = ("dims",)
+
+    def __init__(self, dims: tuple[int, ...]) -> None:
+        self.dims = dims
+
+
 # pytree nodes without leaves: what they stand for is in the tree's structure, which the
 # transports send as a header of plain values (compared, not pickled, while it stays the same)
+pytree.register_pytree_node(
+    Size,
+    lambda z: ([], z.dims),
+    lambda _, dims: Size(dims),
+    serialized_type_name="lightning_pipe2bw.carry.Size",
+)
 pytree.register_pytree_node(
     Ref,
     lambda r: ([], r.index),
@@ -125,14 +144,19 @@ pytree.register_pytree_node(
 
 
 def _is_ref(x: Any) -> bool:
-    return isinstance(x, Ref)
+    return isinstance(x, (Ref, Size))
 
 
 def resolve(tree: Any, shared: tuple[Any, ...]) -> Any:
-    """``tree`` with each :class:`Ref` replaced by its tensor in ``shared``."""
-    return pytree.tree_map(
-        lambda x: shared[x.index] if isinstance(x, Ref) else x, tree, is_leaf=_is_ref
-    )
+    """``tree`` with each :class:`Ref` replaced by its tensor in ``shared`` (and each
+    :class:`Size` by a ``torch.Size``)."""
+
+    def read(x: Any) -> Any:
+        if isinstance(x, Ref):
+            return shared[x.index]
+        return torch.Size(x.dims) if isinstance(x, Size) else x
+
+    return pytree.tree_map(read, tree, is_leaf=_is_ref)
 
 
 def pack(
@@ -172,22 +196,32 @@ def pack(
         return Ref(k)
 
     def is_value(x: Any) -> bool:
-        return isinstance(x, (Tensor, Pending))
+        return isinstance(x, (Tensor, Pending, torch.Size))
+
+    def stored(x: Any, use: int) -> Any:
+        if isinstance(x, torch.Size):
+            return Size(tuple(x))
+        return place(x, use) if is_value(x) else x
 
     packed = {}
     for j in sorted(calls):
         args, kwargs, key = calls[j]
         a, k = pytree.tree_map(
-            lambda x, j=j: place(x, j) if is_value(x) else x,
-            (tuple(args), dict(kwargs)),
-            is_leaf=is_value,
+            lambda x, j=j: stored(x, j), (tuple(args), dict(kwargs)), is_leaf=is_value
         )
         packed[j] = (a, k, key)
     blanks: dict[str, Any] = {}
     if before is not None:  # what earlier blocks' parts returned: kept for later replays
         for path, shape in before["blanks"].items():
-            value = resolve(shape, before["shared"])
-            blanks[path] = pytree.tree_map_only(Tensor, lambda t: place(t, KEEP), value)
+            refs = pytree.tree_leaves(shape, is_leaf=_is_ref)
+            if not any(isinstance(r, Ref) for r in refs):
+                blanks[path] = shape  # shapes only: nothing in shared to keep
+                continue
+            blanks[path] = pytree.tree_map(
+                lambda x: place(before["shared"][x.index], KEEP) if isinstance(x, Ref) else x,
+                shape,
+                is_leaf=_is_ref,
+            )
     for path, (output, carried) in (parts or {}).items():
         blanks[path] = _template(output, (lambda t: place(t, KEEP)) if carried else None)
     kept = dict(resolve(before["outputs"], before["shared"])) if before is not None else {}
@@ -218,10 +252,12 @@ def call_of(carry: Carry, layer: int) -> LayerCall:
     return a, k, key
 
 
-def advance(carry: Carry, layer: int, stack: int, output: Any) -> Carry:
+def advance(carry: Carry, layer: int, stack: int, output: Any, final: bool = False) -> Carry:
     """The carry after layer ``layer`` (of ``stack``) returned ``output``: its hidden state, the
     values it returns that later layers take, without its call nor the shared tensors no later
-    layer uses (a new carry; ``carry`` is left as it was)."""
+    layer uses (a new carry; ``carry`` is left as it was). The last layer of a stack (``final``)
+    also leaves the rest of its output (``rest``), which the forward's own code after the stack
+    may read (Cvt's class token) and the next replay hands over with the hidden state."""
     form = len(output) if isinstance(output, tuple) else 0
     hidden = output[0] if form else output
     shared = list(carry["shared"])
@@ -240,7 +276,10 @@ def advance(carry: Carry, layer: int, stack: int, output: Any) -> Carry:
     forms = carry["forms"]
     if forms.get(stack) != form:
         forms = {**forms, stack: form}
-    return {**carry, "hidden": hidden, "shared": tuple(shared), "calls": calls, "forms": forms}
+    out = {**carry, "hidden": hidden, "shared": tuple(shared), "calls": calls, "forms": forms}
+    if final and form:
+        out["rest"] = tuple(output[1:])
+    return out
 
 
 def _template(output: Any, value: Any = None) -> Any:
@@ -251,11 +290,13 @@ def _template(output: Any, value: Any = None) -> Any:
     def meta(x: Any) -> Any:
         if isinstance(x, Tensor):
             return value(x) if value is not None else Zeros(tuple(x.shape), x.dtype)
+        if isinstance(x, torch.Size):
+            return Size(tuple(x))
         if x is None or isinstance(x, (bool, int, float, str, torch.dtype)):
             return x
         return None
 
-    return pytree.tree_map(meta, output)
+    return pytree.tree_map(meta, output, is_leaf=lambda x: isinstance(x, torch.Size))
 
 
 def fill(
@@ -271,6 +312,8 @@ def fill(
     def make(z: Any) -> Any:
         if isinstance(z, Ref):
             return shared[z.index]
+        if isinstance(z, Size):
+            return torch.Size(z.dims)
         if not isinstance(z, Zeros):
             return z  # a plain value, as the part returned it
         if generator is None:
@@ -279,7 +322,7 @@ def fill(
             return torch.randn(z.shape, generator=generator, device="cpu").to(device, z.dtype)
         return torch.randint(1, 3, z.shape, generator=generator, device="cpu").to(device, z.dtype)
 
-    return pytree.tree_map(make, shape, is_leaf=lambda x: isinstance(x, (Zeros, Ref)))
+    return pytree.tree_map(make, shape, is_leaf=lambda x: isinstance(x, (Zeros, Ref, Size)))
 
 
 def template(output: Any) -> Any:

@@ -214,8 +214,10 @@ class PipeModelBody(nn.Sequential):
                 parts.append(junction)
                 earlier += between[k - 1]
             offset = layout[k].offset
+            names = list(layers._modules)  # type: ignore[union-attr]
             parts += [
-                Layer(model, [f"{path}.{n}"], offset + i, k) for i, n in enumerate(layers._modules)  # type: ignore[union-attr]
+                Layer(model, [f"{path}.{n}"], offset + i, k, last=i == len(names) - 1)
+                for i, n in enumerate(names)
             ]
         head = spec.head or functools.partial(_chain, spec.post)
         parts.append(Last(model, spec.post, head, layout, Blanks.of(model, earlier), check))

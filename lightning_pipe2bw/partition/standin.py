@@ -100,6 +100,7 @@ class StandIn(nn.Module):
     def __init__(self, stack: int, index: int, run: Run, target: Any) -> None:
         super().__init__()
         self.__dict__.update(stack=stack, index=index, run=run, target=target)
+        self.training = getattr(target, "training", True)  # a forward may read layer.training
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -144,9 +145,11 @@ class Run:
         stacks: Sequence[Stack],
         hidden: Any = None,
         generator: torch.Generator | None = None,
+        rest: tuple[Any, ...] | None = None,
     ) -> None:
         self.stacks = list(stacks)
         self.hidden, self.generator = hidden, generator
+        self.rest = rest  # replay: the rest of the replayed stack's last output, if it has one
         self.calls: dict[int, LayerCall] = {}  # by layer index over all stacks
         self.first: Any = None  # the hidden state of the captured stack's first layer
         self.sent: Any = None  # what the previous stand-in returned (probe)
@@ -174,6 +177,8 @@ class Run:
                 hidden = _perturbed(hidden, self.generator)
             return self._shaped(stack, hidden, index)
         if stack.mode == "replay":
+            if index == n - 1 and self.rest is not None:
+                return (self.hidden, *self.rest)  # the last layer's output as it returned it
             return self._shaped(stack, self.hidden if index == n - 1 else hidden, index)
         if stack.mode == "idle":
             raise SplitError(
