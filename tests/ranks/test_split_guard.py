@@ -15,8 +15,9 @@ pytest.importorskip("transformers")
 import torch
 import torch.distributed as dist
 from helpers import hf_models
-from helpers.models import quiet_trainer
+from helpers.models import RegressionModel, quiet_trainer
 from helpers.pool import TaskError
+from lightning.pytorch import Callback
 from torch import Tensor, nn
 
 from lightning_pipe2bw import Pipe2BWStrategy, PipeModel
@@ -149,3 +150,80 @@ def test_a_described_model_with_a_wrong_head_is_stopped_at_set_up(pools: Any) ->
         ), r
     for r in pools(2).run(_described, False):
         assert r["error"] is None
+
+
+# ---------------------------------------------------------------------- a later shape diverges
+class _Diverges(nn.Module):
+    """Exact on sequences of up to 4 tokens; on longer ones its forward scales the hidden state
+    between two layers, which a split into stages would skip."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(3, 8)
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+            if x.shape[1] > 4:
+                h = h * 1.5
+        return self.head(h).mean(1)  # type: ignore[no-any-return]
+
+
+class _DivergesLater(RegressionModel):
+    def __init__(self) -> None:
+        super().__init__()
+        del self.body
+        self.net = _Diverges()
+
+    def pipeline_body(self) -> PipeModel:
+        from lightning_pipe2bw.partition.replay import ReplayHead
+
+        return PipeModel(self.net, blocks="layers", pre=["embed"], post=["head"], head=ReplayHead())
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _fit_diverging(check: bool) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randn(8, n, 3, generator=g), torch.randn(8, 2, generator=g)) for n in (4, 4, 6)
+    ]
+    strategy = Pipe2BWStrategy(schedule="1f1b", microbatches=M, check_split=check)
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=3)
+    steps: list[int] = []
+
+    class Steps(Callback):
+        def on_train_batch_end(self, *args: Any) -> None:
+            steps.append(trainer.global_step)
+
+    trainer.callbacks.append(Steps())
+    trainer.fit(_DivergesLater(), torch.utils.data.DataLoader(batches, batch_size=None))
+    return {"steps": steps}  # an error leaves the task (see _opt_late)
+
+
+def test_a_model_that_diverges_at_a_later_shape_stops_at_that_batch(pools: Any) -> None:
+    """Two batches of 4 tokens train (the guard proves that shape once); the first batch of 6
+    tokens, where the forward scales the hidden state between layers, stops every rank before
+    its first micro-batch trains, with the model and the shape named; with the check off the
+    run trains on through it."""
+    with pytest.raises(TaskError) as info:
+        pools(2).run(_fit_diverging, True)
+    rank0, rank1 = str(info.value).split("--- rank 1 ---")  # rank 1 runs the first stage
+    print(f"GUARD later shape: {info.value.reason}")
+    assert (
+        "SplitError: the pipeline split of _Diverges would compute something else than the whole "
+        "model on a micro-batch of new input shapes [[2, 6, 3]]: the forward changes the "
+        "hidden state between layer 0 and layer 1"
+    ) in rank1, rank1[-3000:]
+    assert "StageFailure" in rank0 and "_Diverges" in rank0
+    assert [r["steps"] for r in pools(2).run(_fit_diverging, False)] == [[1, 2, 3], [1, 2, 3]]
