@@ -111,12 +111,15 @@ class WeightPrediction(DelayCorrection):
     (batch t-1's, with its learning rate and weight decay), and S(t-1) is left untouched (the
     prediction runs on copies). Before the first update (no moment yet) E(t) = W(t-1). Memory: a
     third weight buffer on every stage but the last (a batch's view lives while its backwards
-    run in the next call), and one parameter's optimizer state, copied, at a time. Time: one
-    extra optimizer step per stage and step.
+    run in the next call), and up to :attr:`PREDICT_CHUNK_BYTES` of optimizer state, copied, at
+    a time. Time: one extra optimizer step per stage and step (one call per group and chunk).
     """
 
     name = "predict"
     predicts = True
+    # the most optimizer state (bytes) copied at once while predicting: the parameters of a
+    # group step together in chunks of this size (one parameter's state at least)
+    PREDICT_CHUNK_BYTES: ClassVar[int] = 64 * 2**20
 
     def __init__(self, optimizer: Optimizer, params: Sequence[Tensor]) -> None:
         super().__init__(optimizer, params)
@@ -124,15 +127,18 @@ class WeightPrediction(DelayCorrection):
         for index, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
                 self._group_of[id(p)] = index
-        self._shadows: dict[int, Optimizer] = {}
+        self._shadows: dict[type[Optimizer], Optimizer] = {}
 
     def predict(
         self, newest: list[Tensor], out: list[Tensor], hyper: list[dict[str, Any]] | None
     ) -> None:
         optimizer = self.optimizer
+        chunks: dict[int, list[list[tuple[Tensor, Tensor, dict[str, Any], str]]]] = {}
+        sizes: dict[int, int] = {}
         with torch.no_grad():
-            for param, now, dst in zip(self.params, newest, out, strict=True):
-                dst.copy_(now)
+            if out:
+                torch._foreach_copy_(out, newest)
+            for param, dst in zip(self.params, out, strict=True):
                 state = optimizer.state.get(param)
                 key = next((k for k in _MOMENTS if state and k in state), None)
                 if key is None:
@@ -144,34 +150,56 @@ class WeightPrediction(DelayCorrection):
                             f"{sorted(state)}); use delay_correction='error_feedback'"
                         )
                     continue  # before the first update: no moment, no step to predict
+                assert state is not None
+                # parameters of one group step together, in chunks of at most
+                # PREDICT_CHUNK_BYTES of copied state (one parameter's at least)
                 index = self._group_of[id(param)]
+                nbytes = sum(v.nbytes for v in state.values() if isinstance(v, Tensor))
+                group_chunks = chunks.setdefault(index, [[]])
+                if group_chunks[-1] and sizes[index] + nbytes > self.PREDICT_CHUNK_BYTES:
+                    group_chunks.append([])
+                    sizes[index] = 0
+                sizes[index] = sizes.get(index, 0) + nbytes
+                group_chunks[-1].append((param, dst, state, key))
+            for index, group_chunks in chunks.items():
                 group = optimizer.param_groups[index]
                 values = {k: v for k, v in group.items() if k != "params"}
                 if hyper is not None:
                     values.update(hyper[index])
-                assert state is not None
-                shadow = self._shadow(param, group, dst, values)
+                for chunk in group_chunks:
+                    self._step_shadow(group, values, chunk)
+
+    def _step_shadow(
+        self,
+        group: dict[str, Any],
+        values: dict[str, Any],
+        chunk: list[tuple[Tensor, Tensor, dict[str, Any], str]],
+    ) -> None:
+        """One step of an optimizer of the group's class, with the group's values, over the
+        chunk's copies (``dst``), each starting from a copy of its parameter's state and taking
+        its first moment as the gradient. The optimizer treats each parameter on its own, so
+        the result is the same as one step per parameter, with one call's overhead."""
+        dsts = [dst for _, dst, _, _ in chunk]
+        cls = _inner_class(self.optimizer, group)
+        shadow = self._shadows.get(cls)
+        if shadow is None:
+            shadow = cls(dsts)  # type: ignore[call-arg]
+            self._shadows[cls] = shadow
+        shadow.param_groups[0].update(values)
+        shadow.param_groups[0]["params"] = dsts
+        try:
+            for _, dst, state, key in chunk:
                 shadow.state[dst] = {
                     k: v.clone() if isinstance(v, Tensor) else copy.deepcopy(v)
                     for k, v in state.items()
                 }
                 dst.grad = state[key].clone()
-                shadow.step()
+            shadow.step()
+        finally:
+            for dst in dsts:
                 dst.grad = None
-                shadow.state.clear()
-
-    def _shadow(
-        self, param: Tensor, group: dict[str, Any], dst: Tensor, values: dict[str, Any]
-    ) -> Optimizer:
-        """An optimizer of the group's class over ``dst`` alone, with the group's values."""
-        shadow = self._shadows.get(id(param))
-        if shadow is None or shadow.param_groups[0]["params"][0] is not dst:
-            cls = _inner_class(self.optimizer, group)
-            shadow = cls([dst])  # type: ignore[call-arg]
-            self._shadows[id(param)] = shadow
-        shadow.param_groups[0].update(values)
-        shadow.param_groups[0]["params"] = [dst]
-        return shadow
+            shadow.state.clear()
+            shadow.param_groups[0]["params"] = []
 
 
 # ---------------------------------------------------------------------- error feedback
@@ -201,15 +229,22 @@ class ErrorFeedback(DelayCorrection):
 
     def before_step(self) -> None:
         with torch.no_grad():
+            grads: list[Tensor] = []
+            raws: list[Tensor] = []
+            previous: list[Tensor] = []
             for param in self.params:
                 grad = param.grad
                 if grad is None:
                     continue
                 raw = grad.clone()
-                previous = self.state_of(param).get("delay_previous_grad")
-                if previous is not None:
-                    grad.add_(raw.sub(previous), alpha=self.strength)
                 self._raw[id(param)] = raw
+                before = self.state_of(param).get("delay_previous_grad")
+                if before is not None:
+                    grads.append(grad)
+                    raws.append(raw)
+                    previous.append(before)
+            if grads:  # g + k (g - g_prev), every parameter in one pass of each
+                torch._foreach_add_(grads, torch._foreach_sub(raws, previous), alpha=self.strength)
 
     def after_step(self) -> None:
         # kept only after the optimizer has stepped: Adam's family makes its state when the
@@ -249,22 +284,38 @@ class NesterovLookahead(DelayCorrection):
         self._before: dict[int, Tensor] = {}
 
     def before_step(self) -> None:
-        for param in self.params:
-            if param.grad is not None:
-                self._before[id(param)] = param.detach().clone()
+        with torch.no_grad():
+            stepped = [param for param in self.params if param.grad is not None]
+            copies = [param.detach().clone() for param in stepped]
+            for param, before in zip(stepped, copies, strict=True):
+                self._before[id(param)] = before
 
     def after_step(self) -> None:
         with torch.no_grad():
+            params: list[Tensor] = []
+            updates: list[Tensor] = []
             for param in self.params:
                 before = self._before.pop(id(param), None)
-                if before is None:
-                    continue
-                update = before.sub_(param)  # u_t = W(t) - (W(t) - u_t)
+                if before is not None:
+                    params.append(param)
+                    updates.append(before)
+            if not params:
+                return
+            torch._foreach_sub_(updates, params)  # u_t = W(t) - (W(t) - u_t)
+            moved: list[Tensor] = []
+            changes: list[Tensor] = []
+            previous: list[Tensor] = []
+            for param, update in zip(params, updates, strict=True):
                 state = self.state_of(param)
-                previous = state.get("delay_previous_update")
-                if previous is not None:
-                    param.sub_(update.sub(previous), alpha=self.momentum)
+                before = state.get("delay_previous_update")
+                if before is not None:
+                    moved.append(param)
+                    changes.append(update)
+                    previous.append(before)
                 state["delay_previous_update"] = update
+            if moved:  # W(t+1) -= b (u_t - u_{t-1}), every parameter in one pass of each
+                steps = torch._foreach_sub(changes, previous)
+                torch._foreach_sub_(moved, steps, alpha=self.momentum)
 
     def skipped(self) -> None:
         self._before.clear()

@@ -51,3 +51,40 @@ def test_a_spec_has_one_spelling() -> None:
     assert Pipe2BWStrategy(delay_correction="error_feedback=1").options.correction == (
         "error_feedback=1.0"
     )
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon", "sgd"])
+def test_prediction_is_the_same_in_any_chunking(optimizer: str) -> None:
+    """The prediction steps a group's parameters together in chunks of copied state: any chunk
+    size gives, bit for bit, one optimizer step over copies of all parameters with their first
+    moments as gradients (the reference's rule), and leaves the optimizer untouched."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    from lightning_pipe2bw.optim.delay import WeightPrediction
+    from tests.helpers.models import make_optimizer, predicted
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 3))
+    opt, _ = make_optimizer(model.parameters(), optimizer)
+    for _ in range(2):  # moments that differ from the gradients
+        model(torch.randn(5, 6)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    params = list(model.parameters())
+    expected = list(predicted(model, opt, lambda ps: make_optimizer(ps, optimizer)[0]).values())
+    state_before = copy.deepcopy(opt.state_dict())
+    for chunk_bytes in (1, 200, 2**30):
+        correction = WeightPrediction(opt, params)
+        correction.PREDICT_CHUNK_BYTES = chunk_bytes
+        out = [torch.empty_like(p) for p in params]
+        correction.predict([p.detach() for p in params], out, None)
+        for got, want in zip(out, expected, strict=True):
+            assert torch.equal(got, want), chunk_bytes
+        assert all(p.grad is None for p in params)
+    after = opt.state_dict()["state"]
+    for index, state in state_before["state"].items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(after[index][key]), torch.as_tensor(value))
