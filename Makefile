@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine (Python 3.11, no GPU):
 #   make train   runs the main job: the byte-level GPT, PipeDream-2BW on 2 CPU processes
 #   make test    runs lint, type check and the whole test suite
+#   make quick   runs lint and the one-process tests (tests/unit, under a minute): the edit loop
 # Both create .venv on first use and install the pinned CPU torch build before anything that
 # depends on torch, so no CUDA wheels are pulled. Override TORCH_SPEC on a GPU machine.
 
@@ -9,7 +10,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test lint typecheck clean
+.PHONY: setup train test quick lint typecheck clean
 
 setup: $(STAMP)
 
@@ -31,6 +32,9 @@ typecheck: setup
 
 test: lint typecheck
 	$(PY) -m pytest
+
+quick: lint
+	$(PY) -m pytest -q tests/unit
 
 clean:
 	rm -rf $(VENV) outputs lightning_logs

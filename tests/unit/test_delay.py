@@ -61,10 +61,10 @@ def test_prediction_is_the_same_in_any_chunking(optimizer: str) -> None:
     import copy
 
     import torch
+    from helpers.models import make_optimizer, predicted
     from torch import nn
 
     from lightning_pipe2bw.optim.delay import WeightPrediction
-    from tests.helpers.models import make_optimizer, predicted
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 3))
