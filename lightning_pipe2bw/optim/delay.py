@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -133,8 +133,8 @@ class WeightPrediction(DelayCorrection):
         self, newest: list[Tensor], out: list[Tensor], hyper: list[dict[str, Any]] | None
     ) -> None:
         optimizer = self.optimizer
-        chunks: dict[int, list[list[tuple[Tensor, Tensor, dict[str, Any], str]]]] = {}
-        sizes: dict[int, int] = {}
+        # per group, in the group's order: (parameter, its copy, its state, its moment's key)
+        by_group: dict[int, list[tuple[Tensor, Tensor, dict[str, Any], str]]] = {}
         with torch.no_grad():
             if out:
                 torch._foreach_copy_(out, newest)
@@ -151,23 +151,31 @@ class WeightPrediction(DelayCorrection):
                         )
                     continue  # before the first update: no moment, no step to predict
                 assert state is not None
-                # parameters of one group step together, in chunks of at most
-                # PREDICT_CHUNK_BYTES of copied state (one parameter's at least)
-                index = self._group_of[id(param)]
-                nbytes = sum(v.nbytes for v in state.values() if isinstance(v, Tensor))
-                group_chunks = chunks.setdefault(index, [[]])
-                if group_chunks[-1] and sizes[index] + nbytes > self.PREDICT_CHUNK_BYTES:
-                    group_chunks.append([])
-                    sizes[index] = 0
-                sizes[index] = sizes.get(index, 0) + nbytes
-                group_chunks[-1].append((param, dst, state, key))
-            for index, group_chunks in chunks.items():
+                by_group.setdefault(self._group_of[id(param)], []).append((param, dst, state, key))
+            for index, items in by_group.items():
                 group = optimizer.param_groups[index]
                 values = {k: v for k, v in group.items() if k != "params"}
                 if hyper is not None:
                     values.update(hyper[index])
-                for chunk in group_chunks:
+                for chunk in self._chunks(items):
                     self._step_shadow(group, values, chunk)
+
+    def _chunks(
+        self, items: list[tuple[Tensor, Tensor, dict[str, Any], str]]
+    ) -> Iterator[list[tuple[Tensor, Tensor, dict[str, Any], str]]]:
+        """``items`` in runs of at most :attr:`PREDICT_CHUNK_BYTES` of optimizer state (one
+        parameter's at least): what one shadow step copies at once."""
+        chunk: list[tuple[Tensor, Tensor, dict[str, Any], str]] = []
+        size = 0
+        for item in items:
+            nbytes = sum(v.nbytes for v in item[2].values() if isinstance(v, Tensor))
+            if chunk and size + nbytes > self.PREDICT_CHUNK_BYTES:
+                yield chunk
+                chunk, size = [], 0
+            chunk.append(item)
+            size += nbytes
+        if chunk:
+            yield chunk
 
     def _step_shadow(
         self,
@@ -284,11 +292,9 @@ class NesterovLookahead(DelayCorrection):
         self._before: dict[int, Tensor] = {}
 
     def before_step(self) -> None:
-        with torch.no_grad():
-            stepped = [param for param in self.params if param.grad is not None]
-            copies = [param.detach().clone() for param in stepped]
-            for param, before in zip(stepped, copies, strict=True):
-                self._before[id(param)] = before
+        for param in self.params:
+            if param.grad is not None:
+                self._before[id(param)] = param.detach().clone()
 
     def after_step(self) -> None:
         with torch.no_grad():
