@@ -74,15 +74,34 @@ DEFAULT_CONFIGS = [
 ]
 
 
-def parse_config(name: str) -> tuple[str, str, str]:
-    """``"2bw-error_feedback:muon"`` -> (schedule, correction, optimizer)."""
-    head, _, optimizer = name.partition(":")
+def parse_config(name: str) -> dict[str, Any]:
+    """``"<schedule>[-<correction>][/sync=<K>]:<optimizer>[@<adamw lr>]"`` -> its parts, e.g.
+    ``"2bw-error_feedback/sync=30:muon@0.002"``: 2BW with error feedback after 30 synchronous
+    steps, ``MuonAdamW`` with its AdamW part at 2e-3 (the swept rate is Muon's)."""
+    head, _, tail = name.partition(":")
+    optimizer, at, adamw_lr = tail.partition("@")
+    head, slash, sync = head.partition("/")
     schedule, _, correction = head.partition("-")
-    if schedule not in ("1f1b", "2bw") or optimizer not in ("adamw", "muon"):
-        raise ValueError(f"bad configuration {name!r}: use e.g. 1f1b:adamw or 2bw-predict:muon")
+    bad = (
+        schedule not in ("1f1b", "2bw")
+        or optimizer not in ("adamw", "muon")
+        or (at and optimizer != "muon")
+        or (slash and (schedule != "2bw" or not sync.startswith("sync=")))
+    )
+    if bad:
+        raise ValueError(
+            f"bad configuration {name!r}: use e.g. 1f1b:adamw, 2bw-predict:muon, "
+            "2bw-error_feedback/sync=30:muon@0.002"
+        )
     if schedule == "2bw":
         canonical_correction(correction or "none")  # raises for a bad spec
-    return schedule, correction or "none", optimizer
+    return {
+        "schedule": schedule,
+        "correction": correction or "none",
+        "optimizer": optimizer,
+        "adamw_lr": float(adamw_lr) if at else None,
+        "sync_steps": int(sync.partition("=")[2]) if slash else 0,
+    }
 
 
 def _free_port() -> int:
@@ -141,7 +160,8 @@ def train(config: str, lr: float, devices: int, args: dict[str, Any]) -> dict[st
     """One run of ``config`` at peak learning rate ``lr`` on ``devices`` stages: its curves and
     training wall time (validation excluded)."""
     torch.set_num_threads(1)
-    schedule, correction, optimizer = parse_config(config)
+    parts = parse_config(config)
+    schedule = parts["schedule"]
 
     seed_everything(args["seed"], workers=True)
     model = GPT(
@@ -153,7 +173,8 @@ def train(config: str, lr: float, devices: int, args: dict[str, Any]) -> dict[st
         weight_decay=args["weight_decay"],
         warmup_steps=args["warmup"],
         max_steps=args["steps"],
-        optimizer=optimizer,
+        optimizer=parts["optimizer"],
+        adamw_lr=parts["adamw_lr"],
     )
     data = StdlibTextDataModule(
         block_size=args["block_size"],
@@ -167,7 +188,8 @@ def train(config: str, lr: float, devices: int, args: dict[str, Any]) -> dict[st
         schedule=schedule,
         microbatches=args["microbatches"],
         start_method="spawn" if devices > 1 else "popen",
-        **({"delay_correction": correction} if schedule == "2bw" else {}),
+        **({"delay_correction": parts["correction"]} if schedule == "2bw" else {}),
+        **({"sync_steps": parts["sync_steps"]} if parts["sync_steps"] else {}),
     )
     out = Path(tempfile.mkdtemp(prefix="convergence-")) / "record.json"
     trainer = Trainer(
@@ -282,7 +304,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     target = report["target_loss"]
     for col, optimizer in enumerate(("adamw", "muon")):
         for row in rows:
-            if not row["config"].endswith(":" + optimizer):
+            if parse_config(row["config"])["optimizer"] != optimizer:
                 continue
             curve = row["pipeline_val"] or row["curve_val"]
             steps = [v[0] for v in row["curve_val"]]
@@ -359,7 +381,7 @@ def main() -> None:
     jobs = [
         (config, lr, args)
         for config in configs
-        for lr in (ns.lr_muon if config.endswith(":muon") else ns.lr_adamw)
+        for lr in (ns.lr_muon if parse_config(config)["optimizer"] == "muon" else ns.lr_adamw)
     ]
     reused = _reusable(ns.reuse, args) if ns.reuse is not None else {}
     runs = [reused[(c, lr)] for c, lr, _ in jobs if (c, lr) in reused]
@@ -476,7 +498,7 @@ def main() -> None:
     print()
     print("final validation loss by peak learning rate:")
     for optimizer, lrs in (("adamw", ns.lr_adamw), ("muon", ns.lr_muon)):
-        rows = [c for c in configs if c.endswith(":" + optimizer)]
+        rows = [c for c in configs if parse_config(c)["optimizer"] == optimizer]
         if not rows:
             continue
         print()
