@@ -158,8 +158,13 @@ class Pipe2BWStrategy(ParallelStrategy):
             optimizer's own prediction of the weights its gradient is applied to,
             ``"error_feedback"`` adds the gradient's change since the previous step to the
             gradient, ``"nesterov"`` extends each update by its change since the previous one,
-            ``"none"`` is the plain rule; ``"auto"`` (the default) takes the schedule's
-            default. Rules, memory and measured convergence: ``docs/pipedream-2bw.md``.
+            ``"update_feedback"`` by all of it (arXiv 2606.30634's rule), ``"none"`` is the
+            plain rule; ``"auto"`` (the default) takes the schedule's default. Rules, memory and
+            measured convergence: ``docs/pipedream-2bw.md``.
+        sync_steps: ``2bw`` and ``2bw-v``: a synchronous start. The first ``sync_steps``
+            batches of a fit run as ``1f1b`` does (at the newest weights, drained in their own
+            step, their updates uncorrected), then the delayed rule starts. ``0`` (the default)
+            starts delayed.
         check_split: the guard against a split that trains silently wrong (on by default): at
             set-up, a model that is not an ``nn.Sequential`` (a Hugging Face model, a
             ``PipeModel``) is run whole and split on the first micro-batch and their outputs
@@ -197,6 +202,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         repartition_threshold: float = 0.15,
         early_input_grad: bool = True,
         delay_correction: str = "auto",
+        sync_steps: int = 0,
         check_split: bool = True,
         **kwargs: Any,
     ) -> None:

@@ -36,6 +36,7 @@ __all__ = [
     "ErrorFeedback",
     "NesterovLookahead",
     "NoCorrection",
+    "UpdateFeedback",
     "WeightPrediction",
     "canonical_correction",
     "correction_predicts",
@@ -55,6 +56,10 @@ class DelayCorrection:
     predicts: ClassVar[bool] = False
     # the optimizer-state entries it keeps per parameter (each one tensor of the parameter's size)
     state_keys: ClassVar[tuple[str, ...]] = ()
+    # what it changes: "point" (where a batch is evaluated), "gradient" (what the optimizer
+    # receives) or "update" (the weights after the optimizer's step); a spec joins at most one
+    # of each kind
+    kind: ClassVar[str] = "none"
 
     def __init__(self, optimizer: Optimizer, params: Sequence[Tensor]) -> None:
         self.optimizer = optimizer  # the user's (unwrapped)
@@ -117,6 +122,7 @@ class WeightPrediction(DelayCorrection):
 
     name = "predict"
     predicts = True
+    kind = "point"
     # the most optimizer state (bytes) copied at once while predicting: the parameters of a
     # group step together in chunks of this size (one parameter's state at least)
     PREDICT_CHUNK_BYTES: ClassVar[int] = 64 * 2**20
@@ -229,6 +235,7 @@ class ErrorFeedback(DelayCorrection):
 
     name = "error_feedback"
     state_keys = ("delay_previous_grad",)
+    kind = "gradient"
     strength: float = 2.0  # the best alone with AdamW in the screening (docs/pipedream-2bw.md)
 
     def __init__(self, optimizer: Optimizer, params: Sequence[Tensor]) -> None:
@@ -285,6 +292,7 @@ class NesterovLookahead(DelayCorrection):
 
     name = "nesterov"
     state_keys = ("delay_previous_update",)
+    kind = "update"
     momentum: float = 0.5
 
     def __init__(self, optimizer: Optimizer, params: Sequence[Tensor]) -> None:
@@ -327,6 +335,24 @@ class NesterovLookahead(DelayCorrection):
         self._before.clear()
 
 
+class UpdateFeedback(NesterovLookahead):
+    """arXiv 2606.30634's update-level correction, as reported: after the optimizer's step, the
+    weights move on by the whole change of its update since the previous one,
+
+        u_t = U(g_t; S(t)),    W(t+1) = W(t) - 2 u_t + u_{t-1},
+
+    u the optimizer's whole step (learning rate, moments, Muon's orthogonalisation) from the
+    delayed gradient, none for the first update. With a delay of one the update applied is the
+    one the optimizer would take extrapolated one step ahead (u_t + (u_t - u_{t-1})). It is
+    :class:`NesterovLookahead` with b = 1, which it keeps its state with (the previous update,
+    ``delay_previous_update``), so the two do not combine; it takes no coefficient. Memory: one
+    weight-sized buffer per parameter. Time: as ``nesterov``.
+    """
+
+    name = "update_feedback"
+    momentum = 1.0
+
+
 class CombinedCorrection(DelayCorrection):
     """Several corrections at once, at most one of each kind: a prediction of where batches are
     evaluated, and gradient or update corrections (``"predict+error_feedback=0.5"``). Each
@@ -363,7 +389,8 @@ class CombinedCorrection(DelayCorrection):
 
 
 CORRECTIONS: dict[str, type[DelayCorrection]] = {
-    cls.name: cls for cls in (NoCorrection, WeightPrediction, ErrorFeedback, NesterovLookahead)
+    cls.name: cls
+    for cls in (NoCorrection, WeightPrediction, ErrorFeedback, NesterovLookahead, UpdateFeedback)
 }
 # the coefficient a correction takes after "=" in a spec, by name
 _COEFFICIENT = {"error_feedback": "strength", "nesterov": "momentum"}
@@ -410,6 +437,13 @@ def parse_correction(spec: str) -> tuple[tuple[str, float | None], ...]:
                 )
         if any(n == name for n, _ in terms):
             raise ValueError(f"delay_correction {spec!r} names {name!r} twice")
+        kind = CORRECTIONS[name].kind
+        clash = next((n for n, _ in terms if CORRECTIONS[n].kind == kind != "none"), None)
+        if clash is not None:
+            raise ValueError(
+                f"delay_correction {spec!r} joins {clash!r} and {name!r}, which both correct the "
+                f"{kind}; keep one (update_feedback is nesterov=1.0)"
+            )
         terms.append((name, coefficient))
     if len(terms) > 1 and any(n == "none" for n, _ in terms):
         raise ValueError(f"delay_correction {spec!r}: 'none' cannot be combined with others")

@@ -64,7 +64,12 @@ class MuonAdamW(Optimizer):
 
     Args:
         params: param groups with a ``"muon"`` key.
-        lr: the learning rate of both kinds (a group may set its own).
+        lr: Muon's learning rate, and AdamW's unless ``adamw_lr`` is given (a group may set its
+            own).
+        adamw_lr: AdamW's learning rate (embeddings, norms, biases, head), if not ``lr``. Muon's
+            best rate is several times AdamW's, and with one rate the AdamW part runs at Muon's
+            (8x AdamW's best on the recipes' GPT: ``docs/pipedream-2bw.md``). Schedulers scale each group's own rate
+            (``LambdaLR``'s ``initial_lr`` is per group), or take one function per group.
         weight_decay: decoupled weight decay of both kinds; ``for_module`` gives 1-D tensors
             (biases, norms) none.
         momentum, nesterov, ns_steps, adjust_lr_fn: Muon's (``adjust_lr_fn="match_rms_adamw"``,
@@ -85,7 +90,11 @@ class MuonAdamW(Optimizer):
         adjust_lr_fn: str | None = "match_rms_adamw",
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
+        adamw_lr: float | None = None,
     ) -> None:
+        for name, value in (("lr", lr), ("adamw_lr", adamw_lr)):
+            if value is not None and not (isinstance(value, (int, float)) and value >= 0):
+                raise ValueError(f"MuonAdamW: {name}={value!r} must be a number >= 0")
         muon_defaults = _defaults(
             torch.optim.Muon,
             dict(
@@ -98,7 +107,13 @@ class MuonAdamW(Optimizer):
             ),
         )
         adamw_defaults = _defaults(
-            torch.optim.AdamW, dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+            torch.optim.AdamW,
+            dict(
+                lr=lr if adamw_lr is None else adamw_lr,
+                weight_decay=weight_decay,
+                betas=betas,
+                eps=eps,
+            ),
         )
         groups = []
         for group in params:

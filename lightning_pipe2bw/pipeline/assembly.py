@@ -223,6 +223,7 @@ def build_runtime(
             evicting=evicting,
             version_log=version_log,
             delay_correction=options.correction,
+            sync_steps=options.sync_steps,
         )
         runtime_optimizers = [driver.optimizer]
     else:

@@ -117,6 +117,7 @@ class PipeOptions:
     repartition_threshold: float = 0.15
     early_input_grad: bool = True
     delay_correction: str = "auto"  # "auto": the schedule's default (see ``correction``)
+    sync_steps: int = 0  # 2BW's synchronous start: the first this many batches flushed
     check_split: bool = True  # the guard against a split that computes something else
 
     @classmethod
@@ -173,6 +174,7 @@ class PipeOptions:
             "body": self.body,
             "state_dict_type": self.state_dict_type,
             "delay_correction": self.correction,
+            "sync_steps": self.sync_steps,
         }
 
     # ------------------------------------------------------------------ parsing
@@ -192,6 +194,16 @@ class PipeOptions:
         if problems:
             return None, problems
         problems = _correction_problems(values["schedule"], values["delay_correction"])
+        if values["sync_steps"] and values["schedule"] not in ("2bw", "2bw-v"):
+            problems.append(
+                Problem(
+                    "sync_steps",
+                    values["sync_steps"],
+                    f"sync_steps={values['sync_steps']} starts 2BW synchronously, but "
+                    f"schedule={values['schedule']!r} is not 2BW; use schedule='2bw' or '2bw-v', "
+                    "or leave sync_steps at 0",
+                )
+            )
         if problems:
             return None, problems
         return cls(**values), []
@@ -410,6 +422,17 @@ def _early_input_grad(value: Any) -> dict[str, Any]:
     return {"early_input_grad": value}
 
 
+def _sync_steps(value: Any) -> dict[str, Any]:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _Bad(
+            "sync_steps",
+            value,
+            f"sync_steps must be an int >= 0 (the batches 2BW runs synchronously before its "
+            f"delayed rule starts; 0: none), got {value!r}",
+        )
+    return {"sync_steps": value}
+
+
 def _check_split(value: Any) -> dict[str, Any]:
     if not isinstance(value, bool):
         raise _Bad(
@@ -551,8 +574,13 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "delay_correction", "auto", _delay_correction, str,
-        note="2bw/pipedream: auto (the schedule's default), none, predict, error_feedback or "
-        "nesterov",
+        note="2bw/pipedream: auto (the schedule's default), none, predict, error_feedback, "
+        "nesterov or update_feedback, or several joined by '+'",
+    ),
+    Option(
+        "sync_steps", 0, _sync_steps, int,
+        note="2bw: the first this many batches run synchronously (flushed, at the newest "
+        "weights), then the delayed rule",
     ),
     Option(
         "check_split", True, _check_split, bool,

@@ -53,12 +53,15 @@ class TwoBWDriver:
         evicting: frozenset[int] = frozenset(),
         version_log: list[int] | None = None,
         delay_correction: str = "none",
+        sync_steps: int = 0,
     ) -> None:
         """``optimizer``: the user's (wrapped here); ``channel``: carries the last stage's step
         values to the other ranks (None with one stage); ``flush_every``: drain every this many
         batches; ``evicting``: the stages that evict activations (BPipe); ``version_log``: a
         list that gets the number of weight versions alive after every action (tests);
-        ``delay_correction``: the name of a rule of ``lightning_pipe2bw.optim.delay``."""
+        ``delay_correction``: the name of a rule of ``lightning_pipe2bw.optim.delay``;
+        ``sync_steps``: the first batches (of the fit) run synchronously: at the newest weights,
+        drained in their own call, their updates uncorrected (see :meth:`synchronous`)."""
         self.engine = engine
         self.m = num_microbatches
         self.channel = channel
@@ -66,6 +69,7 @@ class TwoBWDriver:
         self.evicting = evicting  # the stages that evict activations (BPipe)
         self.version_log = version_log
         self.delay_correction = delay_correction
+        self.sync_steps = sync_steps
         self.admitted = 0  # batches admitted since fit started (= the next batch index)
         self.segment_start = 0  # first batch since the last flush
         self.next_update = 0  # the oldest batch whose update has not been applied
@@ -91,7 +95,7 @@ class TwoBWDriver:
             max_versions=bound + 1 if correction.predicts else bound,
             reserved=self.reserved_versions,
         )
-        wrapper = TwoBWOptimizer(optimizer, versions, correction)
+        wrapper = TwoBWOptimizer(optimizer, versions, correction, corrected_from=self.sync_steps)
         if correction.predicts:
             # batch t's view predicts from version t-1 and the state the next update (batch
             # t-1's, with its learning rate) starts from
@@ -99,7 +103,8 @@ class TwoBWDriver:
                 correction.predict(newest, out, wrapper.hyperparameters_of(batch - 1))
 
             versions.predict = predict
-            versions.upcoming = lambda: {self.admitted}
+            # a synchronous batch runs at the newest weights: no view
+            versions.upcoming = lambda: set() if self.synchronous(self.admitted) else {self.admitted}
         return versions, wrapper
 
     def rebind(self, optimizers: list[Any]) -> list[Any]:
@@ -115,9 +120,21 @@ class TwoBWDriver:
         """The weight versions a stage may hold: two."""
         return 2
 
+    def synchronous(self, batch: int) -> bool:
+        """Whether batch ``batch`` belongs to the synchronous start (``sync_steps``): it runs at
+        the newest weights and is drained in the call that admits it, so its update is the one
+        a flush schedule makes, W(t+1) = W(t) - U(grad f_t(W(t))), without a correction. From
+        batch K = ``sync_steps`` on the 2BW rule holds, W(t+1) = W(t) - U(grad f_t(W(t-1))) (so
+        batches K-1 and K both run at W(K-1)), the correction starting then with no history, as
+        at the start of training."""
+        return batch < self.sync_steps
+
     def reserved_versions(self) -> set[int]:
         """The version the next batch will run with must survive the updates before it (with a
-        predicting correction, its view is made before they apply instead)."""
+        predicting correction, its view is made before they apply instead; a synchronous batch
+        runs with the newest)."""
+        if self.synchronous(self.admitted):
+            return set()
         return {WeightVersions.version_for(self.admitted)}
 
     def observe(self, action: Action) -> None:
@@ -146,7 +163,10 @@ class TwoBWDriver:
         return OneFOneBStream(self.engine.stage, self.engine.num_stages, version)
 
     def _weights_for(self, microbatch: int) -> Mapping[str, Tensor]:
-        return self.versions.weights_for(self.batch_of(microbatch))
+        batch = self.batch_of(microbatch)
+        if self.synchronous(batch):
+            return self.versions.weights_for(batch, self.versions.newest)
+        return self.versions.weights_for(batch)
 
     def batch_of(self, microbatch: int) -> int:
         """The global batch index of a micro-batch id of the current segment."""
@@ -242,6 +262,8 @@ class TwoBWDriver:
         self.optimizer.finish_step()
 
     def flush_due(self) -> bool:
+        if self.synchronous(self.admitted - 1):  # a synchronous batch ends in its own call
+            return True
         every = self.flush_every
         return every is not None and self.admitted % every == 0
 
@@ -323,6 +345,8 @@ class TwoBWDriver:
     def previous_version(self) -> list[Tensor] | None:
         """At a flush point: the weight version the next batch runs with when it is not the
         newest (2BW: version t-1 for batch t), which a checkpoint must keep for an exact resume."""
+        if self.synchronous(self.admitted):
+            return None
         if self.versions.predict is not None:  # the next batch's view, if made already
             return self.versions.view_tensors(self.admitted)
         version = WeightVersions.version_for(self.admitted)

@@ -274,12 +274,15 @@ class TwoBWOptimizer(Optimizer):
         optimizer: Optimizer,
         versions: WeightVersions,
         correction: DelayCorrection | None = None,
+        corrected_from: int = 0,
     ) -> None:
         # no super().__init__: the wrapped optimizer owns the param groups and the state
         self.optimizer = optimizer
         self.versions = versions
         # the delay correction (lightning_pipe2bw.optim.delay); None: the plain rule
         self.correction = correction
+        # the first batch whose update is corrected (the ones before are synchronous)
+        self.corrected_from = corrected_from
         self.due: int | None = None  # batch whose gradient the next step applies
         self._hyper: dict[int, list[dict[str, Any]]] = {}
 
@@ -330,11 +333,12 @@ class TwoBWOptimizer(Optimizer):
         current = self._snapshot()
         for group, values in zip(self.param_groups, hyper, strict=True):
             group.update(values)
-        if self.correction is not None:
-            self.correction.before_step()
+        correction = self.correction if batch >= self.corrected_from else None
+        if correction is not None:
+            correction.before_step()
         self.optimizer.step()
-        if self.correction is not None:
-            self.correction.after_step()
+        if correction is not None:
+            correction.after_step()
         for group, values in zip(self.param_groups, current, strict=True):
             group.update(values)
         self.due = None

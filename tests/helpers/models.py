@@ -36,8 +36,9 @@ def lr_lambda(step: int) -> float:
 
 
 def make_optimizer(params: Any, kind: str = "adamw") -> tuple[torch.optim.Optimizer, Any]:
-    """``"adamw"``, ``"sgd"`` (with momentum) or ``"muon"`` (:class:`MuonAdamW`: Muon on every
-    2-D tensor, AdamW on the rest), with a LambdaLR schedule."""
+    """``"adamw"``, ``"sgd"`` (with momentum), ``"muon"`` (:class:`MuonAdamW`: Muon on every
+    2-D tensor, AdamW on the rest) or ``"muon-lr"`` (the same with ``adamw_lr`` of its own),
+    with a LambdaLR schedule."""
     if kind == "adamw":
         opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
     elif kind == "muon":
@@ -49,6 +50,17 @@ def make_optimizer(params: Any, kind: str = "adamw") -> tuple[torch.optim.Optimi
             {"params": [p for p in params if p.ndim != 2], "muon": False},
         ]
         opt = MuonAdamW([g for g in groups if g["params"]], lr=0.05, weight_decay=0.1)
+    elif kind == "muon-lr":  # MuonAdamW with its AdamW part at a learning rate of its own
+        from lightning_pipe2bw import MuonAdamW
+
+        params = list(params)
+        groups = [
+            {"params": [p for p in params if p.ndim == 2], "muon": True},
+            {"params": [p for p in params if p.ndim != 2], "muon": False},
+        ]
+        opt = MuonAdamW(
+            [g for g in groups if g["params"]], lr=0.05, adamw_lr=0.01, weight_decay=0.1
+        )
     else:
         opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
@@ -293,6 +305,7 @@ def reference_2bw(
     device: str | torch.device = "cpu",
     correction: str = "auto",
     start: dict[str, Tensor] | None = None,
+    sync_steps: int = 0,
 ) -> dict[str, Tensor]:
     """Single-process PipeDream-2BW: batch t's gradient is computed with weight version
     max(t - 1, 0) and applied by the optimizer to the newest weights, so
@@ -311,12 +324,18 @@ def reference_2bw(
       correction's strength; g as clipped, before the correction; none for the first update).
     - ``"nesterov"``: after the optimizer's own update u_t the weights move by
       -b (u_t - u_{t-1}) (b: the correction's momentum; none for the first update).
+    - ``"update_feedback"`` (arXiv 2606.30634's rule as reported): W(t+1) = W(t) - 2 u_t + u_{t-1},
+      u_t the optimizer's whole step (none for the first update).
 
     A spec may join them with ``+`` and give coefficients (``"predict+error_feedback=0.5"``);
     ``"auto"`` is the library's default for 2bw.
 
     ``start``: the weights to start from (a fit after an earlier one starts the rule afresh
     from the weights it holds: W(-1) = W(0), a new optimizer, no correction history).
+
+    ``sync_steps`` (K, a synchronous start): batches t < K are evaluated at W(t) and their
+    updates are plain, W(t+1) = W(t) - U(grad f_t(W(t))); from batch K on the rule above holds
+    (batch K at W(K-1)), the correction's history starting empty at update K.
     """
     previous: dict[Any, Tensor] = {}  # g_{t-1} and u_{t-1}, by parameter
     model = make_model(model_name, optimizer, num_blocks).to(device)
@@ -331,7 +350,10 @@ def reference_2bw(
     for step, (x, y) in enumerate(data):
         if step == steps:
             break
-        if "predict" in correction_terms(correction):
+        synchronous = step < sync_steps
+        if synchronous:
+            shadow.load_state_dict(history[step])
+        elif "predict" in correction_terms(correction):
             # batch step + 1's point: this update applied with the moments as the gradient
             points[step + 1] = predicted(
                 model, opt, lambda params: make_optimizer(params, optimizer)[0]
@@ -350,7 +372,15 @@ def reference_2bw(
         for p, q in zip(model.parameters(), shadow.parameters(), strict=True):
             p.grad = q.grad.detach().clone() if q.grad is not None else None
         _clip(model.parameters(), clip)
-        corrected_step(opt, list(model.parameters()), correction, previous)
+        if synchronous:
+            if step + 1 == sync_steps and "predict" in correction_terms(correction):
+                # batch K's point, from W(K-1) and the state before update K-1
+                points[step + 1] = predicted(
+                    model, opt, lambda params: make_optimizer(params, optimizer)[0]
+                )
+            opt.step()
+        else:
+            corrected_step(opt, list(model.parameters()), correction, previous)
         sched.step()
         history[step + 1] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {k: v.cpu() for k, v in history[min(steps, len(history) - 1)].items()}
@@ -365,7 +395,8 @@ def corrected_step(
     """``opt.step()`` with the gradient and update corrections of ``correction`` (a spec such
     as ``"predict+error_feedback=0.5"``; ``previous`` keeps each parameter's g_{t-1} and
     u_{t-1}, updated here): ``error_feedback`` steps with g + k (g - g_prev), ``nesterov``
-    moves on by -b (u - u_prev) after the optimizer's own update u."""
+    moves on by -b (u - u_prev) after the optimizer's own update u, ``update_feedback`` by
+    -(u - u_prev)."""
     terms = correction_terms(correction)
     with_grad = [p for p in params if p.grad is not None]
     strength = terms.get("error_feedback")
@@ -377,6 +408,13 @@ def corrected_step(
         previous.update({("g", p): g for p, g in raw.items()})
     before = {p: p.detach().clone() for p in with_grad}
     opt.step()
+    if "update_feedback" in terms:
+        with torch.no_grad():
+            for p in with_grad:
+                u = before[p] - p  # the optimizer's own update, applied once already
+                if ("u", p) in previous:  # W - 2u + u_prev, grouped as (W - u) - (u - u_prev)
+                    p.sub_(u - previous[("u", p)])
+                previous[("u", p)] = u
     momentum = terms.get("nesterov")
     if momentum is not None:
         with torch.no_grad():

@@ -244,3 +244,71 @@ def test_corrections_with_fp16_loss_scaling(pools: Any, correction: str) -> None
         assert all(map(torch.isfinite, map(torch.tensor, f))), (rank, f)
         assert s[skipped] == s[skipped - 1] / 2, (rank, s)
     assert results[0]["scales"] == results[1]["scales"]
+
+
+# ---------------------------------------------------------------------- a synchronous start
+# (correction, p, optimizer): every correction kind and both optimizers at p = 2 and 4
+SYNC_CASES = [
+    ("none", 2, "adamw"),
+    ("none", 4, "muon"),
+    ("predict+error_feedback=0.5", 2, "muon"),
+    ("predict+error_feedback=0.5", 4, "adamw"),
+    ("update_feedback", 2, "adamw"),
+    ("predict+update_feedback", 4, "muon"),
+]
+
+
+@pytest.mark.parametrize(
+    ("correction", "p", "optimizer"), SYNC_CASES, ids=[f"{c}-p{p}-{o}" for c, p, o in SYNC_CASES]
+)
+def test_a_synchronous_start_equals_its_reference(
+    pools: Any, correction: str, p: int, optimizer: str
+) -> None:
+    """``sync_steps=K``: batches before K at the newest weights, flushed, uncorrected; the
+    delayed rule (and the correction, from no history) from batch K on; bitwise."""
+    sync, m = 3, 2 * p
+    results = pools(p).run(
+        workers.fit, "2bw", m, STEPS, optimizer, delay_correction=correction, sync_steps=sync
+    )
+    ref = reference_2bw(STEPS, m, optimizer=optimizer, correction=correction, sync_steps=sync)
+    diff = max_abs_diff(results[0]["state"], ref)
+    print(f"EXACTNESS 2bw {correction} sync_steps={sync} p={p} {optimizer}: max|dW| = {diff:.3e}")
+    assert diff == 0.0
+    # the test can fail: the start changed the training, and so does where it ends
+    delayed = reference_2bw(STEPS, m, optimizer=optimizer, correction=correction)
+    assert max_abs_diff(ref, delayed) > 1e-4
+    later = reference_2bw(STEPS, m, optimizer=optimizer, correction=correction, sync_steps=4)
+    assert max_abs_diff(ref, later) > 1e-4
+
+
+def test_a_synchronous_start_on_a_v_and_with_per_group_rates(pools: Any) -> None:
+    """2BW on a V (two stages per rank) starts synchronously alike; ``MuonAdamW`` with its AdamW
+    part at a rate of its own equals its reference."""
+    results = pools(2).run(
+        workers.fit, "2bw-v", 4, STEPS, "muon-lr", delay_correction="error_feedback", sync_steps=2
+    )
+    ref = reference_2bw(
+        STEPS, 4, optimizer="muon-lr", correction="error_feedback", sync_steps=2
+    )
+    diff = max_abs_diff(results[0]["state"], ref)
+    print(f"EXACTNESS 2bw-v error_feedback sync_steps=2 muon-lr: max|dW| = {diff:.3e}")
+    assert diff == 0.0
+    assert max_abs_diff(ref, reference_2bw(STEPS, 4, optimizer="muon", sync_steps=2)) > 1e-4
+
+
+@pytest.mark.parametrize("sync", [2, 4])
+def test_a_synchronous_start_resumes_exactly(pools: Any, tmp_path: Path, sync: int) -> None:
+    """A checkpoint after the switch (step 3 of a start of 2) or inside the start (of 4):
+    6 steps equal 3 + checkpoint + 3."""
+    from ranks.test_checkpoint import SAMPLES, _fit
+
+    kwargs = {"microbatches": 4, "delay_correction": "predict", "sync_steps": sync}
+    straight = pools(2).run(_fit, "2bw", 6, **kwargs)[0]
+    pools(2).run(_fit, "2bw", 3, str(tmp_path), **kwargs)
+    resumed = pools(2).run(_fit, "2bw", 6, None, str(tmp_path / "step=3.ckpt"), **kwargs)[0]
+    diff = max_abs_diff(resumed["state"], straight["state"])
+    print(f"RESUME 2bw sync_steps={sync}: 6 steps vs 3 + checkpoint + 3: max|dW| = {diff:.3e}")
+    assert diff == 0.0
+    epochs = list(loader(8, n=SAMPLES)) * 2  # two epochs of 3 batches (each ends in a flush)
+    ref = reference_2bw(6, 4, correction="predict", sync_steps=sync, data=epochs)
+    assert max_abs_diff(straight["state"], ref) == 0.0

@@ -39,11 +39,46 @@ from lightning_pipe2bw.optim.delay import canonical_correction
             "names 'error_feedback' twice",
         ),
         ({"delay_correction": "none+predict"}, "'none' cannot be combined with others"),
+        (
+            {"delay_correction": "nesterov+update_feedback"},
+            "joins 'nesterov' and 'update_feedback', which both correct the update; keep one",
+        ),
+        (
+            {"delay_correction": "update_feedback=0.5"},
+            "'update_feedback' takes no coefficient",
+        ),
+        ({"sync_steps": -1}, "sync_steps must be an int >= 0 (the batches 2BW runs"),
+        ({"sync_steps": 2.5}, "sync_steps must be an int >= 0"),
+        (
+            {"schedule": "1f1b", "sync_steps": 10},
+            "sync_steps=10 starts 2BW synchronously, but schedule='1f1b' is not 2BW",
+        ),
     ],
 )
 def test_bad_corrections_are_refused_with_the_fix(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Pipe2BWStrategy(**kwargs)
+
+
+def test_muon_adamw_gives_its_adamw_part_a_rate_of_its_own() -> None:
+    """``adamw_lr``: the AdamW groups start at it, Muon's at ``lr``; a LambdaLR scales each
+    group's own rate."""
+    import torch
+    from torch import nn
+
+    from lightning_pipe2bw import MuonAdamW
+
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.LayerNorm(8))
+    opt = MuonAdamW.for_module(model, lr=0.02, adamw_lr=0.002)
+    rates = {bool(g["muon"]): g["lr"] for g in opt.param_groups}
+    assert rates == {True: 0.02, False: 0.002}
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)
+    assert sorted(g["lr"] for g in opt.param_groups) == [0.001, 0.001, 0.01]
+    del sched
+    same = MuonAdamW.for_module(model, lr=0.02)
+    assert {g["lr"] for g in same.param_groups} == {0.02}
+    with pytest.raises(ValueError, match=r"adamw_lr=-1\.0 must be a number >= 0"):
+        MuonAdamW.for_module(model, lr=0.02, adamw_lr=-1.0)
 
 
 def test_a_spec_has_one_spelling() -> None:

@@ -71,6 +71,7 @@ class ModelConfig:
     max_steps: int | None = II("trainer.max_steps")
     min_lr_ratio: float = 0.1
     optimizer: str = "muon"  # Muon on the blocks' matrices, AdamW on the rest; or "adamw"
+    adamw_lr: float | None = None  # "muon": its AdamW part's peak rate, if not lr
 
 
 @dataclass
@@ -172,6 +173,11 @@ def check_config(cfg: TrainConfig) -> None:
         )
     if m.optimizer not in OPTIMIZERS:
         problems.append(f"model.optimizer={m.optimizer!r} must be one of {', '.join(OPTIMIZERS)}")
+    if m.adamw_lr is not None and (m.optimizer != "muon" or m.adamw_lr < 0):
+        problems.append(
+            f"model.adamw_lr={m.adamw_lr} is the rate of Muon's AdamW part: a number >= 0 with "
+            f"model.optimizer=muon (model.optimizer={m.optimizer!r}: set model.lr instead)"
+        )
     if m.n_embd % m.n_head != 0:
         problems.append(f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}")
     if d.block_size > m.block_size:

@@ -181,6 +181,8 @@ class GPT(LightningModule):
         optimizer: ``"adamw"``, or ``"muon"``: :class:`~lightning_pipe2bw.MuonAdamW`, Muon on the
             blocks' attention and MLP matrices (its step scaled to AdamW's RMS, so ``lr`` serves
             both) and AdamW on the embeddings, norms, biases and head.
+        adamw_lr: with ``optimizer="muon"``, the peak learning rate of its AdamW part, if not
+            ``lr`` (the same warm-up and decay scale both).
     """
 
     def __init__(
@@ -197,14 +199,21 @@ class GPT(LightningModule):
         max_steps: int | None = None,
         min_lr_ratio: float = 0.1,
         optimizer: str = "adamw",
+        adamw_lr: float | None = None,
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+        if adamw_lr is not None and optimizer != "muon":
+            raise ValueError(
+                f"adamw_lr={adamw_lr!r} is the learning rate of Muon's AdamW part: set lr "
+                f"instead with optimizer={optimizer!r}, or use optimizer='muon'"
+            )
         self.save_hyperparameters()
         self.optimizer_name = optimizer
         self.vocab_size = vocab_size
         self.lr = lr
+        self.adamw_lr = adamw_lr
         self.weight_decay = weight_decay
         self.warmup_steps = warmup_steps
         self.max_steps = max_steps
@@ -258,7 +267,11 @@ class GPT(LightningModule):
         optimizer: torch.optim.Optimizer
         if self.optimizer_name == "muon":
             optimizer = MuonAdamW.for_module(
-                self, lr=self.lr, weight_decay=self.weight_decay, muon_params=_block_matrix
+                self,
+                lr=self.lr,
+                adamw_lr=self.adamw_lr,
+                weight_decay=self.weight_decay,
+                muon_params=_block_matrix,
             )
         else:
             params = [p for p in self.parameters() if p.requires_grad]
