@@ -1,14 +1,23 @@
-"""Time to accuracy: PipeDream-2BW with each delay correction against 1F1B, with AdamW and Muon.
+"""Time to accuracy: PipeDream-2BW with each delay remedy against the synchronous schedules,
+with AdamW and Muon.
 
 Every configuration trains the main job's GPT (``lightning_pipe2bw.recipes.gpt``: 4 blocks of
-width 128, context 128, batches of 32 in 4 micro-batches, warm-up then cosine decay) on the
-Python standard library's sources from the same seed, weights and batches:
+width 128, context 128, batches of 32 in 4 micro-batches, 10% warm-up then cosine decay to 10%;
+``--n-embd`` and the others change it) on the Python standard library's sources from the same
+seed, weights and batches. A configuration is
+``<schedule>[-<correction>][/sync=<K>]:<optimizer>[@<AdamW's rate>]``:
 
-* ``1f1b`` (exact: one device's gradient accumulation), and ``2bw`` with each
-  ``delay_correction`` that survived the screening (``none``, ``predict``, ``error_feedback``,
-  ``predict+error_feedback=0.5``);
-* each with ``AdamW`` and with ``Muon`` (``MuonAdamW``: Muon on the blocks' matrices, AdamW on
-  the rest, one learning rate for both);
+* the synchronous schedules ``1f1b`` (exact: one device's gradient accumulation), ``zb-h1`` and
+  ``interleaved-1f1b``. All three compute one device's gradient accumulation over the same
+  micro-batches (within 1e-5 in ``tests/ranks/test_exactness.py`` and the zero-bubble and
+  virtual-stage tests): the last two take ``1f1b``'s curve with the same optimizer, and only
+  their time is measured (phase 2, whose 2-stage runs check their final loss);
+* ``2bw`` with a ``delay_correction`` (``2bw-none``, ``2bw-update_feedback``,
+  ``2bw-predict+error_feedback=0.5``...), and with a synchronous start of K steps
+  (``2bw-error_feedback/sync=30``: ``sync_steps=30``);
+* ``adamw``, or ``muon`` (``MuonAdamW``: Muon on the blocks' matrices, AdamW on the rest, one
+  learning rate for both; ``muon@0.002``: the AdamW part at 2e-3 of its own, the swept rate
+  being Muon's);
 * each at several peak learning rates (``--lr-adamw``, ``--lr-muon``).
 
 It runs in two phases:
@@ -24,7 +33,7 @@ It runs in two phases:
    alternating order (the machine drifts), give each configuration's seconds per training step:
    the median over the full run and the rounds of each run's median step after the tenth.
 
-The target loss is the best ``1f1b`` + AdamW run's final validation loss. For every
+The target loss is the best synchronous configuration's final validation loss. For every
 configuration the report gives the final validation loss at its best learning rate, the steps
 to reach the target (from its validation curve, measured every ``--val-every`` steps) and the
 wall-clock seconds to reach it on 2 stages (steps x phase 2's seconds per training step,
@@ -33,6 +42,8 @@ validation excluded), and plots the validation loss against steps and against wa
     python benchmarks/convergence.py                 # the whole sweep (about 80 min on 2 cores)
     python benchmarks/convergence.py --configs 1f1b:adamw 2bw-error_feedback:adamw \\
         --lr-adamw 2e-3 --steps 100                 # a part of it
+    python benchmarks/convergence.py --configs 1f1b:muon zb-h1:muon 2bw-none:muon \
+        --reuse benchmarks/results/convergence.json --timing-only   # add timings to a report
 
 Writes ``benchmarks/results/convergence.json`` (every curve, the settings, the table) and
 ``convergence.png``; prints the table.
@@ -65,6 +76,8 @@ from lightning_pipe2bw.recipes.gpt import GPT, StdlibTextDataModule
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results"
+# the synchronous schedules; the last two train 1f1b's weights (one device's accumulation)
+SYNC_SCHEDULES = ("1f1b", "zb-h1", "interleaved-1f1b")
 # the corrections that survived the screening (docs/pipedream-2bw.md: "nesterov" did not)
 CORRECTIONS = ("none", "predict", "error_feedback", "predict+error_feedback=0.5")
 DEFAULT_CONFIGS = [
@@ -81,16 +94,19 @@ def parse_config(name: str) -> dict[str, Any]:
     head, _, tail = name.partition(":")
     optimizer, at, adamw_lr = tail.partition("@")
     head, slash, sync = head.partition("/")
-    schedule, _, correction = head.partition("-")
+    if head in SYNC_SCHEDULES:
+        schedule, correction = head, ""
+    else:
+        schedule, _, correction = head.partition("-")
     bad = (
-        schedule not in ("1f1b", "2bw")
+        schedule not in (*SYNC_SCHEDULES, "2bw")
         or optimizer not in ("adamw", "muon")
         or (at and optimizer != "muon")
         or (slash and (schedule != "2bw" or not sync.startswith("sync=")))
     )
     if bad:
         raise ValueError(
-            f"bad configuration {name!r}: use e.g. 1f1b:adamw, 2bw-predict:muon, "
+            f"bad configuration {name!r}: use e.g. 1f1b:adamw, zb-h1:muon, 2bw-predict:muon, "
             "2bw-error_feedback/sync=30:muon@0.002"
         )
     if schedule == "2bw":
@@ -102,6 +118,48 @@ def parse_config(name: str) -> dict[str, Any]:
         "adamw_lr": float(adamw_lr) if at else None,
         "sync_steps": int(sync.partition("=")[2]) if slash else 0,
     }
+
+
+def curve_of(config: str) -> str:
+    """The configuration whose curve ``config`` has: ``1f1b``'s for the other synchronous
+    schedules (one device's gradient accumulation, as 1f1b), its own otherwise."""
+    schedule, _, optimizer = config.partition(":")
+    return f"1f1b:{optimizer}" if schedule in SYNC_SCHEDULES[1:] else config
+
+
+def is_synchronous(config: str) -> bool:
+    return parse_config(config)["schedule"] in SYNC_SCHEDULES
+
+
+def without_start(config: str) -> str:
+    """``config`` without its synchronous start (``2bw-x/sync=30:muon`` -> ``2bw-x:muon``)."""
+    head, _, optimizer = config.partition(":")
+    return f"{head.partition('/')[0]}:{optimizer}"
+
+
+def speed_key(config: str) -> str:
+    """What a configuration's seconds per step depend on: its schedule, correction and
+    optimizer (not the AdamW part's rate; a synchronous start is timed by its parts)."""
+    return without_start(config).partition("@")[0]
+
+
+def clock(config: str, timing: dict[str, list[float]]) -> Any:
+    """Training seconds after n steps of ``config`` on 2 stages, from the measured seconds per
+    step: a configuration with a synchronous start of K steps runs them at ``1f1b``'s speed with
+    the same optimizer (the same actions: a 1F1B batch drained in its step) and the rest at the
+    speed of the same 2BW rule without the start."""
+
+    def median(name: str) -> float:
+        values = timing.get(name) or []
+        return statistics.median(values) if values else math.nan
+
+    sync = parse_config(config)["sync_steps"]
+    if not sync:
+        spp = median(speed_key(config))
+        return lambda n: n * spp
+    t_sync = median(speed_key("1f1b:" + config.partition(":")[2]))
+    t_async = median(speed_key(config))
+    return lambda n: min(n, sync) * t_sync + max(0, n - sync) * t_async
 
 
 def _free_port() -> int:
@@ -270,8 +328,20 @@ def _reusable_pipeline(
     """An earlier report's 2-stage runs and timings, by configuration (none if it stopped after
     phase 1)."""
     report = json.loads(path.read_text())
-    timings = {row["config"]: row["step_seconds_per_round"] for row in report.get("table", [])}
+    timings = {
+        speed_key(row["config"]): row["step_seconds_per_round"]
+        for row in report.get("table", [])
+        if not parse_config(row["config"])["sync_steps"]  # timed by its parts
+    }
     return report.get("pipeline", {}), timings
+
+
+def _write_phase1(out: Path, command: str, args: dict[str, Any], runs: list[Any]) -> None:
+    partial = {"command": command, "settings": args, "runs": runs, "phase": 1}
+    path = out / "convergence.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(partial, indent=1) + "\n")
+    tmp.replace(path)
 
 
 def steps_to(curve: list[list[float]], target: float) -> tuple[float, float]:
@@ -312,11 +382,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
             style = "-" if row["config"].startswith("2bw") else "--"
             label = f"{row['config'].split(':')[0]} (lr {row['lr']:g})"
             axes[0][col].plot(steps, losses, style, marker="o", ms=3, label=label)
-            spp = row["seconds_per_step"]
-            if spp and not math.isnan(spp):
-                axes[1][col].plot(
-                    [s * spp for s in steps], losses, style, marker="o", ms=3, label=label
-                )
+            seconds = row["val_seconds"]
+            if seconds and not any(math.isnan(x) for x in seconds):
+                axes[1][col].plot(seconds, losses, style, marker="o", ms=3, label=label)
             del curve
         for r, xlabel in ((0, "optimizer step"), (1, "training wall time on 2 stages (s)")):
             ax = axes[r][col]
@@ -350,13 +418,27 @@ def main() -> None:
     parser.add_argument("--n-head", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--weight-decay", type=float, default=0.1)
-    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="warm-up steps (default: 10%% of --steps)"
+    )
     parser.add_argument("--max-bytes", type=int, default=6_000_000)
     parser.add_argument("--val-every", type=int, default=25, help="steps between validations")
     parser.add_argument("--val-batches", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--parallel", type=int, default=2, help="phase 1 runs at a time")
     parser.add_argument("--skip-pipeline", action="store_true", help="phase 1 only")
+    parser.add_argument(
+        "--timings",
+        type=Path,
+        default=None,
+        help="a convergence.json of the same model (another horizon): its seconds per step "
+        "are taken instead of being measured again",
+    )
+    parser.add_argument(
+        "--timing-only",
+        action="store_true",
+        help="phase 2 without the full-length 2-stage runs: the timing rounds only",
+    )
     parser.add_argument(
         "--timing-rounds", type=int, default=3, help="interleaved timing runs per configuration"
     )
@@ -372,15 +454,23 @@ def main() -> None:
     ns = parser.parse_args()
     if ns.steps % ns.val_every:
         parser.error(f"--steps ({ns.steps}) must be a multiple of --val-every ({ns.val_every})")
+    if ns.warmup is None:
+        ns.warmup = ns.steps // 10
     configs = [c for c in ns.configs if parse_config(c)]
-    args = {k: v for k, v in vars(ns).items() if k not in ("configs", "out", "reuse")}
+    args = {k: v for k, v in vars(ns).items() if k not in ("configs", "out", "reuse", "timings")}
     command = shlex.join(["python", *sys.argv])
     print(f"command: {command}", flush=True)
     started = time.perf_counter()
 
+    missing = sorted({curve_of(c) for c in configs} - set(configs))
+    if missing:
+        parser.error(
+            f"{', '.join(missing)} must be among --configs: the other schedules share its curve"
+        )
     jobs = [
         (config, lr, args)
         for config in configs
+        if curve_of(config) == config
         for lr in (ns.lr_muon if parse_config(config)["optimizer"] == "muon" else ns.lr_adamw)
     ]
     reused = _reusable(ns.reuse, args) if ns.reuse is not None else {}
@@ -392,29 +482,40 @@ def main() -> None:
         flush=True,
     )
     if jobs:
+        ns.out.mkdir(parents=True, exist_ok=True)
         with mp.get_context("spawn").Pool(ns.parallel, maxtasksperchild=1) as pool:
-            runs += pool.map(_phase1_worker, jobs, chunksize=1)
+            for run in pool.imap_unordered(_phase1_worker, jobs, chunksize=1):
+                runs.append(run)
+                # every finished run at once: an interrupted sweep resumes with --reuse
+                _write_phase1(ns.out, command, args, runs)
 
     ns.out.mkdir(parents=True, exist_ok=True)
-    partial = {"command": command, "settings": args, "runs": runs, "phase": 1}
     # phase 1 alone, reusable with --reuse if phase 2 does not finish
-    (ns.out / "convergence.json").write_text(json.dumps(partial, indent=1) + "\n")
+    _write_phase1(ns.out, command, args, runs)
     best = best_runs(runs)
+    for config in configs:  # zb-h1 and interleaved-1f1b: 1f1b's run, under their own name
+        if curve_of(config) != config and curve_of(config) in best:
+            best[config] = {**best[curve_of(config)], "config": config}
     pipeline: dict[str, dict[str, Any]] = {}
-    timing: dict[str, list[float]] = {c: [] for c in best}
+    timing: dict[str, list[float]] = {}  # seconds per step, by speed_key
     # from --reuse: a configuration's seconds per step do not depend on its learning rate, and
     # its 2-stage run stands if its best learning rate has not changed
     earlier = _reusable_pipeline(ns.reuse) if ns.reuse is not None else ({}, {})
+    if ns.timings is not None:  # another report's timings (the same model, another horizon)
+        earlier[1].update(_reusable_pipeline(ns.timings)[1])
     if not ns.skip_pipeline:
         print(f"phase 2: the best learning rate of {len(best)} configurations on 2 stages")
         for config, run in best.items():
-            timing[config] = list(earlier[1].get(config, []))
+            key = speed_key(config)
+            timing.setdefault(key, list(earlier[1].get(key, [])))
             if config in earlier[0] and earlier[0][config]["lr"] == run["lr"]:
                 pipeline[config] = earlier[0][config]
                 continue
+            if ns.timing_only:
+                continue
             result = train(config, run["lr"], 2, args)
             pipeline[config] = result
-            timing[config].append(result["median_step_seconds"])
+            timing[key].append(result["median_step_seconds"])
             print(
                 f"[2 stages] {config:28s} lr {run['lr']:<8g} final val "
                 f"{result['final_val_loss']:.4f} (1 process: {run['final_val_loss']:.4f}), "
@@ -423,28 +524,36 @@ def main() -> None:
             )
         # seconds per step: interleaved rounds of short runs (the machine drifts), the median
         short = {**args, "steps": ns.timing_steps, "val_every": ns.timing_steps}
-        untimed = [c for c in best if c not in earlier[1]]
+        # one timing per speed key (a synchronous start's comes from 1f1b's and its rule's)
+        lr_of: dict[str, float] = {}
+        for config, run in best.items():
+            lr_of.setdefault(speed_key(config), run["lr"])
+            if parse_config(config)["sync_steps"]:
+                lr_of.setdefault(speed_key("1f1b:" + config.partition(":")[2]), run["lr"])
+        for config in lr_of:
+            timing.setdefault(config, list(earlier[1].get(config, [])))
+        untimed = [c for c in lr_of if not timing[c]]
         for round_ in range(ns.timing_rounds if untimed else 0):
             order = untimed if round_ % 2 == 0 else list(reversed(untimed))
             for config in order:
-                result = train(config, best[config]["lr"], 2, short)
+                result = train(config, lr_of[config], 2, short)
                 timing[config].append(result["median_step_seconds"])
             print(f"timing round {round_ + 1}/{ns.timing_rounds} done", flush=True)
 
-    reference = [r for c, r in best.items() if c == "1f1b:adamw"]
-    target = (
-        reference[0]["final_val_loss"]
-        if reference
-        else min(r["final_val_loss"] for r in best.values())
-    )
+    for key, values in earlier[1].items():  # --skip-pipeline: the reused timings still count
+        timing.setdefault(key, list(values))
+    synchronous = [r["final_val_loss"] for c, r in best.items() if is_synchronous(c)]
+    target = min(synchronous) if synchronous else min(r["final_val_loss"] for r in best.values())
     table = []
     for config in configs:
         if config not in best:
             continue
         run = best[config]
         pipe = pipeline.get(config)
-        spp = statistics.median(timing[config]) if timing.get(config) else math.nan
+        at = clock(config, timing)
+        spp = at(ns.steps) / ns.steps
         step, _ = steps_to(run["val"], target)
+        near, _ = steps_to(run["val"], target * 1.01)
         same_opt = best.get("1f1b:" + config.split(":")[1])
         table.append(
             {
@@ -454,11 +563,15 @@ def main() -> None:
                 "vs_1f1b_same_optimizer": (
                     run["final_val_loss"] / same_opt["final_val_loss"] - 1 if same_opt else math.nan
                 ),
+                "vs_target": run["final_val_loss"] / target - 1,
                 "pipeline_final_val_loss": pipe["final_val_loss"] if pipe else math.nan,
                 "seconds_per_step": spp,
-                "step_seconds_per_round": timing.get(config, []),
+                "step_seconds_per_round": timing.get(speed_key(config), []),
                 "steps_to_target": step,
-                "seconds_to_target": step * spp,
+                "seconds_to_target": at(step),
+                "steps_to_1pct": near,
+                "seconds_to_1pct": at(near),
+                "val_seconds": [at(v[0]) for v in run["val"]],
                 "curve_val": run["val"],
                 "pipeline_val": pipe["val"] if pipe else [],
             }
@@ -468,7 +581,7 @@ def main() -> None:
         "settings": args,
         "title": (
             f"GPT {ns.n_layer}x{ns.n_embd}, context {ns.block_size}, batch {ns.batch_size} "
-            f"(m={ns.microbatches}), {ns.steps} steps; target = best 1f1b+AdamW final val loss"
+            f"(m={ns.microbatches}), {ns.steps} steps; target = best synchronous final val loss"
         ),
         "target_loss": target,
         "table": table,
@@ -481,19 +594,21 @@ def main() -> None:
     plot(report, ns.out / "convergence.png")
 
     print()
-    print(f"target: {target:.4f} (best 1f1b + AdamW final validation loss)")
+    print(f"target: {target:.4f} (the best synchronous configuration's final validation loss)")
     print()
     print(
-        "| configuration | best lr | final val loss | vs 1f1b, same optimizer | 2 stages: final "
-        "val loss | ms / step (2 stages) | steps to target | s to target |"
+        "| configuration | best lr | final val loss | vs target | vs 1f1b, same optimizer | "
+        "2 stages: final val loss | ms / step (2 stages) | steps to target | s to target | "
+        "steps to target + 1% | s to target + 1% |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("|" + " --- |" * 11)
     for row in table:
         print(
             f"| {row['config']} | {row['lr']:g} | {row['final_val_loss']:.4f} | "
-            f"{row['vs_1f1b_same_optimizer']:+.1%} | {row['pipeline_final_val_loss']:.4f} | "
-            f"{1000 * row['seconds_per_step']:.1f} | {row['steps_to_target']:g} | "
-            f"{row['seconds_to_target']:.0f} |"
+            f"{row['vs_target']:+.1%} | {row['vs_1f1b_same_optimizer']:+.1%} | "
+            f"{row['pipeline_final_val_loss']:.4f} | {1000 * row['seconds_per_step']:.1f} | "
+            f"{row['steps_to_target']:g} | {row['seconds_to_target']:.0f} | "
+            f"{row['steps_to_1pct']:g} | {row['seconds_to_1pct']:.0f} |"
         )
     print()
     print("final validation loss by peak learning rate:")
@@ -505,7 +620,7 @@ def main() -> None:
         print("| configuration | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |")
         print("| --- |" + " --- |" * len(lrs))
         for config in rows:
-            by_lr = {r["lr"]: r["final_val_loss"] for r in runs if r["config"] == config}
+            by_lr = {r["lr"]: r["final_val_loss"] for r in runs if r["config"] == curve_of(config)}
             cells = " | ".join(f"{by_lr.get(lr, math.nan):.4f}" for lr in lrs)
             print(f"| {config} | {cells} |")
     print(f"\nwrote {ns.out / 'convergence.json'} and {ns.out / 'convergence.png'}")
