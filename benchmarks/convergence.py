@@ -435,6 +435,12 @@ def main() -> None:
         "are taken instead of being measured again",
     )
     parser.add_argument(
+        "--reuse-only",
+        action="store_true",
+        help="with --reuse: run nothing new in phase 1 (a configuration's missing learning "
+        "rates are left out of its sweep)",
+    )
+    parser.add_argument(
         "--timing-only",
         action="store_true",
         help="phase 2 without the full-length 2-stage runs: the timing rounds only",
@@ -476,6 +482,8 @@ def main() -> None:
     reused = _reusable(ns.reuse, args) if ns.reuse is not None else {}
     runs = [reused[(c, lr)] for c, lr, _ in jobs if (c, lr) in reused]
     jobs = [job for job in jobs if (job[0], job[1]) not in reused]
+    if ns.reuse_only:  # a report from the runs at hand: the learning rates not run are left out
+        jobs = []
     print(
         f"phase 1: {len(jobs)} runs on one process each, {ns.parallel} at a time "
         f"({len(runs)} taken from {ns.reuse})",

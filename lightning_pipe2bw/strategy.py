@@ -16,6 +16,7 @@ reached through ``compat`` only.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
@@ -59,6 +60,7 @@ from lightning_pipe2bw.pipeline.groups import ProcessGroups, choose_backend
 from lightning_pipe2bw.pipeline.intake import step_call
 from lightning_pipe2bw.pipeline.migrate import hand_back
 from lightning_pipe2bw.pipeline.options import (
+    DEFAULT_SCHEDULE,
     DEFAULT_TIMEOUT,
     OPTION_NAMES,
     BalanceMode,
@@ -97,11 +99,14 @@ class Pipe2BWStrategy(ParallelStrategy):
 
     Args:
         schedule: the pipeline schedule, one of ``lightning_pipe2bw.schedule.SCHEDULES``:
-            ``"2bw"`` (PipeDream-2BW, the default: double-buffered weights, no flush between
-            batches, W(t+1) = W(t) - step(grad f(W(t-1)))), ``"1f1b"`` (PipeDream-Flush),
-            ``"gpipe"``, ``"pipedream"`` (weight stashing) or ``"zb-h1"`` (zero bubble: 1F1B
-            with each backward cut into the inputs' and the weights' gradients, the latter
-            deferred); the flush schedules equal single-device training exactly.
+            ``"1f1b"`` (PipeDream-Flush, the default: the schedule that reaches a given loss
+            soonest on our measurements, ``docs/pipedream-2bw.md``), ``"2bw"`` (PipeDream-2BW:
+            double-buffered weights, no flush between batches, W(t+1) = W(t) -
+            step(grad f(W(t-1)))), ``"gpipe"``, ``"pipedream"`` (weight stashing) or ``"zb-h1"``
+            (zero bubble: 1F1B with each backward cut into the inputs' and the weights'
+            gradients, the latter deferred); with several stages per rank
+            ``"interleaved-1f1b"``, ``"zb-v"``, ``"dualpipe-v"`` and ``"2bw-v"``
+            (``VIRTUAL_SCHEDULES``). The flush schedules equal single-device training exactly.
         flush_every: with ``"2bw"``, also drain the pipeline every this many batches (it is
             always drained before validation, before a checkpoint, at the end of every epoch and
             at the end of fit).
@@ -163,8 +168,9 @@ class Pipe2BWStrategy(ParallelStrategy):
             measured convergence: ``docs/pipedream-2bw.md``.
         sync_steps: ``2bw`` and ``2bw-v``: a synchronous start. The first ``sync_steps``
             batches of a fit run as ``1f1b`` does (at the newest weights, drained in their own
-            step, their updates uncorrected), then the delayed rule starts. ``0`` (the default)
-            starts delayed.
+            step, their updates uncorrected), then the delayed rule starts. A float between 0
+            and 1 is a share of the fit's optimizer steps (``max_steps``, else Lightning's
+            estimate), e.g. ``0.8``. ``0`` (the default) starts delayed.
         check_split: the guard against a split that trains silently wrong (on by default): at
             set-up, a model that is not an ``nn.Sequential`` (a Hugging Face model, a
             ``PipeModel``) is run whole and split on the first micro-batch and their outputs
@@ -185,7 +191,7 @@ class Pipe2BWStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        schedule: str = "2bw",
+        schedule: str = DEFAULT_SCHEDULE,
         microbatches: int | None = None,
         flush_every: int | None = None,
         balance: Sequence[int] | BalanceMode | None = None,
@@ -494,6 +500,7 @@ class Pipe2BWStrategy(ParallelStrategy):
             clips_gradients=bool(trainer.gradient_clip_val),
             scales_loss=scaler_of(self.precision_plugin) is not None,
             version_log=self.version_log,
+            total_steps=self._total_steps(trainer) if fitting else 0,
         )  # fmt: skip
         if fitting:
             self.optimizers = self.runtime.optimizers
@@ -842,6 +849,22 @@ class Pipe2BWStrategy(ParallelStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         self._format().load_optimizer_states(self._torch_optimizers(), checkpoint)
+
+    def _total_steps(self, trainer: Trainer) -> int:
+        """The fit's optimizer steps (``max_steps``, or Lightning's estimate of the epochs'):
+        what a synchronous start given as a share (``sync_steps=0.8``) is a share of."""
+        if not isinstance(self.options.sync_steps, float):
+            return 0  # not needed
+        if trainer.max_steps is not None and trainer.max_steps > 0:
+            return int(trainer.max_steps)
+        estimate = trainer.estimated_stepping_batches
+        if not math.isfinite(estimate):
+            raise ValueError(
+                f"sync_steps={self.options.sync_steps} is a share of the fit's optimizer steps, "
+                "but this fit's length is not known (no max_steps, an endless dataloader): "
+                "give Trainer(max_steps=...) or sync_steps as a number of steps"
+            )
+        return int(estimate)
 
     # ------------------------------------------------------------------ registry
     @classmethod

@@ -152,13 +152,15 @@ def build_runtime(
     clips_gradients: bool = False,
     scales_loss: bool = False,
     version_log: list[int] | None = None,
+    total_steps: int = 0,
 ) -> StageRuntime:
     """The runtime of this rank's stage, ready to run (collective: the process groups a
     training run needs are made here, on every rank alike).
 
     With ``training``: the driver the schedule needs (a flush driver; or, for ``2bw`` and
     ``pipedream``, the asynchronous driver, which wraps the one optimizer in ``optimizers`` to
-    keep the weight versions) and BPipe's link to the partner stage. Otherwise a forward-only
+    keep the weight versions; ``total_steps``: the fit's optimizer steps, for a synchronous start
+    given as a share) and BPipe's link to the partner stage. Otherwise a forward-only
     runtime (validate, test, predict): no offload, and the flush driver, which never runs."""
     across = [t for t in body.ties if len(t.stages(partition)) > 1]
     raise_problems(
@@ -223,7 +225,7 @@ def build_runtime(
             evicting=evicting,
             version_log=version_log,
             delay_correction=options.correction,
-            sync_steps=options.sync_steps,
+            sync_steps=options.synchronous_steps(total_steps),
         )
         runtime_optimizers = [driver.optimizer]
     else:

@@ -30,6 +30,7 @@ from lightning_pipe2bw.schedule import SCHEDULES, VIRTUAL_SCHEDULES, ActivationB
 
 __all__ = [
     "BALANCE_MODES",
+    "DEFAULT_SCHEDULE",
     "DEFAULT_TIMEOUT",
     "OPTIONS",
     "OPTION_NAMES",
@@ -93,12 +94,19 @@ class Option:
         return self.from_config(value) if self.from_config is not None else value
 
 
+# the schedule Pipe2BWStrategy() trains with: the one that reaches a given loss soonest on the
+# main job, measured (benchmarks/convergence.py; docs/pipedream-2bw.md, "Time to accuracy"). A
+# synchronous schedule: at every horizon measured, 2BW's delay costs more steps than its missing
+# bubble saves, with every remedy (docs/pipedream-2bw.md, "Which schedule, which optimizer")
+DEFAULT_SCHEDULE = "1f1b"
+
+
 @dataclass(frozen=True)
 class PipeOptions:
     """``Pipe2BWStrategy``'s options, normalised and checked (see the strategy for each one's
     meaning). Build it with :meth:`create`; the fields are read-only."""
 
-    schedule: str = "2bw"
+    schedule: str = DEFAULT_SCHEDULE
     microbatches: int | None = None
     flush_every: int | None = None
     balance: tuple[int, ...] | None = None  # blocks per stage, when given as a list
@@ -117,7 +125,8 @@ class PipeOptions:
     repartition_threshold: float = 0.15
     early_input_grad: bool = True
     delay_correction: str = "auto"  # "auto": the schedule's default (see ``correction``)
-    sync_steps: int = 0  # 2BW's synchronous start: the first this many batches flushed
+    # 2BW's synchronous start: the first this many batches flushed, or this share of the fit's
+    sync_steps: int | float = 0
     check_split: bool = True  # the guard against a split that computes something else
 
     @classmethod
@@ -153,6 +162,13 @@ class PipeOptions:
         if self.delay_correction != "auto":
             return self.delay_correction
         return DEFAULT_CORRECTION if self.schedule in ("2bw", "2bw-v") else "none"
+
+    def synchronous_steps(self, total_steps: int) -> int:
+        """The batches of a fit of ``total_steps`` optimizer steps that 2BW runs synchronously
+        (``sync_steps``, a count or a share of the fit)."""
+        if isinstance(self.sync_steps, float):
+            return round(self.sync_steps * total_steps)
+        return self.sync_steps
 
     def num_microbatches(self, num_stages: int) -> int:
         """Micro-batches per batch: the option, or one per stage."""
@@ -423,12 +439,15 @@ def _early_input_grad(value: Any) -> dict[str, Any]:
 
 
 def _sync_steps(value: Any) -> dict[str, Any]:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    whole = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    share = isinstance(value, float) and 0 < value < 1
+    if not (whole or share):
         raise _Bad(
             "sync_steps",
             value,
             f"sync_steps must be an int >= 0 (the batches 2BW runs synchronously before its "
-            f"delayed rule starts; 0: none), got {value!r}",
+            f"delayed rule starts; 0: none) or a float between 0 and 1 (that share of the fit's "
+            f"optimizer steps, e.g. 0.8), got {value!r}",
         )
     return {"sync_steps": value}
 
@@ -508,7 +527,7 @@ def _seconds(value: Any) -> Any:
 # derives the Hydra schema (``StrategyConfig``) from the ``config_*`` fields; a unit test holds
 # ``Pipe2BWStrategy.__init__``'s keywords and defaults to this table.
 OPTIONS: tuple[Option, ...] = (
-    Option("schedule", "2bw", _schedule, str),
+    Option("schedule", DEFAULT_SCHEDULE, _schedule, str),
     Option(
         "microbatches", None, _microbatches, int | None, config_default=4,
         note="per batch; at least the number of stages under 2bw",
@@ -578,9 +597,9 @@ OPTIONS: tuple[Option, ...] = (
         "nesterov or update_feedback, or several joined by '+'",
     ),
     Option(
-        "sync_steps", 0, _sync_steps, int,
+        "sync_steps", 0, _sync_steps, Any,
         note="2bw: the first this many batches run synchronously (flushed, at the newest "
-        "weights), then the delayed rule",
+        "weights), then the delayed rule; a float in (0, 1): that share of the fit's steps",
     ),
     Option(
         "check_split", True, _check_split, bool,

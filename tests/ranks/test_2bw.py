@@ -155,7 +155,7 @@ def _fit_2bw_too_few_microbatches() -> str:
     from lightning_pipe2bw import Pipe2BWStrategy
 
     trainer = quiet_trainer(
-        devices=dist.get_world_size(), strategy=Pipe2BWStrategy(microbatches=1), max_steps=1
+        devices=dist.get_world_size(), strategy=Pipe2BWStrategy(schedule="2bw", microbatches=1), max_steps=1
     )
     try:
         trainer.fit(RegressionModel(), loader(8))
@@ -181,7 +181,9 @@ def _scheduler_warnings() -> list[str]:
     from lightning_pipe2bw import Pipe2BWStrategy
 
     trainer = quiet_trainer(
-        devices=dist.get_world_size(), strategy=Pipe2BWStrategy(microbatches=2), max_steps=3
+        devices=dist.get_world_size(),
+        strategy=Pipe2BWStrategy(schedule="2bw", microbatches=2),
+        max_steps=3,
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -211,7 +213,7 @@ def _pending_sends_over_a_long_run(steps: int) -> list[int]:
 
     trainer = quiet_trainer(
         devices=dist.get_world_size(),
-        strategy=Pipe2BWStrategy(microbatches=2),
+        strategy=Pipe2BWStrategy(schedule="2bw", microbatches=2),
         max_steps=steps,
         callbacks=[Count()],
     )

@@ -19,6 +19,7 @@ def _fit_auto(tmp: str, **strategy_kwargs: Any) -> dict[str, Any]:
 
     from lightning_pipe2bw import Pipe2BWStrategy
 
+    strategy_kwargs.setdefault("schedule", "2bw")
     strategy = Pipe2BWStrategy(balance="auto", **strategy_kwargs)
     trainer = quiet_trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=2)
     trainer.fit(RegressionModel(), loader(8))

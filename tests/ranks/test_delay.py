@@ -71,7 +71,7 @@ def test_2bw_applies_the_default_correction(pools: Any) -> None:
     results = pools(2).run(workers.fit, "2bw", 4, STEPS)
     ref = reference_2bw(STEPS, 4, correction=DEFAULT_CORRECTION)
     assert max_abs_diff(results[0]["state"], ref) == 0.0
-    assert Pipe2BWStrategy().options.correction == DEFAULT_CORRECTION
+    assert Pipe2BWStrategy(schedule="2bw").options.correction == DEFAULT_CORRECTION
     assert Pipe2BWStrategy(schedule="1f1b").options.correction == "none"
 
 
@@ -294,6 +294,15 @@ def test_a_synchronous_start_on_a_v_and_with_per_group_rates(pools: Any) -> None
     print(f"EXACTNESS 2bw-v error_feedback sync_steps=2 muon-lr: max|dW| = {diff:.3e}")
     assert diff == 0.0
     assert max_abs_diff(ref, reference_2bw(STEPS, 4, optimizer="muon", sync_steps=2)) > 1e-4
+
+
+def test_a_synchronous_start_as_a_share_of_the_fit(pools: Any) -> None:
+    """``sync_steps=0.5`` of a 6-step fit is a start of 3 steps."""
+    results = pools(2).run(
+        workers.fit, "2bw", 4, STEPS, "adamw", delay_correction="update_feedback", sync_steps=0.5
+    )
+    ref = reference_2bw(STEPS, 4, correction="update_feedback", sync_steps=3)
+    assert max_abs_diff(results[0]["state"], ref) == 0.0
 
 
 @pytest.mark.parametrize("sync", [2, 4])

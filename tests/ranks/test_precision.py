@@ -110,7 +110,7 @@ def _fit_losses(precision: str) -> list[float]:
 
     trainer = quiet_trainer(
         devices=dist.get_world_size(),
-        strategy=Pipe2BWStrategy(microbatches=2),
+        strategy=Pipe2BWStrategy(schedule="2bw", microbatches=2),
         precision=precision,
         max_steps=4,
         callbacks=[Record()],
@@ -132,7 +132,7 @@ def _fit_bf16_true() -> dict[str, Any]:
     model = RegressionModel(optimizer="adamw")
     trainer = quiet_trainer(
         devices=dist.get_world_size(),
-        strategy=Pipe2BWStrategy(microbatches=2),
+        strategy=Pipe2BWStrategy(schedule="2bw", microbatches=2),
         precision="bf16-true",
         max_steps=3,
     )

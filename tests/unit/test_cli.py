@@ -11,6 +11,7 @@ import pytest
 import yaml
 from helpers import ROOT
 
+from lightning_pipe2bw.pipeline.options import DEFAULT_SCHEDULE
 from lightning_pipe2bw.recipes.gpt.cli import expand_strategy_names, main
 
 TINY_MODEL = {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 32}
@@ -47,7 +48,7 @@ def _print_config(args: list[str], capsys: pytest.CaptureFixture[str]) -> dict[s
         ("--trainer.strategy.schedule=1f1b", "1f1b", "popen"),  # the default strategy class
         ("--trainer.strategy=pipe2bw --trainer.strategy.schedule=1f1b", "1f1b", "popen"),
         ("--trainer.strategy pipe_gpipe", "gpipe", "popen"),
-        ("--trainer.strategy=pipe2bw_spawn", "2bw", "spawn"),
+        ("--trainer.strategy=pipe2bw_spawn", DEFAULT_SCHEDULE, "spawn"),
     ],
 )
 def test_print_config_lists_the_strategy_options(

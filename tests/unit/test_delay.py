@@ -48,7 +48,8 @@ from lightning_pipe2bw.optim.delay import canonical_correction
             "'update_feedback' takes no coefficient",
         ),
         ({"sync_steps": -1}, "sync_steps must be an int >= 0 (the batches 2BW runs"),
-        ({"sync_steps": 2.5}, "sync_steps must be an int >= 0"),
+        ({"sync_steps": 2.5}, "or a float between 0 and 1 (that share of the fit's optimizer"),
+        ({"sync_steps": True}, "sync_steps must be an int >= 0"),
         (
             {"schedule": "1f1b", "sync_steps": 10},
             "sync_steps=10 starts 2BW synchronously, but schedule='1f1b' is not 2BW",
@@ -58,6 +59,12 @@ from lightning_pipe2bw.optim.delay import canonical_correction
 def test_bad_corrections_are_refused_with_the_fix(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Pipe2BWStrategy(**kwargs)
+
+
+def test_a_synchronous_start_is_a_count_or_a_share() -> None:
+    options = Pipe2BWStrategy(schedule="2bw", sync_steps=0.8).options
+    assert options.synchronous_steps(300) == 240 and options.synchronous_steps(7) == 6
+    assert Pipe2BWStrategy(schedule="2bw", sync_steps=30).options.synchronous_steps(300) == 30
 
 
 def test_muon_adamw_gives_its_adamw_part_a_rate_of_its_own() -> None:
@@ -83,9 +90,8 @@ def test_muon_adamw_gives_its_adamw_part_a_rate_of_its_own() -> None:
 
 def test_a_spec_has_one_spelling() -> None:
     assert canonical_correction(" error_feedback=0.50 + predict") == "predict+error_feedback=0.5"
-    assert Pipe2BWStrategy(delay_correction="error_feedback=1").options.correction == (
-        "error_feedback=1.0"
-    )
+    options = Pipe2BWStrategy(schedule="2bw", delay_correction="error_feedback=1").options
+    assert options.correction == ("error_feedback=1.0")
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon", "sgd"])

@@ -78,7 +78,7 @@ def test_every_config_composes_and_builds(hydra_init: None, override: str, tmp_p
 
     strategy = build_strategy(cfg.strategy)
     assert isinstance(strategy, Pipe2BWStrategy)
-    assert strategy.schedule_name == (name if group == "strategy" else "2bw")
+    assert strategy.schedule_name == (name if group == "strategy" else "1f1b")  # train.yaml's
     assert strategy.microbatches == cfg.strategy.microbatches
 
     model = build_model(cfg.model)

@@ -27,7 +27,7 @@ from lightning_pipe2bw.pipeline.checks import (
     runtime_problems,
 )
 from lightning_pipe2bw.pipeline.groups import choose_backend
-from lightning_pipe2bw.pipeline.options import OPTIONS, raise_problems
+from lightning_pipe2bw.pipeline.options import DEFAULT_SCHEDULE, OPTIONS, raise_problems
 from lightning_pipe2bw.pipeline.topology import Topology
 from lightning_pipe2bw.schedule import ActivationBudget
 
@@ -38,7 +38,7 @@ def test_defaults_are_the_strategy_defaults() -> None:
     options = PipeOptions.create()
     assert options == PipeOptions()
     assert Pipe2BWStrategy().options == options
-    assert options.schedule == "2bw" and options.timeout == timedelta(minutes=3)
+    assert options.schedule == DEFAULT_SCHEDULE and options.timeout == timedelta(minutes=3)
 
 
 def test_values_are_normalised() -> None:
@@ -317,7 +317,7 @@ def test_run_problems() -> None:
     (manual,) = _run(PipeOptions.create(), automatic_optimization=False)
     assert manual.startswith("pipe2bw drives forward and backward itself")
     assert _run(PipeOptions.create(), automatic_optimization=False, fitting=False) == []
-    (few,) = _run(PipeOptions.create(microbatches=2), stages=4)
+    (few,) = _run(PipeOptions.create(schedule="2bw", microbatches=2), stages=4)
     assert few.startswith("schedule='2bw' needs at least as many micro-batches as stages")
     (predict,) = _run(PipeOptions.create(data_parallel=2), fitting=False, predicting=True)
     assert predict.startswith("trainer.predict with data_parallel=2")

@@ -62,7 +62,7 @@ class ModelConfig:
     n_head: int = 4
     n_embd: int = 128
     dropout: float = 0.0
-    # the main job: Muon (its best rate, about 4x AdamW's) with 2BW's default delay correction
+    # the main job: Muon at its best rate (about 8x AdamW's best, one rate for both parts)
     # (benchmarks/convergence.py, docs/pipedream-2bw.md)
     lr: float = 1.6e-2
     weight_decay: float = 0.1

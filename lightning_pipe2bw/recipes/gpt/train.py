@@ -1,6 +1,6 @@
 """The main job's Hydra entry point: train the byte-level GPT pipelined over 2 CPU processes.
 
-    python -m lightning_pipe2bw.train                                   # PipeDream-2BW, ~80 s on 2 cores
+    python -m lightning_pipe2bw.train                                   # 1F1B with Muon, ~80 s on 2 cores
     python -m lightning_pipe2bw.train strategy=1f1b strategy.microbatches=8 \\
         trainer.max_steps=50 model=tiny
     python -m lightning_pipe2bw.train -m strategy=gpipe,1f1b,2bw         # a sweep, one row each
