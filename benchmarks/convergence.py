@@ -370,9 +370,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = report["table"]
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9), squeeze=False)
+    kinds = {parse_config(row["config"])["optimizer"] for row in rows}
+    optimizers = [o for o in ("adamw", "muon") if o in kinds]  # a panel per optimizer run
+    fig, axes = plt.subplots(2, len(optimizers), figsize=(6.5 * len(optimizers), 9), squeeze=False)
     target = report["target_loss"]
-    for col, optimizer in enumerate(("adamw", "muon")):
+    for col, optimizer in enumerate(optimizers):
         for row in rows:
             if parse_config(row["config"])["optimizer"] != optimizer:
                 continue
@@ -396,7 +398,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
             )
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-    fig.suptitle(report["title"], fontsize=10)
+    fig.suptitle(report["title"], fontsize=10, wrap=True)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
