@@ -2,7 +2,7 @@
 processes: the module holds the model and its step calls it; nothing is rewritten for the
 pipeline. The embedding tied to the head is kept as one copy per stage (gradients summed).
 
-    python examples/hf_gpt2.py                     # PipeDream-2BW, 2 stages
+    python examples/hf_gpt2.py                     # 1F1B, 2 stages (--schedule 2bw: PipeDream-2BW)
     python examples/hf_gpt2.py --schedule 1f1b --steps 40
 
 At the end, rank 0 saves the trained model with ``save_pretrained`` (the keys are GPT-2's) and
@@ -54,7 +54,7 @@ def data(n: int = 512) -> DataLoader[Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--schedule", default="2bw")
+    parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 """A small pipeline-parallel training run on 2 CPU processes.
 
-    python examples/train.py                      # 2 stages, PipeDream-2BW, 4 micro-batches
+    python examples/train.py                      # 2 stages, 1F1B, 4 micro-batches
     python examples/train.py --schedule gpipe --devices 4 --steps 50
 
 A LightningModule written for one device: ``forward`` runs the ``nn.Sequential`` body, and
@@ -94,7 +94,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--schedule", default="2bw")
+    parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=200)
