@@ -507,17 +507,18 @@ def main() -> None:
         if curve_of(config) != config and curve_of(config) in best:
             best[config] = {**best[curve_of(config)], "config": config}
     pipeline: dict[str, dict[str, Any]] = {}
-    timing: dict[str, list[float]] = {}  # seconds per step, by speed_key
     # from --reuse: a configuration's seconds per step do not depend on its learning rate, and
     # its 2-stage run stands if its best learning rate has not changed
     earlier = _reusable_pipeline(ns.reuse) if ns.reuse is not None else ({}, {})
     if ns.timings is not None:  # another report's timings (the same model, another horizon)
         earlier[1].update(_reusable_pipeline(ns.timings)[1])
+    # seconds per step, by speed_key: the reused ones, and the ones measured below
+    timing: dict[str, list[float]] = {k: list(v) for k, v in earlier[1].items()}
     if not ns.skip_pipeline:
         print(f"phase 2: the best learning rate of {len(best)} configurations on 2 stages")
         for config, run in best.items():
             key = speed_key(config)
-            timing.setdefault(key, list(earlier[1].get(key, [])))
+            timing.setdefault(key, [])
             if config in earlier[0] and earlier[0][config]["lr"] == run["lr"]:
                 pipeline[config] = earlier[0][config]
                 continue
@@ -541,7 +542,7 @@ def main() -> None:
             if parse_config(config)["sync_steps"]:
                 lr_of.setdefault(speed_key("1f1b:" + config.partition(":")[2]), run["lr"])
         for config in lr_of:
-            timing.setdefault(config, list(earlier[1].get(config, [])))
+            timing.setdefault(config, [])
         untimed = [c for c in lr_of if not timing[c]]
         for round_ in range(ns.timing_rounds if untimed else 0):
             order = untimed if round_ % 2 == 0 else list(reversed(untimed))
@@ -550,8 +551,6 @@ def main() -> None:
                 timing[config].append(result["median_step_seconds"])
             print(f"timing round {round_ + 1}/{ns.timing_rounds} done", flush=True)
 
-    for key, values in earlier[1].items():  # --skip-pipeline: the reused timings still count
-        timing.setdefault(key, list(values))
     synchronous = [r["final_val_loss"] for c, r in best.items() if is_synchronous(c)]
     target = min(synchronous) if synchronous else min(r["final_val_loss"] for r in best.values())
     table = []

@@ -208,7 +208,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         repartition_threshold: float = 0.15,
         early_input_grad: bool = True,
         delay_correction: str = "auto",
-        sync_steps: int = 0,
+        sync_steps: int | float = 0,
         check_split: bool = True,
         **kwargs: Any,
     ) -> None:

@@ -68,8 +68,9 @@ class MuonAdamW(Optimizer):
             own).
         adamw_lr: AdamW's learning rate (embeddings, norms, biases, head), if not ``lr``. Muon's
             best rate is several times AdamW's, and with one rate the AdamW part runs at Muon's
-            (8x AdamW's best on the recipes' GPT: ``docs/pipedream-2bw.md``). Schedulers scale each group's own rate
-            (``LambdaLR``'s ``initial_lr`` is per group), or take one function per group.
+            (8x AdamW's best on the recipes' GPT: ``docs/pipedream-2bw.md``). Schedulers scale
+            each group's own rate (``LambdaLR``'s ``initial_lr`` is per group), or take one
+            function per group.
         weight_decay: decoupled weight decay of both kinds; ``for_module`` gives 1-D tensors
             (biases, norms) none.
         momentum, nesterov, ns_steps, adjust_lr_fn: Muon's (``adjust_lr_fn="match_rms_adamw"``,

@@ -99,6 +99,9 @@ class Option:
 # synchronous schedule: at every horizon measured, 2BW's delay costs more steps than its missing
 # bubble saves, with every remedy (docs/pipedream-2bw.md, "Which schedule, which optimizer")
 DEFAULT_SCHEDULE = "1f1b"
+# the schedules with PipeDream-2BW's rule (one batch's delay): a default correction, a
+# synchronous start
+_TWO_BW = ("2bw", "2bw-v")
 
 
 @dataclass(frozen=True)
@@ -161,7 +164,7 @@ class PipeOptions:
         schedule's default (``2bw``: ``DEFAULT_CORRECTION``; the others: ``"none"``)."""
         if self.delay_correction != "auto":
             return self.delay_correction
-        return DEFAULT_CORRECTION if self.schedule in ("2bw", "2bw-v") else "none"
+        return DEFAULT_CORRECTION if self.schedule in _TWO_BW else "none"
 
     def synchronous_steps(self, total_steps: int) -> int:
         """The batches of a fit of ``total_steps`` optimizer steps that 2BW runs synchronously
@@ -210,16 +213,7 @@ class PipeOptions:
         if problems:
             return None, problems
         problems = _correction_problems(values["schedule"], values["delay_correction"])
-        if values["sync_steps"] and values["schedule"] not in ("2bw", "2bw-v"):
-            problems.append(
-                Problem(
-                    "sync_steps",
-                    values["sync_steps"],
-                    f"sync_steps={values['sync_steps']} starts 2BW synchronously, but "
-                    f"schedule={values['schedule']!r} is not 2BW; use schedule='2bw' or '2bw-v', "
-                    "or leave sync_steps at 0",
-                )
-            )
+        problems += _sync_problems(values["schedule"], values["sync_steps"])
         if problems:
             return None, problems
         return cls(**values), []
@@ -477,6 +471,20 @@ def _delay_correction(value: Any) -> dict[str, Any]:
                 "(e.g. 'predict+error_feedback=0.5')"
             )
         raise _Bad("delay_correction", value, message) from None
+
+
+def _sync_problems(schedule: str, sync_steps: int | float) -> list[Problem]:
+    """A synchronous start for a schedule without 2BW's delay."""
+    if not sync_steps or schedule in _TWO_BW:
+        return []
+    return [
+        Problem(
+            "sync_steps",
+            sync_steps,
+            f"sync_steps={sync_steps} starts 2BW synchronously, but schedule={schedule!r} is not "
+            "2BW; use schedule='2bw' or '2bw-v', or leave sync_steps at 0",
+        )
+    ]
 
 
 def _correction_problems(schedule: str, correction: str) -> list[Problem]:
