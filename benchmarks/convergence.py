@@ -88,26 +88,31 @@ DEFAULT_CONFIGS = [
 
 
 def parse_config(name: str) -> dict[str, Any]:
-    """``"<schedule>[-<correction>][/sync=<K>]:<optimizer>[@<adamw lr>]"`` -> its parts, e.g.
-    ``"2bw-error_feedback/sync=30:muon@0.002"``: 2BW with error feedback after 30 synchronous
-    steps, ``MuonAdamW`` with its AdamW part at 2e-3 (the swept rate is Muon's)."""
+    """``"<schedule>[-<correction>][/sync=<K>][/fresh]:<optimizer>[@<adamw lr>]"`` -> its parts,
+    e.g. ``"2bw-error_feedback/sync=30:muon@0.002"``: 2BW with error feedback after 30
+    synchronous steps, ``MuonAdamW`` with its AdamW part at 2e-3 (the swept rate is Muon's);
+    ``/fresh``: ``fresh_last_stage=True``."""
     head, _, tail = name.partition(":")
     optimizer, at, adamw_lr = tail.partition("@")
-    head, slash, sync = head.partition("/")
+    head, *modifiers = head.split("/")
     if head in SYNC_SCHEDULES:
         schedule, correction = head, ""
     else:
         schedule, _, correction = head.partition("-")
+    syncs = [m for m in modifiers if m.startswith("sync=")]
+    fresh = "fresh" in modifiers
     bad = (
         schedule not in (*SYNC_SCHEDULES, "2bw")
         or optimizer not in ("adamw", "muon")
         or (at and optimizer != "muon")
-        or (slash and (schedule != "2bw" or not sync.startswith("sync=")))
+        or (modifiers and schedule != "2bw")
+        or len(syncs) + fresh != len(modifiers)
+        or len(syncs) > 1
     )
     if bad:
         raise ValueError(
             f"bad configuration {name!r}: use e.g. 1f1b:adamw, zb-h1:muon, 2bw-predict:muon, "
-            "2bw-error_feedback/sync=30:muon@0.002"
+            "2bw-error_feedback/sync=30:muon@0.002, 2bw-update_feedback/fresh:muon"
         )
     if schedule == "2bw":
         canonical_correction(correction or "none")  # raises for a bad spec
@@ -116,8 +121,16 @@ def parse_config(name: str) -> dict[str, Any]:
         "correction": correction or "none",
         "optimizer": optimizer,
         "adamw_lr": float(adamw_lr) if at else None,
-        "sync_steps": int(sync.partition("=")[2]) if slash else 0,
+        "sync_steps": int(syncs[0].partition("=")[2]) if syncs else 0,
+        "fresh": fresh,
     }
+
+
+def curve_devices(config: str) -> int:
+    """The stages a configuration's curve is trained on: one, as every rule but the fresh last
+    stage's is the same on any number of stages; two for ``/fresh`` (which blocks run without
+    the delay depends on the split)."""
+    return 2 if parse_config(config)["fresh"] else 1
 
 
 def curve_of(config: str) -> str:
@@ -134,7 +147,9 @@ def is_synchronous(config: str) -> bool:
 def without_start(config: str) -> str:
     """``config`` without its synchronous start (``2bw-x/sync=30:muon`` -> ``2bw-x:muon``)."""
     head, _, optimizer = config.partition(":")
-    return f"{head.partition('/')[0]}:{optimizer}"
+    name, *modifiers = head.split("/")
+    kept = [m for m in modifiers if not m.startswith("sync=")]
+    return "/".join([name, *kept]) + ":" + optimizer
 
 
 def speed_key(config: str) -> str:
@@ -248,6 +263,7 @@ def train(config: str, lr: float, devices: int, args: dict[str, Any]) -> dict[st
         start_method="spawn" if devices > 1 else "popen",
         **({"delay_correction": parts["correction"]} if schedule == "2bw" else {}),
         **({"sync_steps": parts["sync_steps"]} if parts["sync_steps"] else {}),
+        **({"fresh_last_stage": True} if parts["fresh"] else {}),
     )
     out = Path(tempfile.mkdtemp(prefix="convergence-")) / "record.json"
     trainer = Trainer(
@@ -487,17 +503,28 @@ def main() -> None:
     if ns.reuse_only:  # a report from the runs at hand: the learning rates not run are left out
         jobs = []
     print(
-        f"phase 1: {len(jobs)} runs on one process each, {ns.parallel} at a time "
+        f"phase 1: {len(jobs)} runs, on one process each ({ns.parallel} at a time) or on two "
+        "stages (/fresh, one at a time) "
         f"({len(runs)} taken from {ns.reuse})",
         flush=True,
     )
     if jobs:
         ns.out.mkdir(parents=True, exist_ok=True)
+        single = [job for job in jobs if curve_devices(job[0]) == 1]
         with mp.get_context("spawn").Pool(ns.parallel, maxtasksperchild=1) as pool:
-            for run in pool.imap_unordered(_phase1_worker, jobs, chunksize=1):
+            for run in pool.imap_unordered(_phase1_worker, single, chunksize=1):
                 runs.append(run)
                 # every finished run at once: an interrupted sweep resumes with --reuse
                 _write_phase1(ns.out, command, args, runs)
+        for config, lr, _ in [job for job in jobs if curve_devices(job[0]) == 2]:
+            run = train(config, lr, 2, args)  # two processes of one thread: one at a time
+            print(
+                f"[curves, 2 stages] {config:28s} lr {lr:<8g} final val "
+                f"{run['final_val_loss']:.4f} ({run['total_seconds']:.0f} s)",
+                flush=True,
+            )
+            runs.append(run)
+            _write_phase1(ns.out, command, args, runs)
 
     ns.out.mkdir(parents=True, exist_ok=True)
     # phase 1 alone, reusable with --reuse if phase 2 does not finish

@@ -93,7 +93,6 @@ from lightning_pipe2bw.steps import PipelinedSteps, scaler_of
 __all__ = ["Pipe2BWStrategy"]
 
 
-
 class Pipe2BWStrategy(ParallelStrategy):
     """Pipeline-parallel training: one stage of the model's body per process.
 
@@ -171,6 +170,11 @@ class Pipe2BWStrategy(ParallelStrategy):
             step, their updates uncorrected), then the delayed rule starts. A float between 0
             and 1 is a share of the fit's optimizer steps (``max_steps``, else Lightning's
             estimate), e.g. ``0.8``. ``0`` (the default) starts delayed.
+        fresh_last_stage: ``2bw``: the last stage runs every batch at its newest weights. In
+            1F1B order it has run batch t's last backward before batch t+1's first forward, so
+            its update can land in the same step, W(t+1) = W(t) - U(grad f_t(W(t))), without a
+            correction; the stages before it keep the one-step delay. Not with weights tied
+            between the last stage and another. See ``docs/pipedream-2bw.md``.
         check_split: the guard against a split that trains silently wrong (on by default): at
             set-up, a model that is not an ``nn.Sequential`` (a Hugging Face model, a
             ``PipeModel``) is run whole and split on the first micro-batch and their outputs
@@ -209,6 +213,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         early_input_grad: bool = True,
         delay_correction: str = "auto",
         sync_steps: int | float = 0,
+        fresh_last_stage: bool = False,
         check_split: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -474,7 +479,11 @@ class Pipe2BWStrategy(ParallelStrategy):
         averaging = fitting and check_averaging(trainer, self.options)
         # the whole model's, before it is partitioned (StochasticWeightAveraging's own test)
         has_batch_norm = StochasticWeightAveraging.pl_module_contains_batch_norm(module)
-        if fitting and self.options.balance_mode == "auto" and not isinstance(ref.module, StageBody):
+        if (
+            fitting
+            and self.options.balance_mode == "auto"
+            and not isinstance(ref.module, StageBody)
+        ):
             self.plan, self.plan_check = plan_auto(
                 module, ref, self.options, self.root_device, self.world_size,
                 self.num_processes, self.global_rank,
@@ -823,7 +832,9 @@ class Pipe2BWStrategy(ParallelStrategy):
             checkpoints.save_sharded(checkpoint, filepath)
             return
         write = functools.partial(super().save_checkpoint, storage_options=storage_options)
-        write_replacing(checkpoints.full_checkpoint(checkpoint), filepath, write, self.is_global_zero)
+        write_replacing(
+            checkpoints.full_checkpoint(checkpoint), filepath, write, self.is_global_zero
+        )
 
     @override
     @names_lost_ranks("loading a checkpoint")

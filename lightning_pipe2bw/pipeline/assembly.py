@@ -171,6 +171,10 @@ def build_runtime(
             clips_gradients=clips_gradients,
             scales_loss=scales_loss,
             shared_across=across[0].describe() if across else None,
+            shared_with_last=next(
+                (t.describe() for t in across if partition.num_stages - 1 in t.stages(partition)),
+                None,
+            ),
         )
     )
     evicting = frozenset(_evicting_stages(options, partition, training))
@@ -226,6 +230,7 @@ def build_runtime(
             version_log=version_log,
             delay_correction=options.correction,
             sync_steps=options.synchronous_steps(total_steps),
+            fresh_last_stage=options.fresh_last_stage,
         )
         runtime_optimizers = [driver.optimizer]
     else:

@@ -173,10 +173,12 @@ def runtime_problems(
     clips_gradients: bool,
     scales_loss: bool,
     shared_across: str | None = None,
+    shared_with_last: str | None = None,
 ) -> list[Problem]:
     """What a stage's runtime cannot run (none outside training): BPipe's balanced share under
-    GPipe, :func:`async_problems`, and parameters shared by blocks on different stages under
-    ``pipedream`` (``shared_across``: the description of one such tie, if any)."""
+    GPipe, :func:`async_problems`, parameters shared by blocks on different stages under
+    ``pipedream`` (``shared_across``: the description of one such tie, if any), and such a tie
+    that includes the last stage under ``fresh_last_stage`` (``shared_with_last``)."""
     if not training:
         return []
     problems: list[Problem] = []
@@ -206,6 +208,18 @@ def runtime_problems(
                 "need every copy updated at the same step; schedule='pipedream' updates each "
                 "stage on its own. Use '2bw', '1f1b' or 'gpipe', or a balance that puts the "
                 "blocks sharing a parameter on one stage",
+            )
+        )
+    if shared_with_last is not None and options.fresh_last_stage:
+        problems.append(
+            Problem(
+                "fresh_last_stage",
+                True,
+                f"parameters shared between the last stage and another ({shared_with_last}) "
+                "need every copy updated with the same batch's gradient; fresh_last_stage=True "
+                "updates the last stage one batch ahead of the others. Leave fresh_last_stage "
+                "False, or use a balance that keeps the blocks sharing a parameter off the last "
+                "stage",
             )
         )
     return problems

@@ -130,6 +130,7 @@ class PipeOptions:
     delay_correction: str = "auto"  # "auto": the schedule's default (see ``correction``)
     # 2BW's synchronous start: the first this many batches flushed, or this share of the fit's
     sync_steps: int | float = 0
+    fresh_last_stage: bool = False  # 2BW's last stage without delay
     check_split: bool = True  # the guard against a split that computes something else
 
     @classmethod
@@ -194,6 +195,7 @@ class PipeOptions:
             "state_dict_type": self.state_dict_type,
             "delay_correction": self.correction,
             "sync_steps": self.sync_steps,
+            "fresh_last_stage": self.fresh_last_stage,
         }
 
     # ------------------------------------------------------------------ parsing
@@ -214,6 +216,7 @@ class PipeOptions:
             return None, problems
         problems = _correction_problems(values["schedule"], values["delay_correction"])
         problems += _sync_problems(values["schedule"], values["sync_steps"])
+        problems += _fresh_problems(values["schedule"], values["fresh_last_stage"])
         if problems:
             return None, problems
         return cls(**values), []
@@ -446,6 +449,17 @@ def _sync_steps(value: Any) -> dict[str, Any]:
     return {"sync_steps": value}
 
 
+def _fresh_last_stage(value: Any) -> dict[str, Any]:
+    if not isinstance(value, bool):
+        raise _Bad(
+            "fresh_last_stage",
+            value,
+            f"fresh_last_stage must be True or False, got {value!r}",
+            kind=TypeError,
+        )
+    return {"fresh_last_stage": value}
+
+
 def _check_split(value: Any) -> dict[str, Any]:
     if not isinstance(value, bool):
         raise _Bad(
@@ -483,6 +497,29 @@ def _sync_problems(schedule: str, sync_steps: int | float) -> list[Problem]:
             sync_steps,
             f"sync_steps={sync_steps} starts 2BW synchronously, but schedule={schedule!r} is not "
             "2BW; use schedule='2bw' or '2bw-v', or leave sync_steps at 0",
+        )
+    ]
+
+
+def _fresh_problems(schedule: str, fresh: bool) -> list[Problem]:
+    """A fresh last stage where the schedule has no 2BW delay, or no stage free of it."""
+    if not fresh or schedule == "2bw":
+        return []
+    if schedule == "2bw-v":
+        why = (
+            "on a V the last stage shares its rank and its update with the first, which needs "
+            "the delay"
+        )
+    elif schedule == "pipedream":
+        why = "under weight stashing the last stage is never behind already"
+    else:
+        why = "it flushes the pipeline after every batch, so no stage is behind"
+    return [
+        Problem(
+            "fresh_last_stage",
+            fresh,
+            f"fresh_last_stage=True runs 2BW's last stage without its delay, but "
+            f"schedule={schedule!r}: {why}; use schedule='2bw', or leave fresh_last_stage False",
         )
     ]
 
@@ -608,6 +645,11 @@ OPTIONS: tuple[Option, ...] = (
         "sync_steps", 0, _sync_steps, Any,
         note="2bw: the first this many batches run synchronously (flushed, at the newest "
         "weights), then the delayed rule; a float in (0, 1): that share of the fit's steps",
+    ),
+    Option(
+        "fresh_last_stage", False, _fresh_last_stage, bool,
+        note="2bw: the last stage runs each batch at its newest weights (its update lands in "
+        "the same step, uncorrected); the stages before it keep the delay",
     ),
     Option(
         "check_split", True, _check_split, bool,

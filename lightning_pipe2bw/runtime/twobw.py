@@ -54,6 +54,7 @@ class TwoBWDriver:
         version_log: list[int] | None = None,
         delay_correction: str = "none",
         sync_steps: int = 0,
+        fresh_last_stage: bool = False,
     ) -> None:
         """``optimizer``: the user's (wrapped here); ``channel``: carries the last stage's step
         values to the other ranks (None with one stage); ``flush_every``: drain every this many
@@ -61,7 +62,9 @@ class TwoBWDriver:
         list that gets the number of weight versions alive after every action (tests);
         ``delay_correction``: the name of a rule of ``lightning_pipe2bw.optim.delay``;
         ``sync_steps``: the first batches (of the fit) run synchronously: at the newest weights,
-        drained in their own call, their updates uncorrected (see :meth:`synchronous`)."""
+        drained in their own call, their updates uncorrected (see :meth:`synchronous`);
+        ``fresh_last_stage``: on the last stage, every batch runs at the newest weights (see
+        :attr:`fresh`)."""
         self.engine = engine
         self.m = num_microbatches
         self.channel = channel
@@ -70,6 +73,9 @@ class TwoBWDriver:
         self.version_log = version_log
         self.delay_correction = delay_correction
         self.sync_steps = sync_steps
+        # the last stage of a plain 1F1B stream has run batch t's last backward before batch
+        # t+1's first forward: with fresh_last_stage its update lands at once, no delay
+        self.fresh = fresh_last_stage and engine.is_last and engine.virtual.placement is None
         self.admitted = 0  # batches admitted since fit started (= the next batch index)
         self.segment_start = 0  # first batch since the last flush
         self.next_update = 0  # the oldest batch whose update has not been applied
@@ -88,7 +94,9 @@ class TwoBWDriver:
         applies the delay correction."""
         engine = self.engine
         named = list(engine.body.named_parameters())
-        correction = make_correction(self.delay_correction, optimizer, [p for _, p in named])
+        # a stage without delay has nothing to correct
+        rule = "none" if self.fresh else self.delay_correction
+        correction = make_correction(rule, optimizer, [p for _, p in named])
         bound = self.max_versions(engine.stage, engine.num_stages)
         versions = WeightVersions(
             named,
@@ -104,7 +112,9 @@ class TwoBWDriver:
 
             versions.predict = predict
             # a synchronous batch runs at the newest weights: no view
-            versions.upcoming = lambda: set() if self.synchronous(self.admitted) else {self.admitted}
+            versions.upcoming = lambda: (
+                set() if self.synchronous(self.admitted) else {self.admitted}
+            )
         return versions, wrapper
 
     def rebind(self, optimizers: list[Any]) -> list[Any]:
@@ -128,6 +138,13 @@ class TwoBWDriver:
         batches K-1 and K both run at W(K-1)), the correction starting then with no history, as
         at the start of training."""
         return batch < self.sync_steps
+
+    def at_newest(self, batch: int) -> bool:
+        """Whether batch ``batch`` runs at the newest weights: a batch of the synchronous start,
+        or any batch on a fresh last stage (``fresh_last_stage``), where the update of batch t
+        is applied at the end of the call that admits it, W(t+1) = W(t) - U(grad f_t(W(t))),
+        while the stages before it keep the delayed rule."""
+        return self.fresh or self.synchronous(batch)
 
     def reserved_versions(self) -> set[int]:
         """The version the next batch will run with must survive the updates before it (with a
@@ -164,7 +181,7 @@ class TwoBWDriver:
 
     def _weights_for(self, microbatch: int) -> Mapping[str, Tensor]:
         batch = self.batch_of(microbatch)
-        if self.synchronous(batch):
+        if self.at_newest(batch):
             return self.versions.weights_for(batch, self.versions.newest)
         return self.versions.weights_for(batch)
 
@@ -229,8 +246,11 @@ class TwoBWDriver:
         return [results[k] for k in ids] if self.engine.is_last else []
 
     def due_batch(self) -> int | None:
-        """The batch whose gradient the step at the end of this call applies, if any."""
-        batch = self.admitted - 2
+        """The batch whose gradient the step at the end of this call applies, if any: the one
+        before the batch just admitted, or on a fresh last stage that batch itself (unless it
+        is synchronous: then, as on every stage, the flush that ends its call applies it)."""
+        last = self.admitted - 1
+        batch = last if self.fresh and not self.synchronous(last) else last - 1
         if batch >= self.next_update:
             return batch
         return None
@@ -283,9 +303,13 @@ class TwoBWDriver:
 
     def flush(self, backward: Callable[[Tensor], None]) -> DueGradient | None:
         """Drain the pipeline; the last batch's gradient, now due (None if nothing was in
-        flight)."""
+        flight). A fresh last stage applied it already, but takes part in the flush's step
+        with nothing due (its clipping and loss-scaler checks are collective)."""
+        in_flight = not self.at_flush_point
         batch = self._drain(backward)
-        return None if batch is None else self._gradient_of(batch)
+        if batch is None:
+            return DueGradient() if in_flight and self.fresh else None
+        return self._gradient_of(batch)
 
     def deliver_values(self, values: StepValues, settle: bool = False) -> list[StepValues]:
         """The logged values of a step, without a barrier.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -384,6 +385,120 @@ def reference_2bw(
         sched.step()
         history[step + 1] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {k: v.cpu() for k, v in history[min(steps, len(history) - 1)].items()}
+
+
+def reference_2bw_fresh(
+    steps: int,
+    microbatches: int,
+    fresh: Callable[[str], bool],
+    batch_size: int = 8,
+    optimizer: str = "adamw",
+    clip: tuple[str, float] | None = None,
+    data: Iterable[Any] | None = None,
+    correction: str = "auto",
+    sync_steps: int = 0,
+) -> dict[str, Tensor]:
+    """Single-process 2BW with a fresh last stage (``fresh_last_stage``): the parameters named
+    ``fresh`` (the last stage's) compute batch t at W(t) and take its update in step t,
+    uncorrected; the others follow :func:`reference_2bw`'s rule (batch t at W(t-1), or its
+    prediction; update in step t+1, corrected), and every parameter follows it during a
+    synchronous start (``sync_steps``). Written from the rule, step by step as Lightning
+    counts them, because clipping by the global norm pairs what one step applies: step t clips
+    the delayed parameters' gradient of batch t-1 together with the fresh ones' of batch t, and
+    the drain after the last batch (one epoch: ``data`` must not flush in between) applies the
+    delayed parameters' gradient of batch T-1 alone. Each update uses its own batch's learning
+    rate."""
+    model = make_model("regression", optimizer)
+    shadow = make_model("regression", optimizer)  # evaluates the points
+    opt, sched = make_optimizer(model.parameters(), optimizer)
+    names = [n for n, _ in model.named_parameters()]
+    params = dict(model.named_parameters())
+    late = [params[n] for n in names if not fresh(n)]
+    now = [params[n] for n in names if fresh(n)]
+    assert late and now, "both stages need parameters"
+    predicts = "predict" in correction_terms(correction)
+    previous: dict[Any, Tensor] = {}  # the correction's g_{t-1} and u_{t-1}
+
+    def snapshot() -> dict[str, Tensor]:
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def apply(group: list[Tensor], grads: list[Tensor | None], lrs: list[float], corr: str) -> None:
+        others = [p for p in params.values() if all(p is not q for q in group)]
+        for p in others:
+            p.grad = None
+        for p, g in zip(group, grads, strict=True):
+            p.grad = g
+        now_lrs = [g["lr"] for g in opt.param_groups]
+        for g, lr in zip(opt.param_groups, lrs, strict=True):
+            g["lr"] = lr
+        if corr == "none":
+            opt.step()
+        else:
+            corrected_step(opt, group, corr, previous)
+        for g, lr in zip(opt.param_groups, now_lrs, strict=True):
+            g["lr"] = lr
+
+    data = make_loader("regression", batch_size) if data is None else data
+    point = snapshot()  # where the delayed parameters evaluate the next batch
+    pending: tuple[list[Tensor | None], list[float]] | None = None  # batch t-1's, delayed
+    batches = list(itertools.islice(data, steps))
+    for step, (x, y) in enumerate(batches):
+        synchronous = step < sync_steps
+        current = snapshot()
+        shadow.load_state_dict(
+            {k: current[k] if fresh(k) or synchronous else point[k] for k in current}
+        )
+        shadow.zero_grad()
+        accumulate_gradient(shadow, x, y, microbatches)
+        grads = {n: (q.grad.detach().clone() if q.grad is not None else None)
+                 for n, q in shadow.named_parameters()}  # fmt: skip
+        lrs = [g["lr"] for g in opt.param_groups]
+        # this step's gradients, clipped together
+        if synchronous:  # every stage applies batch t, as a flush schedule does
+            applied_late: list[Tensor | None] | None = [grads[n] for n in names if not fresh(n)]
+        else:  # the delayed stages apply batch t-1's (none in the first delayed step)
+            applied_late = pending[0] if pending is not None else None
+        fresh_grads = [grads[n] for n in names if fresh(n)]
+        for p in params.values():
+            p.grad = None
+        if applied_late is not None:
+            for p, g in zip(late, applied_late, strict=True):
+                p.grad = g
+        for p, g in zip(now, fresh_grads, strict=True):
+            p.grad = g
+        _clip(params.values(), clip)
+        clipped_late = [p.grad for p in late]
+        clipped_fresh = [p.grad for p in now]
+        if synchronous:
+            # batch K runs at W(K-1) (or its prediction, from the state before update K-1)
+            point = current
+            if step + 1 == sync_steps and predicts:
+                point = predicted(model, opt, lambda ps: make_optimizer(ps, optimizer)[0])
+            apply(late, clipped_late, lrs, "none")
+        elif pending is not None:
+            apply(late, clipped_late, pending[1], correction)
+        apply(now, clipped_fresh, lrs, "none")
+        if not synchronous:
+            pending = ([grads[n] for n in names if not fresh(n)], lrs)
+            if predicts:
+                # batch t+1's point: from W(t) and the state before update t, at batch t's rate
+                saved = [g["lr"] for g in opt.param_groups]
+                for g, lr in zip(opt.param_groups, lrs, strict=True):
+                    g["lr"] = lr
+                point = predicted(model, opt, lambda ps: make_optimizer(ps, optimizer)[0])
+                for g, lr in zip(opt.param_groups, saved, strict=True):
+                    g["lr"] = lr
+            else:
+                point = snapshot()
+        sched.step()
+    if pending is not None:  # the drain: batch T-1's update of the delayed parameters, alone
+        for p in params.values():
+            p.grad = None
+        for p, g in zip(late, pending[0], strict=True):
+            p.grad = g
+        _clip(params.values(), clip)
+        apply(late, [p.grad for p in late], pending[1], correction)
+    return {k: v.cpu() for k, v in snapshot().items()}
 
 
 def corrected_step(

@@ -463,10 +463,10 @@ class _TiedModel(RegressionModel):
         return self(batch[0]).pow(2).mean()
 
 
-def _on_rank_fit_tied() -> str:
+def _on_rank_fit_tied(**options: Any) -> str:
     from lightning_pipe2bw import Pipe2BWStrategy as Strategy
 
-    trainer = quiet_trainer(devices=2, strategy=Strategy(schedule="pipedream"), max_steps=1)
+    trainer = quiet_trainer(devices=2, strategy=Strategy(**options), max_steps=1)
     try:
         trainer.fit(_TiedModel(), loader(8))
     except ValueError as err:
@@ -477,10 +477,21 @@ def _on_rank_fit_tied() -> str:
 def test_a_parameter_tied_across_stages_is_refused_by_pipedream(pools: Any) -> None:
     """Weight stashing updates each stage on its own: the copies of a tie would drift apart
     (2bw, 1f1b and gpipe keep them equal: tests/ranks/test_real_models.py)."""
-    for message in pools(2).run(_on_rank_fit_tied, timeout=TIMEOUT):
+    for message in pools(2).run(_on_rank_fit_tied, schedule="pipedream", timeout=TIMEOUT):
         assert message.startswith(
             "parameters shared between blocks on different stages (0.weight = 3.weight) need "
             "every copy updated at the same step; schedule='pipedream'"
+        ), message
+
+
+def test_a_parameter_tied_with_a_fresh_last_stage_is_refused(pools: Any) -> None:
+    """``fresh_last_stage`` updates the last stage one batch ahead of the others: a copy of a
+    tie there would take another batch's gradient than the rest."""
+    options = {"schedule": "2bw", "fresh_last_stage": True}
+    for message in pools(2).run(_on_rank_fit_tied, **options, timeout=TIMEOUT):
+        assert message.startswith(
+            "parameters shared between the last stage and another (0.weight = 3.weight) need "
+            "every copy updated with the same batch's gradient; fresh_last_stage=True"
         ), message
 
 

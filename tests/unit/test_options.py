@@ -389,6 +389,31 @@ def test_what_a_training_runtime_cannot_run_is_collected() -> None:
     )
     assert [p.option for p in problems] == ["schedule", "schedule"]  # listed together
     assert runtime_problems(PipeOptions.create(), training=True, shared_across="a", **run) == []
+    fresh = PipeOptions.create(schedule="2bw", fresh_last_stage=True)
+    (problem,) = runtime_problems(fresh, training=True, shared_with_last="a = b", **run)
+    assert problem.option == "fresh_last_stage" and "(a = b)" in problem.message
+    assert runtime_problems(fresh, training=True, shared_across="a = b", **run) == []
+
+
+@pytest.mark.parametrize(
+    ("schedule", "why"),
+    [
+        ("1f1b", "it flushes the pipeline after every batch"),
+        ("2bw-v", "on a V the last stage shares its rank"),
+        ("pipedream", "the last stage is never behind already"),
+    ],
+)
+def test_a_fresh_last_stage_needs_2bw(schedule: str, why: str) -> None:
+    with pytest.raises(ValueError) as info:
+        PipeOptions.create(schedule=schedule, fresh_last_stage=True)
+    message = str(info.value)
+    assert (
+        f"fresh_last_stage=True runs 2BW's last stage without its delay, but schedule={schedule!r}"
+        in message
+    )
+    assert why in message and "use schedule='2bw'" in message
+    with pytest.raises(TypeError, match="fresh_last_stage must be True or False, got 'yes'"):
+        PipeOptions.create(schedule="2bw", fresh_last_stage="yes")
 
 
 def test_several_memory_plan_problems_are_listed_together() -> None:
