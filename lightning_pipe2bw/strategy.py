@@ -86,7 +86,7 @@ from lightning_pipe2bw.requeue import RequeueRelay
 from lightning_pipe2bw.runtime import PipelineEngine, StageBody
 from lightning_pipe2bw.runtime.driver import Driver
 from lightning_pipe2bw.runtime.failure import StageFailure
-from lightning_pipe2bw.schedule import SCHEDULES, ActivationBudget
+from lightning_pipe2bw.schedule import REGISTRY, ActivationBudget
 from lightning_pipe2bw.steplog import quiet_epoch_sync_advice, share_metrics
 from lightning_pipe2bw.steps import PipelinedSteps, scaler_of
 
@@ -97,7 +97,7 @@ class Pipe2BWStrategy(ParallelStrategy):
     """Pipeline-parallel training: one stage of the model's body per process.
 
     Args:
-        schedule: the pipeline schedule, one of ``lightning_pipe2bw.schedule.SCHEDULES``:
+        schedule: the pipeline schedule, one of ``lightning_pipe2bw.schedule.REGISTRY``:
             ``"1f1b"`` (PipeDream-Flush, the default: the schedule that reaches a given loss
             soonest on our measurements, ``docs/pipedream-2bw.md``), ``"2bw"`` (PipeDream-2BW:
             double-buffered weights, no flush between batches, W(t+1) = W(t) -
@@ -885,7 +885,7 @@ class Pipe2BWStrategy(ParallelStrategy):
             ("pipe2bw", "pipeline parallelism (default schedule)", {}),
             ("pipe2bw_spawn", "pipeline parallelism, spawned workers", {"start_method": "spawn"}),
         ]
-        for name in SCHEDULES:
+        for name in REGISTRY:
             entries.append(
                 (f"pipe_{name}", f"pipeline parallelism, schedule {name!r}", {"schedule": name})
             )

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from lightning_pipe2bw.partition.profile import Profile
+from lightning_pipe2bw.schedule.registry import names_where, schedule_spec
 
 __all__ = [
     "FLUSH_SCHEDULES",
@@ -19,11 +20,11 @@ __all__ = [
 ]
 
 _Terms = tuple[float, float, float, float, float, float]
-PLANNER_SCHEDULES = ("gpipe", "1f1b", "2bw", "pipedream", "zb-h1")
+# the schedules this cost model prices: one stage per rank (those with several:
+# ``partition.virtualplan``, by simulation)
+PLANNER_SCHEDULES = names_where(lambda s: not s.virtual)
 # pay the pipeline fill and drain every step
-FLUSH_SCHEDULES = frozenset({"gpipe", "1f1b", "zb-h1"})
-# the schedules whose every backward is cut into an inputs' and a weights' pass (I and W)
-CUT_SCHEDULES = frozenset({"zb-h1"})
+FLUSH_SCHEDULES = frozenset(names_where(lambda s: not s.virtual and s.flushes))
 
 
 def check_schedule(schedule: object) -> str:
@@ -196,11 +197,12 @@ class CostModel:
         optimizer_bytes_per_param_byte: float = 2.0,
     ) -> None:
         self.schedule = check_schedule(schedule)
+        spec = self.spec = schedule_spec(self.schedule)
         self.profile, self.cluster = profile, cluster
         w, d, m = data_parallel, depth, num_microbatches
         self.w, self.d, self.m, self.n = w, d, m, profile.num_blocks
         blocks = profile.blocks
-        flush = self.schedule in FLUSH_SCHEDULES
+        flush = spec.flushes
         # the optimizer update runs once per step. After a flush every stage updates at once:
         # spread over the m micro-batches it is what a stage spends per micro-batch (a little
         # over). Without a flush (2BW, PipeDream) each stage's update sits between two calls of
@@ -221,7 +223,7 @@ class CostModel:
         # what cutting each block's backward in two (``I`` and ``W``) costs beyond one backward,
         # paid by the schedules that cut every backward (the first stage leaves its backward
         # whole: it sends no gradient), where the stage's activations are not recomputed
-        self.cut = self.schedule in CUT_SCHEDULES
+        self.cut = spec.cut_backward
         self.cut_extra = list(
             itertools.accumulate((sum(b.split_times) - b.backward_s for b in blocks), initial=0.0)
         )
@@ -253,29 +255,20 @@ class CostModel:
                 )
                 self.ar_inv[s] = 2 * (w - 1) / w / bw
         opt = optimizer_bytes_per_param_byte
-        versions = {"2bw": [2] * d, "gpipe": [1] * d, "1f1b": [1] * d, "zb-h1": [1] * d}.get(
-            schedule, [d - s for s in range(d)]
-        )
+        versions = [spec.weight_versions(s, d) for s in range(d)]
         self.param_factor = [v + 1 + opt for v in versions]  # weights, gradient, optimizer
-        in_flight = {
-            "gpipe": lambda s: m,
-            "1f1b": lambda s: min(m, d - s),
-            "zb-h1": lambda s: min(m, d),
-        }
-        self.in_flight = [in_flight.get(schedule, lambda s: d - s)(s) for s in range(d)]
+        self.in_flight = [spec.stashed_microbatches(s, d, m) for s in range(d)]
 
     @property
     def flush(self) -> bool:
-        return self.schedule in FLUSH_SCHEDULES
+        return self.spec.flushes
 
     @property
     def slots(self) -> float:
         """Micro-batch times per step: flush schedules pay the fill and drain, m + d - 1 (ZB-H1
         a third of it, m + (d - 1) / 3, with the weights' passes in the bubble); 2BW and
-        PipeDream m."""
-        if self.schedule == "zb-h1":
-            return self.m + (self.d - 1) / 3
-        return self.m + self.d - 1 if self.flush else self.m
+        PipeDream m (``ScheduleSpec.step_slots``)."""
+        return self.spec.step_slots(self.d, self.m)
 
     def step_time(self, time_per_microbatch: float) -> float:
         """(m + d - 1) t + overhead for flush schedules; m t + the stages' updates and

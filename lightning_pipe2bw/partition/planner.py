@@ -41,9 +41,8 @@ from lightning_pipe2bw.schedule import (
     ActionKind,
     Costs,
     add_communication,
-    pipedream,
+    schedule_spec,
     simulate,
-    two_bw,
 )
 
 __all__ = [
@@ -168,7 +167,7 @@ def plan(
             recompute=recompute, optimizer_bytes_per_param_byte=optimizer_bytes_per_param_byte,
             keep=keep, data_parallel=data_parallel,
         )  # fmt: skip
-    if schedule in VIRTUAL_PLANNER_SCHEDULES:
+    if schedule in VIRTUAL_PLANNER_SCHEDULES:  # several stages per rank
         return plan_virtual(
             profiles, cluster, global_batch_size, schedule, microbatch_sizes=microbatch_sizes,
             recompute=recompute, optimizer_bytes_per_param_byte=optimizer_bytes_per_param_byte,
@@ -178,7 +177,7 @@ def plan(
     pset = as_profiles(profiles)
     if not isinstance(cluster, Cluster):
         raise TypeError(f"cluster must be a Cluster, got {type(cluster).__name__}")
-    check_schedule(schedule)
+    spec = schedule_spec(check_schedule(schedule))
     batch = check_int("global_batch_size", global_batch_size, "give the samples per optimizer step")
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {list(RECOMPUTE_MODES)}, got {recompute!r}")
@@ -212,8 +211,9 @@ def plan(
         )
         for b in sizes:
             m = per // b
-            if schedule == "2bw" and m < d:
-                skipped.append(f"w={w} d={d} b={b}: 2bw needs m >= d, m={m}")
+            why = spec.microbatch_problem(m, d)
+            if why is not None:
+                skipped.append(f"w={w} d={d} b={b}: {why}")
                 continue
             if b not in profiles_at:
                 profiles_at[b] = pset.at(b)
@@ -318,7 +318,7 @@ def _nothing_fits(
     hints = ["devices with more memory", "more devices (deeper pipelines)", "smaller micro-batches"]
     if recompute in ("off",):
         hints.append("recompute='search'")
-    if schedule in ("2bw", "pipedream"):
+    if schedule_spec(schedule).asynchronous:
         hints.append("schedule='1f1b' (one weight version)")
     return (
         f"no plan fits in {cluster.memory_bytes / _GIB:.2f} GiB per device: the smallest "
@@ -374,8 +374,9 @@ def predict(
             f"{w} x {b}; use a batch of {w * b * max(1, batch // (w * b))}"
         )
     m = batch // (w * b)
-    if schedule == "2bw" and m < d:
-        raise ValueError(f"2bw needs m >= d, got m={m} for d={d}; use a larger batch or smaller b")
+    why = schedule_spec(schedule).microbatch_problem(m, d)
+    if why is not None:
+        raise ValueError(f"{why} for d={d}; use a larger batch or smaller b")
     model = CostModel(
         pset.at(b), cluster, schedule, w, d, m, check_ratio(optimizer_bytes_per_param_byte)
     )
@@ -437,7 +438,7 @@ def simulate_plan(
         backward=[st.backward_s + st.recv_gradient_s for st in stages],
     )
     overhead = cluster.step_overhead_s
-    build = two_bw if plan.schedule == "2bw" else pipedream
+    build = schedule_spec(plan.schedule).build
 
     def makespan(k: int) -> float:
         schedule = add_communication(build(d, m, k))

@@ -11,10 +11,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from lightning_pipe2bw.partition.costmodel import FLUSH_SCHEDULES, Cluster
-
-# the flush schedules with two stages per rank (their plans come from partition.virtualplan)
-VIRTUAL_FLUSH = frozenset({"interleaved-1f1b", "zb-v", "dualpipe-v"})
+from lightning_pipe2bw.partition.costmodel import Cluster
+from lightning_pipe2bw.schedule.registry import schedule_spec
 
 __all__ = ["Plan", "PlanResult", "format_balance"]
 
@@ -68,7 +66,7 @@ class Plan:
     def stages_per_rank(self) -> int:
         """Stages each rank holds: 2 for the virtual-stage schedules (``balance`` then gives
         2d block counts, the other per-stage figures one per rank), else 1."""
-        return 2 if self.schedule in VIRTUAL_FLUSH or self.schedule == "2bw-v" else 1
+        return schedule_spec(self.schedule).stages_per_rank
 
     @property
     def global_batch_size(self) -> int:
@@ -80,12 +78,9 @@ class Plan:
 
     @property
     def bubble_fraction(self) -> float:
-        """Idle share of a step from the fill and drain: (d - 1) / (m + d - 1), 0 for 2BW."""
-        if self.schedule == "interleaved-1f1b":  # stages half as long: half the fill and drain
-            return (self.depth - 1) / (2 * self.num_microbatches + self.depth - 1)
-        if self.schedule not in FLUSH_SCHEDULES:
-            return 0.0  # 2BW, PipeDream; ZB-V's is near 0 at m >= 2d (docs/schedules.md)
-        return (self.depth - 1) / (self.num_microbatches + self.depth - 1)
+        """Idle share of a step from the fill and drain: (d - 1) / (m + d - 1) for 1F1B, 0 for
+        2BW (``ScheduleSpec.bubble_fraction``)."""
+        return schedule_spec(self.schedule).bubble_fraction(self.depth, self.num_microbatches)
 
     @property
     def recompute_label(self) -> str:

@@ -47,13 +47,15 @@ from lightning_pipe2bw.schedule import (
     Costs,
     Schedule,
     placement_of,
+    schedule_spec,
     simulate,
-    two_bw_v,
 )
+from lightning_pipe2bw.schedule.registry import names_where
 
 __all__ = ["STAGES_PER_RANK", "VIRTUAL_PLANNER_SCHEDULES", "virtual_plan", "virtual_problem"]
 
-VIRTUAL_PLANNER_SCHEDULES = ("interleaved-1f1b", "zb-v", "2bw-v", "dualpipe-v")
+# the schedules with several stages per rank, planned by simulation
+VIRTUAL_PLANNER_SCHEDULES = names_where(lambda s: s.virtual)
 STAGES_PER_RANK = 2
 _GIB = float(2**30)
 
@@ -66,13 +68,7 @@ def virtual_problem(
     d, m = depth, num_microbatches
     if STAGES_PER_RANK * d > num_blocks:
         return f"{schedule} needs 2d = {2 * d} stages, the body has {num_blocks} blocks"
-    if schedule == "interleaved-1f1b" and m % d:
-        return f"interleaved-1f1b needs m a multiple of d, m={m}"
-    if schedule == "2bw-v" and m < d:
-        return f"2bw-v needs m >= d, m={m}"
-    if schedule == "dualpipe-v" and m < 2 * d:
-        return f"dualpipe-v needs m >= 2d, m={m}"
-    return None
+    return schedule_spec(schedule).microbatch_problem(m, d)
 
 
 def virtual_plan(
@@ -141,7 +137,8 @@ def _simulated_step(
     """The predicted step time and each rank's simulated peak of in-flight (stage,
     micro-batch) pairs."""
     overhead = cluster.step_overhead_s
-    if schedule != "2bw-v":
+    spec = schedule_spec(schedule)
+    if spec.flushes:
         step, result = flush_step(schedule, d, m, costs, allreduce, overhead)
         return step, result.peak_activations
     # 2BW: each rank's update (and the loop's overhead) before its first forward of a batch
@@ -151,7 +148,7 @@ def _simulated_step(
     ]
 
     def run(batches: int) -> tuple[float, tuple[int, ...]]:
-        built: Schedule = two_bw_v(d, m, batches)
+        built: Schedule = spec.build(d, m, batches)
         delays = {}
         for r, row in enumerate(built.stages):
             first = min(held[r])
@@ -180,7 +177,7 @@ def _rank_memory(
     schedule: str,
 ) -> list[float]:
     """Each rank's peak bytes (see the module notes)."""
-    versions = 2 if schedule == "2bw-v" else 1
+    versions = schedule_spec(schedule).weight_versions(0, len(held))
     factor = versions + 1 + (model.param_factor[0] - 2)  # weights, gradient, optimizer state
     last = len(bounds) - 2  # the pipeline's last stage
     out = []

@@ -219,7 +219,7 @@ def build_runtime(
     runtime_optimizers = list(optimizers)
     driver: Driver
     if training and options.is_async:
-        driver_cls = PipeDreamDriver if options.schedule == "pipedream" else TwoBWDriver
+        driver_cls = PipeDreamDriver if options.spec.updates_per_stage else TwoBWDriver
         driver = driver_cls(
             engine,
             unwrap_optimizer(optimizers[0]),

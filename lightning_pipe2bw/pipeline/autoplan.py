@@ -26,6 +26,7 @@ from lightning_pipe2bw.runtime.microbatch import batch_size_of, split_batch
 from lightning_pipe2bw.runtime.shm import SharedMemoryTransport, create_transport
 from lightning_pipe2bw.runtime.stage import BodyInput
 from lightning_pipe2bw.runtime.transport import wire_device
+from lightning_pipe2bw.schedule import schedule_spec
 
 __all__ = [
     "AutoPlanInputs",
@@ -274,8 +275,8 @@ def _candidate_sizes(inputs: AutoPlanInputs, local_batch: int) -> list[int]:
             )
         return [local_batch // m]
     sizes = [b for b in range(1, local_batch + 1) if local_batch % b == 0]
-    if inputs.schedule in ("2bw", "2bw-v"):
-        sizes = [b for b in sizes if local_batch // b >= inputs.depth]
+    spec = schedule_spec(inputs.schedule)
+    sizes = [b for b in sizes if spec.microbatch_problem(local_batch // b, inputs.depth) is None]
     if not sizes:
         raise ValueError(
             f"balance='auto': a batch of {local_batch} samples cannot give the {inputs.depth} "

@@ -43,15 +43,11 @@ def run_problems(
                 "remove `self.automatic_optimization = False` from the LightningModule",
             )
         )
-    if name in ("2bw", "2bw-v") and m < num_stages:
-        problems.append(
-            Problem(
-                "microbatches",
-                m,
-                f"schedule={name!r} needs at least as many micro-batches as stages, got "
-                f"microbatches={m} for {num_stages} stages; use microbatches={num_stages} or more",
-            )
-        )
+    spec = options.spec
+    if not spec.virtual:  # the virtual schedules' rules: Topology.option_problems
+        message = spec.microbatch_message(m, num_stages)
+        if message is not None:
+            problems.append(Problem("microbatches", m, message))
     if predicting and w > 1:
         problems.append(
             Problem(
@@ -62,12 +58,12 @@ def run_problems(
                 "data_parallel=1 (the checkpoint loads with any layout)",
             )
         )
-    if name == "pipedream" and w > 1:
+    if spec.updates_per_stage and w > 1:
         problems.append(
             Problem(
                 "data_parallel",
                 w,
-                "schedule='pipedream' updates each stage in the middle of the pipeline, with no "
+                f"schedule={name!r} updates each stage in the middle of the pipeline, with no "
                 "point at which replicas could average their gradients; use schedule='2bw' (or a "
                 "flush schedule) with data_parallel > 1",
             )
@@ -103,12 +99,12 @@ def async_problems(
                 "parameter groups if needed)",
             )
         )
-    elif name == "pipedream" and (clips_gradients or scales_loss):
+    elif options.spec.updates_per_stage and (clips_gradients or scales_loss):
         problems.append(
             Problem(
                 "schedule",
                 name,
-                "schedule='pipedream' applies each stage's update asynchronously, when that "
+                f"schedule={name!r} applies each stage's update asynchronously, when that "
                 "stage finishes a batch, so no global gradient norm or inf check exists at update "
                 "time; remove gradient_clip_val / 16-mixed, or use schedule='2bw'",
             )
@@ -182,14 +178,14 @@ def runtime_problems(
     if not training:
         return []
     problems: list[Problem] = []
-    if options.schedule == "gpipe" and options.activation_budget == ActivationBudget():
+    if options.spec.stashes_everything and options.activation_budget == ActivationBudget():
         problems.append(
             Problem(
                 "balance_activations",
                 True,
-                "schedule='gpipe' stashes all m micro-batches on every stage, so the balanced "
-                "share moves nothing; balance activations with '1f1b', '2bw' or 'pipedream', "
-                "or give a budget",
+                f"schedule={options.schedule!r} stashes all m micro-batches on every stage, so "
+                "the balanced share moves nothing; balance activations with '1f1b', '2bw' or "
+                "'pipedream', or give a budget",
             )
         )
     if options.is_async:
@@ -199,15 +195,15 @@ def runtime_problems(
             clips_gradients=clips_gradients,
             scales_loss=scales_loss,
         )
-    if shared_across is not None and options.schedule == "pipedream":
+    if shared_across is not None and options.spec.updates_per_stage:
         problems.append(
             Problem(
                 "schedule",
                 options.schedule,
                 f"parameters shared between blocks on different stages ({shared_across}) "
-                "need every copy updated at the same step; schedule='pipedream' updates each "
-                "stage on its own. Use '2bw', '1f1b' or 'gpipe', or a balance that puts the "
-                "blocks sharing a parameter on one stage",
+                f"need every copy updated at the same step; schedule={options.schedule!r} "
+                "updates each stage on its own. Use '2bw', '1f1b' or 'gpipe', or a balance that "
+                "puts the blocks sharing a parameter on one stage",
             )
         )
     if shared_with_last is not None and options.fresh_last_stage:

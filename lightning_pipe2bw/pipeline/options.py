@@ -26,7 +26,8 @@ from lightning_pipe2bw.optim.delay import (
 )
 from lightning_pipe2bw.pipeline.problems import Problem, raise_problems
 from lightning_pipe2bw.runtime.stash import check_memory_plan
-from lightning_pipe2bw.schedule import SCHEDULES, VIRTUAL_SCHEDULES, ActivationBudget
+from lightning_pipe2bw.schedule import REGISTRY, ActivationBudget, ScheduleSpec, schedule_spec
+from lightning_pipe2bw.schedule.registry import names_where
 
 __all__ = [
     "BALANCE_MODES",
@@ -99,9 +100,6 @@ class Option:
 # synchronous schedule: at every horizon measured, 2BW's delay costs more steps than its missing
 # bubble saves, with every remedy (docs/pipedream-2bw.md, "Which schedule, which optimizer")
 DEFAULT_SCHEDULE = "1f1b"
-# the schedules with PipeDream-2BW's rule (one batch's delay): a default correction, a
-# synchronous start
-_TWO_BW = ("2bw", "2bw-v")
 
 
 @dataclass(frozen=True)
@@ -154,10 +152,14 @@ class PipeOptions:
         return replace(self, activation_budget=budget)
 
     @property
+    def spec(self) -> ScheduleSpec:
+        """The schedule's entry in the registry (``schedule.registry``)."""
+        return REGISTRY[self.schedule]
+
+    @property
     def is_async(self) -> bool:
-        """Whether batches follow one another without a flush (``2bw``, ``2bw-v``,
-        ``pipedream``)."""
-        return self.schedule in ("2bw", "2bw-v", "pipedream")
+        """Whether batches follow one another without a flush (2BW, PipeDream)."""
+        return self.spec.asynchronous
 
     @property
     def correction(self) -> str:
@@ -165,7 +167,7 @@ class PipeOptions:
         schedule's default (``2bw``: ``DEFAULT_CORRECTION``; the others: ``"none"``)."""
         if self.delay_correction != "auto":
             return self.delay_correction
-        return DEFAULT_CORRECTION if self.schedule in _TWO_BW else "none"
+        return DEFAULT_CORRECTION if self.spec.one_step_delay else "none"
 
     def synchronous_steps(self, total_steps: int) -> int:
         """The batches of a fit of ``total_steps`` optimizer steps that 2BW runs synchronously
@@ -229,7 +231,7 @@ class _Bad(Exception):
 
 
 def _schedule(value: Any) -> dict[str, Any]:
-    names = (*SCHEDULES, *VIRTUAL_SCHEDULES)
+    names = tuple(REGISTRY)
     if value not in names:
         valid = ", ".join(repr(name) for name in names)
         raise _Bad(
@@ -489,37 +491,31 @@ def _delay_correction(value: Any) -> dict[str, Any]:
 
 def _sync_problems(schedule: str, sync_steps: int | float) -> list[Problem]:
     """A synchronous start for a schedule without 2BW's delay."""
-    if not sync_steps or schedule in _TWO_BW:
+    if not sync_steps or schedule_spec(schedule).one_step_delay:
         return []
+    two_bw = names_where(lambda s: s.one_step_delay, "or")
     return [
         Problem(
             "sync_steps",
             sync_steps,
             f"sync_steps={sync_steps} starts 2BW synchronously, but schedule={schedule!r} is not "
-            "2BW; use schedule='2bw' or '2bw-v', or leave sync_steps at 0",
+            f"2BW; use schedule={two_bw}, or leave sync_steps at 0",
         )
     ]
 
 
 def _fresh_problems(schedule: str, fresh: bool) -> list[Problem]:
     """A fresh last stage where the schedule has no 2BW delay, or no stage free of it."""
-    if not fresh or schedule == "2bw":
+    why = schedule_spec(schedule).fresh_last_stage_problem
+    if not fresh or why is None:
         return []
-    if schedule == "2bw-v":
-        why = (
-            "on a V the last stage shares its rank and its update with the first, which needs "
-            "the delay"
-        )
-    elif schedule == "pipedream":
-        why = "under weight stashing the last stage is never behind already"
-    else:
-        why = "it flushes the pipeline after every batch, so no stage is behind"
+    fits = names_where(lambda s: s.fresh_last_stage_problem is None, "or")
     return [
         Problem(
             "fresh_last_stage",
             fresh,
             f"fresh_last_stage=True runs 2BW's last stage without its delay, but "
-            f"schedule={schedule!r}: {why}; use schedule='2bw', or leave fresh_last_stage False",
+            f"schedule={schedule!r}: {why}; use schedule={fits}, or leave fresh_last_stage False",
         )
     ]
 
@@ -528,25 +524,29 @@ def _correction_problems(schedule: str, correction: str) -> list[Problem]:
     """A correction the schedule has no use for, or cannot apply."""
     if correction in ("auto", "none"):
         return []
-    if schedule not in ("2bw", "2bw-v", "pipedream"):
+    spec = schedule_spec(schedule)
+    if not spec.takes_corrections:
+        delayed = names_where(lambda s: s.takes_corrections, "and")
         return [
             Problem(
                 "delay_correction",
                 correction,
                 f"schedule={schedule!r} flushes the pipeline after every batch, so its gradients "
                 f"are not delayed and delay_correction={correction!r} has nothing to correct; it "
-                "applies to '2bw' and 'pipedream' (leave it 'auto')",
+                f"applies to {delayed} (leave it 'auto')",
             )
         ]
-    if schedule == "pipedream" and correction_predicts(correction):
+    if not spec.takes_predictions and correction_predicts(correction):
+        predicting = names_where(lambda s: s.takes_predictions, "or")
         return [
             Problem(
                 "delay_correction",
                 correction,
                 f"delay_correction={correction!r} evaluates each batch at a prediction of the "
                 "next update's weights, which needs 2BW's delay of exactly one update; under "
-                "'pipedream' each stage and micro-batch is behind by a different number of "
-                "updates. Use it with schedule='2bw', or a gradient correction with 'pipedream' "
+                f"{schedule!r} each stage and micro-batch is behind by a different number of "
+                f"updates. Use it with schedule={predicting}, or a gradient correction with "
+                f"{schedule!r} "
                 f"({', '.join(repr(n) for n, c in CORRECTIONS.items() if not c.predicts)})",
             )
         ]

@@ -211,26 +211,9 @@ class Topology:
         name, p = options.schedule, self.num_stages
         problems: list[Problem] = []
         m = options.num_microbatches(p)
-        if name == "interleaved-1f1b" and m % p:
-            problems.append(
-                Problem(
-                    "microbatches",
-                    m,
-                    f"schedule='interleaved-1f1b' runs micro-batches in groups of the pipeline's "
-                    f"{p} ranks, got microbatches={m}; use a multiple of {p} (e.g. "
-                    f"microbatches={p * max(1, round(m / p))})",
-                )
-            )
-        if name == "dualpipe-v" and m < 2 * p:
-            problems.append(
-                Problem(
-                    "microbatches",
-                    m,
-                    f"schedule='dualpipe-v' needs at least as many micro-batches as its {2 * p} "
-                    f"stages (two per rank), got microbatches={m}; use microbatches={2 * p} or "
-                    "more",
-                )
-            )
+        message = options.spec.microbatch_message(m, p)
+        if message is not None:
+            problems.append(Problem("microbatches", m, message))
         refused = [
             ("activation_budget", options.activation_budget is not None,
              "balance_activations / ActivationBalancer (BPipe)",

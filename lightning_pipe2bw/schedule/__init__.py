@@ -14,12 +14,10 @@ from .action import (
 )
 from .comm import add_communication, one_channel_per_pair, with_communication
 from .generators import (
-    SCHEDULES,
     Schedule,
     check_sizes,
     format_grid,
     forward_only,
-    get_schedule,
     gpipe,
     one_f_one_b,
     pipedream,
@@ -35,24 +33,32 @@ from .offload import (
     stashed_microbatches,
 )
 from .passes import early_input_grads, split_backward, training_schedule
+from .registry import (
+    REGISTRY,
+    SCHEDULES,
+    VIRTUAL_SCHEDULES,
+    ScheduleSpec,
+    get_schedule,
+    placement_of,
+    schedule_spec,
+    virtual_schedule,
+)
 from .simulate import Costs, DeadlockError, SimResult, simulate
 from .stream import OneFOneBStream, PlacedStream
 from .validate import ScheduleError, validate
 from .virtual import (
-    VIRTUAL_SCHEDULES,
     dualpipe_v,
     interleaved_1f1b,
     looped_placement,
-    placement_of,
     two_bw_v,
     v_placement,
-    virtual_schedule,
     zb_v,
     zb_v_pattern,
 )
 from .zerobubble import zb_h1
 
 __all__ = [
+    "REGISTRY",
     "SCHEDULES",
     "VIRTUAL_SCHEDULES",
     "Action",
@@ -64,6 +70,7 @@ __all__ = [
     "PlacedStream",
     "Schedule",
     "ScheduleError",
+    "ScheduleSpec",
     "SimResult",
     "add_communication",
     "add_offload",
@@ -88,6 +95,7 @@ __all__ = [
     "partner",
     "pipedream",
     "placement_of",
+    "schedule_spec",
     "simulate",
     "split_backward",
     "stashed_microbatches",

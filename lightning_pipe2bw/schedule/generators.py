@@ -9,12 +9,10 @@ from .action import Action, ActionKind
 from .stream import OneFOneBStream
 
 __all__ = [
-    "SCHEDULES",
     "Schedule",
     "check_sizes",
     "format_grid",
     "forward_only",
-    "get_schedule",
     "gpipe",
     "one_f_one_b",
     "pipedream",
@@ -201,7 +199,7 @@ def forward_only(
     after the other, every micro-batch through the first, then through the next: in stage
     order, the order of the whole pipeline, so no rank waits for one that waits for it.
 
-    Not in :data:`SCHEDULES` (which lists training schedules); the result has ``training=False``.
+    Not in the registry (``schedule.registry``, training schedules); the result has ``training=False``.
     """
     check_sizes(num_stages, num_microbatches)
     if placement is not None:
@@ -267,29 +265,3 @@ def pipedream(num_stages: int, num_microbatches: int, num_batches: int = 2) -> S
         stream = OneFOneBStream(s, num_stages)
         stages.append((*stream.window(n), *stream.drain()))
     return Schedule("pipedream", num_stages, n, tuple(stages))
-
-
-def _zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
-    from .zerobubble import zb_h1
-
-    return zb_h1(num_stages, num_microbatches)
-
-
-# Registering a new schedule is one entry here.
-SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "2bw": two_bw,
-    "pipedream": pipedream,
-    "zb-h1": _zb_h1,
-}
-
-
-def get_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
-    """Build the registered schedule ``name`` for ``num_stages`` x ``num_microbatches``."""
-    generator = SCHEDULES.get(name)
-    if generator is None:
-        valid = ", ".join(repr(key) for key in SCHEDULES)
-        raise ValueError(f"unknown schedule {name!r}; valid schedules: {valid}")
-    check_sizes(num_stages, num_microbatches)
-    return generator(num_stages, num_microbatches)

@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 from .action import Action, ActionKind, partner
 from .comm import add_communication
 from .generators import Schedule, check_sizes
+from .registry import schedule_spec
 
 __all__ = [
     "ActivationBudget",
@@ -58,12 +59,9 @@ _F, _B = ActionKind.FORWARD, ActionKind.BACKWARD
 
 
 def stashed_microbatches(schedule: str, stage: int, num_stages: int, num_microbatches: int) -> int:
-    """How many micro-batches' saved activations stage ``stage`` holds at its peak."""
-    if schedule == "gpipe":
-        return num_microbatches
-    if schedule == "zb-h1":  # stage s holds back s weights' passes: 1F1B's peak on every stage
-        return min(num_stages, num_microbatches)
-    return min(num_stages - stage, num_microbatches)
+    """How many micro-batches' saved activations stage ``stage`` holds at its peak (the
+    schedule's entry, ``ScheduleSpec.stashed_microbatches``)."""
+    return schedule_spec(schedule).stashed_microbatches(stage, num_stages, num_microbatches)
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 from .action import Action, ActionKind
 from .comm import add_communication
-from .generators import Schedule, get_schedule
-from .virtual import VIRTUAL_SCHEDULES, virtual_schedule
+from .generators import Schedule
+from .registry import REGISTRY, get_schedule, virtual_schedule
 
 __all__ = ["early_input_grads", "split_backward", "training_schedule"]
 
@@ -24,13 +24,13 @@ def training_schedule(
     name: str, num_stages: int, num_microbatches: int, *, early_input_grad: bool = True
 ) -> Schedule:
     """The action list a flush schedule's batch runs: the compute order of ``name`` (one stage
-    per rank, or a schedule of :data:`~lightning_pipe2bw.schedule.virtual.VIRTUAL_SCHEDULES`),
+    per rank, or several: ``schedule.registry``),
     its communication, and with ``early_input_grad`` the :func:`early_input_grads` pass.
 
     The engine's driver runs this list (adding offload actions for BPipe and ordering each
     pair of ranks' messages, neither of which moves a compute action); the planner simulates
     it, so that the step it predicts is the one that runs."""
-    if name in VIRTUAL_SCHEDULES:
+    if name in REGISTRY and REGISTRY[name].virtual:
         compute = virtual_schedule(name, num_stages, num_microbatches)
     else:
         compute = get_schedule(name, num_stages, num_microbatches)

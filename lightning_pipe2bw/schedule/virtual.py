@@ -28,14 +28,11 @@ from .generators import Schedule, check_sizes, two_bw_version
 from .stream import PlacedStream
 
 __all__ = [
-    "VIRTUAL_SCHEDULES",
     "dualpipe_v",
     "interleaved_1f1b",
     "looped_placement",
-    "placement_of",
     "two_bw_v",
     "v_placement",
-    "virtual_schedule",
     "zb_v",
     "zb_v_pattern",
 ]
@@ -280,9 +277,6 @@ def _list_schedule(
     return tuple(tuple(lane) for lane in lanes)
 
 
-# Schedules with several stages per rank, by name (ranks, micro-batches) -> Schedule. The
-# engine runs one stage per rank today, so these are not in ``SCHEDULES`` (what the strategy
-# accepts) yet: the simulator, the validator and the planner's tables use them.
 def two_bw_v(num_ranks: int, num_microbatches: int, num_batches: int = 2) -> Schedule:
     """PipeDream-2BW on a V (rank r holds stages r and 2p - 1 - r) over ``num_batches``
     batches of m micro-batches, flushed only at the end: each rank's :class:`PlacedStream`
@@ -394,39 +388,3 @@ def _dualpipe_v_lane(p: int, m: int, r: int) -> tuple[Action, ...]:
     while owed:
         settle_one()
     return tuple(lane)
-
-
-VIRTUAL_SCHEDULES = {
-    "interleaved-1f1b": interleaved_1f1b,
-    "zb-v": zb_v,
-    "2bw-v": two_bw_v,
-    "dualpipe-v": dualpipe_v,
-}
-
-# the stages per rank of interleaved 1F1B when the strategy runs it
-INTERLEAVED_CHUNKS = 2
-
-
-def placement_of(name: str, num_ranks: int) -> tuple[int, ...] | None:
-    """Where schedule ``name`` puts the stages on ``num_ranks`` ranks: the rank of each stage,
-    or None for a schedule with one stage per rank."""
-    if name == "interleaved-1f1b":
-        return looped_placement(num_ranks, INTERLEAVED_CHUNKS)
-    if name in ("zb-v", "2bw-v", "dualpipe-v"):
-        return v_placement(num_ranks)
-    return None
-
-
-def virtual_schedule(name: str, num_ranks: int, num_microbatches: int) -> Schedule:
-    """The compute schedule the strategy runs for virtual-stage schedule ``name``."""
-    if name == "interleaved-1f1b":
-        return interleaved_1f1b(num_ranks, num_microbatches, INTERLEAVED_CHUNKS)
-    if name == "zb-v":
-        # the fixed order, laid out for 2p - 1 micro-batches or more, leaves holes at m = p,
-        # where the list order fills them (the simulator, at any F : I : W)
-        if num_microbatches > num_ranks:
-            return zb_v_pattern(num_ranks, num_microbatches)
-        return zb_v(num_ranks, num_microbatches)
-    if name == "dualpipe-v":
-        return dualpipe_v(num_ranks, num_microbatches)
-    raise ValueError(f"{name!r} is not a schedule with several stages per rank")
