@@ -29,7 +29,7 @@ from torch import nn
 
 from lightning_pipe2bw.partition.hf import pipe_model_for
 from lightning_pipe2bw.partition.split import check_split
-from lightning_pipe2bw.runtime.stage import BodyInput
+from lightning_pipe2bw.runtime.call import BodyInput
 
 transformers.logging.set_verbosity_error()
 

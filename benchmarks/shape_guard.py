@@ -120,7 +120,7 @@ def _first_block_cost(repeats: int = 20) -> list[dict[str, Any]]:
     """Seconds per micro-batch of the first block (capture of every layer's call) and of the
     whole model's forward, one process."""
     from lightning_pipe2bw.partition.hf import pipe_model_for
-    from lightning_pipe2bw.runtime.stage import BodyInput
+    from lightning_pipe2bw.runtime.call import BodyInput
 
     torch.set_num_threads(1)
     model = _model().train()

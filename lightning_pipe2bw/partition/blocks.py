@@ -38,7 +38,7 @@ from lightning_pipe2bw.partition.observe import TURN_OFF, SplitError, compare_ou
 from lightning_pipe2bw.partition.paths import get_path, set_path
 from lightning_pipe2bw.partition.replay import Blanks, ReadsBlanks, ReplayHead, forward_with
 from lightning_pipe2bw.partition.standin import Run, Stack
-from lightning_pipe2bw.runtime.stage import BodyInput
+from lightning_pipe2bw.runtime.call import BodyInput
 
 __all__ = ["First", "Junction", "Last", "Layer", "Part", "StackInfo", "whole"]
 

@@ -27,7 +27,7 @@ from lightning_pipe2bw.partition.observe import Observation, evaluating, observe
 from lightning_pipe2bw.partition.pipemodel import PipeModel
 from lightning_pipe2bw.partition.replay import ReplayHead
 from lightning_pipe2bw.partition.standin import training_kwargs
-from lightning_pipe2bw.runtime.stage import BodyInput
+from lightning_pipe2bw.runtime.call import BodyInput
 
 __all__ = ["hf_layout", "pipe_model_for", "training_kwargs"]
 

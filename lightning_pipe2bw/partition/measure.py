@@ -25,7 +25,7 @@ from lightning_pipe2bw.partition.timing import (
     time_split,
     tree_map,
 )
-from lightning_pipe2bw.runtime.stage import call_input
+from lightning_pipe2bw.runtime.call import call_input
 
 __all__ = [
     "MakeOptimizer",

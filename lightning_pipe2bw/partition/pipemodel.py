@@ -60,12 +60,8 @@ from torch import nn
 from lightning_pipe2bw.partition.blocks import First, Head, Junction, Last, Layer, Part, StackInfo
 from lightning_pipe2bw.partition.paths import get_path, set_path, skeleton
 from lightning_pipe2bw.partition.replay import Blanks
-from lightning_pipe2bw.runtime.stage import (
-    BodyInput,
-    add_block_index,
-    call_input,
-    drop_block_index,
-)
+from lightning_pipe2bw.runtime.call import BodyInput, call_input
+from lightning_pipe2bw.runtime.stage import add_block_index, drop_block_index
 
 __all__ = [
     "BodyInput",

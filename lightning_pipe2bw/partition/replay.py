@@ -24,7 +24,7 @@ from lightning_pipe2bw.partition.carry import Carry, Zeros, fill, template
 from lightning_pipe2bw.partition.observe import SplitError
 from lightning_pipe2bw.partition.paths import get_path, set_path
 from lightning_pipe2bw.partition.standin import Captured, Run, swapped, training_kwargs
-from lightning_pipe2bw.runtime.stage import BodyInput
+from lightning_pipe2bw.runtime.call import BodyInput
 
 __all__ = ["Blank", "Blanks", "ReadsBlanks", "ReplayHead", "forward_with"]
 

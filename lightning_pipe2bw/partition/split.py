@@ -16,7 +16,8 @@ from lightning_pipe2bw.partition.observe import TURN_OFF, SplitError, compare_ou
 from lightning_pipe2bw.partition.pipemodel import PipeModel, PipeModelBody
 from lightning_pipe2bw.partition.replay import ReadsBlanks
 from lightning_pipe2bw.partition.standin import split_call, training_kwargs
-from lightning_pipe2bw.runtime.stage import BodyInput, StageBody
+from lightning_pipe2bw.runtime.call import BodyInput
+from lightning_pipe2bw.runtime.stage import StageBody
 
 # the arguments the user's step passes to a model on the first micro-batch, or None
 CallOf = Callable[[nn.Module], BodyInput | None]

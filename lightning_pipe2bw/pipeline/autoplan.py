@@ -22,9 +22,9 @@ from lightning_pipe2bw.partition.planner import plan
 from lightning_pipe2bw.partition.plans import PlanResult
 from lightning_pipe2bw.partition.profile import ProfileSet
 from lightning_pipe2bw.partition.split import BodyRef
+from lightning_pipe2bw.runtime.call import BodyInput
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, split_batch
 from lightning_pipe2bw.runtime.shm import SharedMemoryTransport, create_transport
-from lightning_pipe2bw.runtime.stage import BodyInput
 from lightning_pipe2bw.runtime.transport import wire_device
 from lightning_pipe2bw.schedule import schedule_spec
 

@@ -20,8 +20,8 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map_only
 
 from lightning_pipe2bw.partition.observe import TURN_OFF, SplitError
+from lightning_pipe2bw.runtime.call import BodyInput
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, split_batch
-from lightning_pipe2bw.runtime.stage import BodyInput
 
 __all__ = ["SplitError", "check_every_parameter_used", "step_call"]
 

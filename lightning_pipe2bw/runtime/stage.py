@@ -4,73 +4,31 @@ from __future__ import annotations
 
 import itertools
 import operator
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils import _pytree as pytree
-from torch.utils.checkpoint import checkpoint
 
-from lightning_pipe2bw.runtime.inplace import copy_tensors, tensor_versions
+from lightning_pipe2bw.runtime.blocktimes import BlockTimer
+from lightning_pipe2bw.runtime.call import BodyInput
+from lightning_pipe2bw.runtime.recompute import Recomputation
 from lightning_pipe2bw.runtime.stash import ActivationStash
+from lightning_pipe2bw.runtime.weights import call_block, call_on, weights_by_block
 
 __all__ = [
     "BodyCall",
-    "BodyInput",
     "RemoteBlock",
     "StageBody",
     "add_block_index",
-    "call_input",
     "drop_block_index",
 ]
 
 # Called with (stage body, the input the user's step passed to the body); returns what the body
 # call returns to the user's code, or raises to stop the step (see runtime.engine).
 BodyCall = Callable[["StageBody", Any], Any]
-
-
-@dataclass(frozen=True)
-class BodyInput:
-    """The arguments the user's step passed to a body that takes any call
-    (``self.model(input_ids, labels=y)``, see ``partition.pipemodel``)."""
-
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-
-
-def _unflatten_body_input(children: Iterable[Any], _: Any) -> BodyInput:
-    args, kwargs = children
-    return BodyInput(tuple(args), dict(kwargs))
-
-
-# a pytree node: its tensors are found, copied and moved like those of a tuple or dict
-pytree.register_pytree_node(
-    BodyInput,
-    lambda b: ([b.args, b.kwargs], None),
-    _unflatten_body_input,
-    serialized_type_name="lightning_pipe2bw.BodyInput",
-)
-
-
-@contextmanager
-def call_input(block: nn.Module, call: Any) -> Iterator[None]:
-    """Give a block that takes them (``takes_call_input``: a model's last block, its head) the
-    step's own arguments for one call: on the last stage the body's input is the received
-    activation, while the head needs the step's labels."""
-    if not getattr(block, "takes_call_input", False):
-        yield
-        return
-    previous = block.__dict__.get("call_input")
-    block.__dict__["call_input"] = call if isinstance(call, BodyInput) else None
-    try:
-        yield
-    finally:
-        block.__dict__["call_input"] = previous
 
 
 class RemoteBlock(nn.Module):
@@ -173,16 +131,13 @@ class StageBody(nn.Module):
         # during a training forward: the stash told which block runs, and the micro-batch
         self.stash: ActivationStash | None = None
         self.microbatch: tuple[int, int] | None = None  # (stage, micro-batch)
-        # with ``timing``, each block's forward time during training, summed (live
-        # repartitioning reads and resets it); CUDA events are summed when read
-        self.timing = False
+        # each block's forward time during training, once on (live repartitioning)
+        self.timer = BlockTimer()
         # after a Trainer call, when the whole body could not be handed back: why (state_dict
         # then raises, unless the strategy itself reads it inside ``partial_access``)
         self.partial_reason: str | None = None
         self.built_on_meta = built_on_meta  # its blocks were built in configure_model (on meta)
         self._partial_access = 0
-        self._block_s: dict[int, float] = {}
-        self._block_events: list[tuple[int, Any, Any]] = []
         self.takes_any_call = takes_any_call
         self.owner: dict[str, int] | None = dict(owner) if owner is not None else None
         if self.owner is not None:
@@ -200,15 +155,8 @@ class StageBody(nn.Module):
         self.release = release
         # builds what the user's module holds again from every block (the hand-back)
         self.restore = restore
-        # recomputed regions (by their blocks' indices) whose first forward modified the
-        # region's input in place: they run on a copy of it, so the recomputation sees the
-        # input the first forward saw (see :meth:`_checkpoint`)
-        self._modifies_input: dict[tuple[int, ...], bool] = {}
-        # recomputed regions' buffers that a forward updates (batch norm's running statistics):
-        # the region's blocks and the (owner, name) of each such buffer
-        self._updated_buffers: dict[
-            tuple[int, ...], tuple[list[nn.Module], list[tuple[nn.Module, str]]]
-        ] = {}
+        # what each recomputed region's first forward showed (runtime.recompute)
+        self.recomputation = Recomputation()
 
     def run_again(self, recompute: bool, memory_plan: Mapping[int, str] | None) -> None:
         """A later Trainer call runs this (already partitioned) body again, with its own
@@ -356,75 +304,12 @@ class StageBody(nn.Module):
             call = None  # only a model's head takes the step's arguments
         indices = self.indices if stage is None else self.segment(stage)
         if self.recompute and torch.is_grad_enabled():
-            return self._checkpoint(tuple(indices), self._apply_blocks, x, weights, call, indices)
+            region = tuple(indices)
+            return self.recomputation.checkpoint(
+                region, [self.block(i) for i in region], self._apply_blocks, x, weights, call,
+                indices,
+            )  # fmt: skip
         return self._apply_blocks(x, weights, call, indices)
-
-    def _checkpoint(
-        self, region: tuple[int, ...], fn: Callable[..., Any], x: Any, *args: Any
-    ) -> Any:
-        """``fn(x, *args)`` under ``torch.utils.checkpoint`` (non-reentrant), for the blocks
-        ``region``.
-
-        The recomputation runs ``fn`` again on ``x``: if the first forward modified ``x`` in
-        place (an in-place first block), it would see the modified input. So the region's first
-        forward runs on a copy of ``x`` and records whether the copy was modified; from then on
-        only a region that modifies its input gets a copy (a clone per forward and per
-        recomputation), one that does not runs on ``x`` itself at no cost, and raises if it ever
-        does modify it.
-
-        The recomputation must not update the blocks' buffers a second time (batch norm's
-        running statistics and ``num_batches_tracked``; in train mode it normalises with the
-        batch's statistics, so its output does not depend on them): the buffers a forward
-        updates are saved before the recomputation and put back after it. Which buffers those
-        are is learnt from the region's first forward, by value (batch norm's kernel updates the
-        running statistics without bumping their version counters), and from version counters
-        and identities in every forward; static buffers (masks, caches) are never copied.
-        """
-        modifies = self._modifies_input.get(region)
-        modules = [self.block(i) for i in region]
-        first_run = [True]
-        changed: list[tuple[nn.Module, str]] = []  # the buffers the first forward changed
-
-        def run(inp: Any, *rest: Any) -> Any:
-            own = copy_tensors(inp) if modifies is not False else inp
-            if not first_run[0]:  # the recomputation
-                with _buffers_kept(changed):
-                    return fn(own, *rest)
-            first_run[0] = False
-            before = tensor_versions(own)
-            buffers = _buffer_versions(modules)
-            known = self._updated_buffers.get(region)
-            if known is not None and not _same_modules(known[0], modules):
-                known = None  # blocks moved since
-            values = None if known is not None else [b.clone() for _, _, b, _ in buffers]
-            out = fn(own, *rest)
-            updated = {
-                (id(m), n): (m, n)
-                for m, n, b, v in buffers
-                if m._buffers.get(n) is not b or b._version != v
-            }
-            if known is not None:
-                updated.update(((id(m), n), (m, n)) for m, n in known[1])
-            else:
-                assert values is not None
-                for (m, n, b, _), value in zip(buffers, values, strict=True):
-                    if not torch.equal(b, value):
-                        updated[(id(m), n)] = (m, n)
-                self._updated_buffers[region] = (modules, list(updated.values()))
-            changed.extend(updated.values())
-            modified = tensor_versions(own) != before
-            if modifies is None:
-                self._modifies_input[region] = modified
-            elif modified and not modifies:
-                raise RuntimeError(
-                    f"blocks {list(region)} of the pipeline body modified their input in "
-                    "place, which they did not do in their first recomputed forward: the "
-                    "recomputation would see the modified input. Keep in-place operations "
-                    "on a block's input unconditional, or do not recompute these blocks"
-                )
-            return out
-
-        return checkpoint(run, x, *args, use_reentrant=False)
 
     def _apply_blocks(
         self,
@@ -434,23 +319,25 @@ class StageBody(nn.Module):
         indices: Sequence[int] | None = None,
     ) -> Any:
         stash = self.stash
-        by_block = self._weights_by_block(weights) if weights is not None else {}
+        by_block = weights_by_block(weights, self.ties, self.indices) if weights is not None else {}
         for index in self.indices if indices is None else indices:
             block = self.block(index)
             own = by_block.get(index, {}) if weights is not None else None
             policy = self.memory_plan.get(index, "keep")
             if stash is not None:
                 stash.current_policy = policy
-            timed = self.timing and self.microbatch is not None
+            timed = self.timer.on and self.microbatch is not None
             if timed:
-                start = self._clock()
+                start = self.timer.clock(self.device_type)
             try:
                 if policy == "recompute" and torch.is_grad_enabled():
                     if stash is not None and self.microbatch is not None:
                         stash.note_held(self.microbatch, x)  # checkpoint keeps the input
-                    x = self._checkpoint((index,), _call_on, x, block, own, call)
+                    x = self.recomputation.checkpoint(
+                        (index,), [block], call_on, x, block, own, call
+                    )
                 else:
-                    x = _call_block(block, own, x, call)
+                    x = call_block(block, own, x, call)
             finally:
                 if stash is not None:
                     stash.current_policy = None
@@ -461,45 +348,8 @@ class StageBody(nn.Module):
                     "or dict of tensors and Python values)"
                 )
             if timed:
-                self._record(index, start)
+                self.timer.record(index, start, self.device_type)
         return x
-
-    def _weights_by_block(self, weights: Mapping[str, Tensor]) -> dict[int, dict[str, Tensor]]:
-        """``weights`` (names as in ``named_parameters()``: ``"<block>.<name in block>"``) split
-        by block, with each tied weight also under its names in the later blocks that use it."""
-        out: dict[int, dict[str, Tensor]] = {}
-        for key, value in weights.items():
-            head, _, local = key.partition(".")
-            out.setdefault(int(head), {})[local] = value
-        if self.ties:
-            for index, aliases in self._tie_aliases().items():
-                for local, source in aliases:
-                    out.setdefault(index, {})[local] = weights[source]
-        return out
-
-    def _tie_aliases(self) -> dict[int, list[tuple[str, str]]]:
-        """Block -> ``(name in the block, weight name)`` for the uses of a parameter that an
-        earlier block of this stage holds too: the weights of a version are named once (as in
-        ``named_parameters()``), under the stage's first use."""
-        out: dict[int, list[tuple[str, str]]] = {}
-        for tie in self.ties:
-            mine = [(b, n) for b, n in tie.uses if b in self.indices]
-            for block, name in mine[1:]:
-                out.setdefault(block, []).append((name, f"{mine[0][0]}.{mine[0][1]}"))
-        return out
-
-    def _clock(self) -> Any:
-        if self.device_type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def _record(self, index: int, start: Any) -> None:
-        if self.device_type == "cuda":
-            self._block_events.append((index, start, self._clock()))
-        else:
-            self._block_s[index] = self._block_s.get(index, 0.0) + time.perf_counter() - start
 
     @property
     def device_type(self) -> str:
@@ -508,19 +358,12 @@ class StageBody(nn.Module):
 
     def time_blocks(self) -> None:
         """Start timing every owned block's training forward (from zero)."""
-        self.timing = True
-        self.take_block_times()
+        self.timer.start()
 
     def take_block_times(self) -> dict[int, float]:
         """Each owned block's summed forward seconds since the previous call (training
         forwards only), and reset."""
-        for index, start, end in self._block_events:
-            end.synchronize()
-            self._block_s[index] = self._block_s.get(index, 0.0) + start.elapsed_time(end) / 1e3
-        self._block_events = []
-        out = {i: self._block_s.get(i, 0.0) for i in self.indices}
-        self._block_s = {}
-        return out
+        return self.timer.take(self.indices)
 
     @contextmanager
     def partial_access(self) -> Iterator[None]:
@@ -594,74 +437,3 @@ def drop_block_index(module: nn.Module, state: dict[str, Any], prefix: str, _: A
             if index.isdigit():
                 key = prefix + local
         state[key] = value
-
-
-def _buffer_versions(blocks: Iterable[nn.Module]) -> list[tuple[nn.Module, str, Tensor, int]]:
-    """Every buffer of ``blocks``: its owner, name, tensor and version counter."""
-    owners = dict.fromkeys(m for block in blocks for m in block.modules())
-    return [(m, n, b, b._version) for m in owners for n, b in m._buffers.items() if b is not None]
-
-
-def _same_modules(a: list[nn.Module], b: list[nn.Module]) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
-
-
-@contextmanager
-def _buffers_kept(buffers: list[tuple[nn.Module, str]]) -> Iterator[None]:
-    """Put ``buffers`` (owner, name) back as they were on entry, tensor and values, on exit."""
-    saved = [(m, n, m._buffers[n]) for m, n in buffers]
-    values = [b.clone() if b is not None else None for _, _, b in saved]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for (m, n, b), value in zip(saved, values, strict=True):
-                m._buffers[n] = b
-                if b is not None and value is not None:
-                    b.copy_(value)
-
-
-def _call_on(
-    x: Any, block: nn.Module, weights: Mapping[str, Tensor] | None, call: Any = None
-) -> Any:
-    return _call_block(block, weights, x, call)
-
-
-def _call_block(
-    block: nn.Module, weights: Mapping[str, Tensor] | None, x: Any, call: Any = None
-) -> Any:
-    with call_input(block, call):
-        if weights is None:
-            return block(x)
-        with _parameters_replaced(block, weights):
-            return block(x)
-
-
-@contextmanager
-def _parameters_replaced(block: nn.Module, weights: Mapping[str, Tensor]) -> Iterator[None]:
-    """Inside the block, ``block``'s parameters named in ``weights`` (names as in
-    ``block.named_parameters()``) are those tensors: what ``torch.func.functional_call(block,
-    weights, strict=False)`` does around a call, tied parameters included (a parameter a block
-    holds under several names takes its tensor under all of them). functional_call's general
-    machinery costs tens of microseconds per call, and 2BW calls every block of every
-    micro-batch with a weight version; this walks the block's modules once and swaps entries
-    of their ``_parameters`` (as torch's own swap does), then puts the parameters back."""
-    places: dict[int, list[tuple[nn.Module, str]]] = {}  # id(parameter) -> where it is held
-    held: dict[str, int] = {}  # every name of a parameter -> id(parameter)
-    for prefix, module in block.named_modules(remove_duplicate=False):
-        for attr, param in module._parameters.items():
-            if param is not None:
-                places.setdefault(id(param), []).append((module, attr))
-                held[f"{prefix}.{attr}" if prefix else attr] = id(param)
-    saved: list[tuple[nn.Module, str, Any]] = []
-    try:
-        for name, tensor in weights.items():
-            if name not in held:
-                raise KeyError(f"{type(block).__name__} has no parameter {name!r}")
-            for module, attr in places[held[name]]:
-                saved.append((module, attr, module._parameters[attr]))
-                module._parameters[attr] = tensor  # type: ignore[assignment]
-        yield
-    finally:
-        for module, attr, original in reversed(saved):
-            module._parameters[attr] = original

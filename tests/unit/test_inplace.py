@@ -33,12 +33,12 @@ def test_recompute_copies_only_regions_that_modify_their_input() -> None:
     same = x.detach().clone().requires_grad_()
     body.block(3)(torch.relu(same)).sum().backward()
     body.run_blocks(writable(x)).sum().backward()
-    assert body._modifies_input == {(2, 3): True}
+    assert body.recomputation.modifies_input == {(2, 3): True}
     assert x.grad is not None and torch.equal(x.grad, same.grad)
 
     late = StageBody([(0, _ModifiesOnSecondCall()), (1, nn.Linear(4, 4))], 1, 2, recompute=True)
     y = torch.randn(3, 4, requires_grad=True)
     late.run_blocks(writable(y)).sum().backward()
-    assert late._modifies_input == {(0, 1): False}
+    assert late.recomputation.modifies_input == {(0, 1): False}
     with pytest.raises(RuntimeError, match="which they did not do in their first recomputed"):
         late.run_blocks(writable(torch.randn(3, 4, requires_grad=True)))

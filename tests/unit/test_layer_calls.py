@@ -24,7 +24,7 @@ from lightning_pipe2bw.partition.carry import KEEP, Pending, advance, call_of, p
 from lightning_pipe2bw.partition.observe import SplitError
 from lightning_pipe2bw.partition.pipemodel import Released, release
 from lightning_pipe2bw.partition.replay import ReadsBlanks, ReplayHead
-from lightning_pipe2bw.runtime.stage import BodyInput
+from lightning_pipe2bw.runtime.call import BodyInput
 from lightning_pipe2bw.runtime.wire import Channel, encode
 
 

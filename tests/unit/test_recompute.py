@@ -40,7 +40,7 @@ def test_recomputation_restores_only_the_buffers_a_forward_updates() -> None:
     for key, value in plain.state_dict().items():
         assert torch.equal(body.state_dict()[key], value), key
     bn, masked = body.block(1), body.block(2)
-    ((_, learnt),) = body._updated_buffers.values()
+    ((_, learnt),) = body.recomputation.updated_buffers.values()
     assert {(id(m), n) for m, n in learnt} == {
         (id(bn), "running_mean"),
         (id(bn), "running_var"),

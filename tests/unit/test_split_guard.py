@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from lightning_pipe2bw.partition.hf import pipe_model_for
 from lightning_pipe2bw.partition.observe import SplitError, observe
 from lightning_pipe2bw.partition.split import check_split
-from lightning_pipe2bw.runtime.stage import BodyInput
+from lightning_pipe2bw.runtime.call import BodyInput
 
 
 def _opt_call() -> tuple[nn.Module, BodyInput]:
