@@ -1,5 +1,6 @@
-"""Shared fixtures (a seed, and process pools started once per test session), the helpers
-package on the path, and a marker per kind of test, from the folder it is in:
+"""Shared fixtures (a seed, and process pools started once per test session) and a marker per
+kind of test, from the folder it is in (the helpers package is on the path by pytest's
+``pythonpath`` setting, in pyproject.toml):
 
 - ``tests/unit``: one process, no pool of ranks, nothing launched (``-m unit``);
 - ``tests/ranks``: ranks of the session's pool, or ranks a ``Trainer`` spawns (``-m ranks``);
@@ -9,15 +10,11 @@ package on the path, and a marker per kind of test, from the folder it is in:
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, os.path.dirname(__file__))
-
 from helpers.pool import Pools
 
 torch.set_num_threads(1)
