@@ -5,7 +5,7 @@ Every configuration trains the main job's GPT (``lightning_pipe2bw.recipes.gpt``
 width 128, context 128, batches of 32 in 4 micro-batches, 10% warm-up then cosine decay to 10%;
 ``--n-embd`` and the others change it) on the Python standard library's sources from the same
 seed, weights and batches. A configuration is
-``<schedule>[-<correction>][/sync=<K>]:<optimizer>[@<AdamW's rate>]``:
+``<schedule>[-<correction>][/sync=<K>][/fresh]:<optimizer>[@<AdamW's rate>]``:
 
 * the synchronous schedules ``1f1b`` (exact: one device's gradient accumulation), ``zb-h1`` and
   ``interleaved-1f1b``. All three compute one device's gradient accumulation over the same
@@ -13,8 +13,9 @@ seed, weights and batches. A configuration is
   virtual-stage tests): the last two take ``1f1b``'s curve with the same optimizer, and only
   their time is measured (phase 2, whose 2-stage runs check their final loss);
 * ``2bw`` with a ``delay_correction`` (``2bw-none``, ``2bw-update_feedback``,
-  ``2bw-predict+error_feedback=0.5``...), and with a synchronous start of K steps
-  (``2bw-error_feedback/sync=30``: ``sync_steps=30``);
+  ``2bw-predict+error_feedback=0.5``...), with a synchronous start of K steps
+  (``2bw-error_feedback/sync=30``: ``sync_steps=30``) and with a fresh last stage
+  (``2bw-update_feedback/fresh``: ``fresh_last_stage=True``);
 * ``adamw``, or ``muon`` (``MuonAdamW``: Muon on the blocks' matrices, AdamW on the rest, one
   learning rate for both; ``muon@0.002``: the AdamW part at 2e-3 of its own, the swept rate
   being Muon's);
@@ -25,8 +26,10 @@ It runs in two phases:
 1. **curves**: every configuration at every learning rate, trained by the strategy on one
    process (p = 1), two runs at a time with one thread each. The update rules do not depend on
    the number of stages: the tests prove each equal, bit for bit, to its single-process
-   reference at p = 2 and 4 (``tests/ranks/test_delay.py``, ``tests/ranks/test_exactness.py``), and phase 2
-   checks that 2 stages give this phase's final loss.
+   reference at p = 2 and 4 (``tests/ranks/test_delay.py``, ``tests/ranks/test_exactness.py``),
+   and phase 2 checks that 2 stages give this phase's final loss. A fresh last stage is the
+   exception (which blocks run without the delay depends on the split): its curves are trained
+   on 2 stages, one run at a time.
 2. **pipeline**: the best learning rate of each configuration (lowest final validation loss),
    trained by the real strategy on 2 processes (2 stages); its final validation loss is checked
    against phase 1's. Then ``--timing-rounds`` rounds of short runs of every configuration, in
