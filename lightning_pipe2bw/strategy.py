@@ -39,16 +39,8 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_pipe2bw import compat
-from lightning_pipe2bw.agreement import agree_across_stages, check_same_setup, setup_settings
-from lightning_pipe2bw.averaging import average_stage, check_averaging, whole_averages
 from lightning_pipe2bw.callbacks.summary import use_pipeline_summary
 from lightning_pipe2bw.callbacks.view import PipelineView
-from lightning_pipe2bw.checkpointing import checkpoint_barrier, load_trusting, write_replacing
-from lightning_pipe2bw.delivery import StepDelivery
-from lightning_pipe2bw.failures import lost_rank, names_lost_ranks, stop_workers_after
-from lightning_pipe2bw.hooklogs import stage_logs
-from lightning_pipe2bw.launcher import PipePopenLauncher, PipeSpawnLauncher, kill_workers
-from lightning_pipe2bw.loaders import batch_fingerprint, last_batch_problem, seed_sampler
 from lightning_pipe2bw.partition import Partition, find_body
 from lightning_pipe2bw.partition.plans import PlanResult
 from lightning_pipe2bw.pipeline.assembly import build_runtime, place_stage, resolve_balance
@@ -73,22 +65,30 @@ from lightning_pipe2bw.pipeline.repartition import Repartition, Repartitioner
 from lightning_pipe2bw.pipeline.signals import SignalGuard
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
 from lightning_pipe2bw.pipeline.topology import Topology
-from lightning_pipe2bw.planning import check_plan, finish_plan_check, plan_auto
-from lightning_pipe2bw.process_group import (
+from lightning_pipe2bw.runtime import PipelineEngine, StageBody
+from lightning_pipe2bw.runtime.driver import Driver
+from lightning_pipe2bw.runtime.failure import StageFailure
+from lightning_pipe2bw.schedule import REGISTRY, ActivationBudget
+from lightning_pipe2bw.seam.agreement import agree_across_stages, check_same_setup, setup_settings
+from lightning_pipe2bw.seam.averaging import average_stage, check_averaging, whole_averages
+from lightning_pipe2bw.seam.checkpointing import checkpoint_barrier, load_trusting, write_replacing
+from lightning_pipe2bw.seam.delivery import StepDelivery
+from lightning_pipe2bw.seam.failures import lost_rank, names_lost_ranks, stop_workers_after
+from lightning_pipe2bw.seam.hooklogs import stage_logs
+from lightning_pipe2bw.seam.launcher import PipePopenLauncher, PipeSpawnLauncher, kill_workers
+from lightning_pipe2bw.seam.loaders import batch_fingerprint, last_batch_problem, seed_sampler
+from lightning_pipe2bw.seam.planning import check_plan, finish_plan_check, plan_auto
+from lightning_pipe2bw.seam.process_group import (
     broadcast_object,
     connect,
     control_group,
     is_initialized,
     rank_zero_decision,
 )
-from lightning_pipe2bw.repartitioning import checkpoint_layout, move_blocks, repartition_at
-from lightning_pipe2bw.requeue import RequeueRelay
-from lightning_pipe2bw.runtime import PipelineEngine, StageBody
-from lightning_pipe2bw.runtime.driver import Driver
-from lightning_pipe2bw.runtime.failure import StageFailure
-from lightning_pipe2bw.schedule import REGISTRY, ActivationBudget
-from lightning_pipe2bw.steplog import quiet_epoch_sync_advice, share_metrics
-from lightning_pipe2bw.steps import PipelinedSteps, scaler_of
+from lightning_pipe2bw.seam.repartitioning import checkpoint_layout, move_blocks, repartition_at
+from lightning_pipe2bw.seam.requeue import RequeueRelay
+from lightning_pipe2bw.seam.steplog import quiet_epoch_sync_advice, share_metrics
+from lightning_pipe2bw.seam.steps import PipelinedSteps, scaler_of
 
 __all__ = ["Pipe2BWStrategy"]
 

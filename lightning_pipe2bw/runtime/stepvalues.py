@@ -19,7 +19,7 @@ class StepValues:
     their own: one device would have them all. Empty on a stage other than the last until they
     arrive. The last stage fills the fields in three places: the stage's runtime (``loss``,
     ``extra``, ``output``), the step's recording (``logs``, ``appended``, ``metrics``,
-    ``lightning_pipe2bw.steplog``) and the strategy (``batch``, ``requeue``).
+    ``lightning_pipe2bw.seam.steplog``) and the strategy (``batch``, ``requeue``).
 
     A pytree node (``torch.utils._pytree``): the channel moves every tensor in it to the host.
     """

@@ -1,7 +1,7 @@
 """A pool of local gloo ranks, started once, that run functions on request (tests, benchmarks).
 
 Workers look to Lightning like ranks started by ``torchrun`` (see
-:func:`~lightning_pipe2bw.launcher.torchrun_environment`), so a ``Trainer(strategy=...,
+:func:`~lightning_pipe2bw.seam.launcher.torchrun_environment`), so a ``Trainer(strategy=...,
 devices=N)`` built inside them launches nothing, and many Trainer runs share one process group.
 A task that fails or times out on any rank tears the pool down (a stuck rank cannot be reused);
 the next task starts a fresh one.
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_pipe2bw.launcher import torchrun_environment
+from lightning_pipe2bw.seam.launcher import torchrun_environment
 
 __all__ = ["Pools", "RankPool", "TaskError"]
 

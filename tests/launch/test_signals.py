@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from helpers import JOBS
 
-from lightning_pipe2bw.launcher import WorkerWatch
+from lightning_pipe2bw.seam.launcher import WorkerWatch
 
 LIMIT_S = 30.0  # every process gone within this of the signal
 

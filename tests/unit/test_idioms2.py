@@ -42,7 +42,7 @@ def test_stage_body_indexes_like_the_sequential() -> None:
 
 
 def test_the_last_batch_check_knows_when_the_last_batch_runs() -> None:
-    from lightning_pipe2bw.loaders import last_batch_problem
+    from lightning_pipe2bw.seam.loaders import last_batch_problem
 
     short = _data(41, 8)
     assert last_batch_problem(short, 2, 1.0, -1) is not None
@@ -58,7 +58,7 @@ def test_merging_what_the_stages_log_in_gradient_hooks() -> None:
     """Names one stage logs keep its value, names logged alike are logged once, Lightning's
     ``grad_norm`` total is the p-norm of every stage's per-parameter norms, a tied copy's name
     gives way to its primary's, and names logged with different values are reported."""
-    from lightning_pipe2bw.hooklogs import LogCall, merge_stage_logs
+    from lightning_pipe2bw.seam.hooklogs import LogCall, merge_stage_logs
 
     def call(name: str, value: float) -> LogCall:
         return LogCall("on_before_optimizer_step", name, torch.tensor(value), {})
@@ -83,7 +83,7 @@ def test_merging_what_the_stages_log_in_gradient_hooks() -> None:
 
 
 def test_a_batch_fingerprint_tells_samples_apart() -> None:
-    from lightning_pipe2bw.loaders import batch_fingerprint
+    from lightning_pipe2bw.seam.loaders import batch_fingerprint
 
     x = torch.randn(6, 3, 32, 32)
     names = [f"n{i}" for i in range(6)]

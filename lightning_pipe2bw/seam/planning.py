@@ -15,7 +15,6 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_pipe2bw import compat
-from lightning_pipe2bw.loopcost import loop_costs
 from lightning_pipe2bw.partition import BodyRef
 from lightning_pipe2bw.partition.plans import PlanResult
 from lightning_pipe2bw.pipeline.autoplan import (
@@ -26,6 +25,7 @@ from lightning_pipe2bw.pipeline.autoplan import (
 )
 from lightning_pipe2bw.pipeline.options import PipeOptions
 from lightning_pipe2bw.runtime.microbatch import batch_size_of
+from lightning_pipe2bw.seam.loopcost import loop_costs
 
 __all__ = ["check_plan", "finish_plan_check", "plan_auto"]
 

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, cast
 
 from lightning_pipe2bw import compat
-from lightning_pipe2bw.launcher import PipePopenLauncher, signal_workers, stop_workers
 from lightning_pipe2bw.pipeline.peers import PeerDirectory
 from lightning_pipe2bw.runtime.failure import SignalStop, StageFailure
+from lightning_pipe2bw.seam.launcher import PipePopenLauncher, signal_workers, stop_workers
 
 __all__ = ["lost_rank", "names_lost_ranks", "stop_workers_after"]
 

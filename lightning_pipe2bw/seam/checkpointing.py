@@ -15,8 +15,8 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_pipe2bw.pipeline.options import DEFAULT_TIMEOUT
-from lightning_pipe2bw.process_group import is_initialized
 from lightning_pipe2bw.runtime.failure import StageFailure
+from lightning_pipe2bw.seam.process_group import is_initialized
 
 __all__ = ["SAVE_WAIT", "checkpoint_barrier", "load_trusting", "write_replacing"]
 

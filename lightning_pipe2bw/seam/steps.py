@@ -22,13 +22,13 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import Tensor
 
 from lightning_pipe2bw import compat
-from lightning_pipe2bw.delivery import StepDelivery
-from lightning_pipe2bw.hooklogs import StageLogs
 from lightning_pipe2bw.pipeline.intake import check_every_parameter_used
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
-from lightning_pipe2bw.requeue import RequeueRelay
 from lightning_pipe2bw.runtime.driver import DueGradient
-from lightning_pipe2bw.steplog import StepRecording
+from lightning_pipe2bw.seam.delivery import StepDelivery
+from lightning_pipe2bw.seam.hooklogs import StageLogs
+from lightning_pipe2bw.seam.requeue import RequeueRelay
+from lightning_pipe2bw.seam.steplog import StepRecording
 
 __all__ = ["PipelinedSteps", "scaler_of"]
 

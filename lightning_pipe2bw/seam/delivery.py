@@ -21,11 +21,11 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from lightning_pipe2bw.loaders import FingerprintCheck, describe_loader
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
-from lightning_pipe2bw.requeue import RequeueRelay
 from lightning_pipe2bw.runtime.stepvalues import StepValues
-from lightning_pipe2bw.steplog import StepRecording, scalar_on
+from lightning_pipe2bw.seam.loaders import FingerprintCheck, describe_loader
+from lightning_pipe2bw.seam.requeue import RequeueRelay
+from lightning_pipe2bw.seam.steplog import StepRecording, scalar_on
 
 __all__ = ["LOADERS", "StepDelivery", "hook_reading", "missing_like"]
 

@@ -150,7 +150,7 @@ def measure_loop_costs(timeout_s: float = _TIMEOUT_S) -> LoopCosts:
 def _run(world_size: int, timeout_s: float) -> list[float]:
     """The tiny run on ``world_size`` child processes (one rank each): rank 0's median step
     seconds at 1 and at :data:`MICROBATCHES` micro-batches."""
-    from lightning_pipe2bw.launcher import _free_port, torchrun_environment
+    from lightning_pipe2bw.seam.launcher import _free_port, torchrun_environment
 
     base = {
         k: v
@@ -163,7 +163,7 @@ def _run(world_size: int, timeout_s: float) -> list[float]:
     port = _free_port()
     children = [
         subprocess.Popen(
-            [sys.executable, "-m", "lightning_pipe2bw.loopcost"],
+            [sys.executable, "-m", "lightning_pipe2bw.seam.loopcost"],
             env={**base, **torchrun_environment(rank, world_size, port, "pipe2bw-loop-costs")},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
