@@ -1,0 +1,465 @@
+"""Every option of the strategy, declared once: its name, default, parser (which checks its
+value alone and normalises it) and what the Hydra config and the docs say of it. ``PipeOptions``
+(``pipeline/options.py``) is built from this table, ``lightning_pipe2bw.config`` derives the
+Hydra schema from it, and tests hold the strategy's signature, the YAMLs and
+``docs/configuration.md`` to it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal, get_args
+
+from lightning_pipe2bw.optim.delay import CORRECTIONS, canonical_correction
+from lightning_pipe2bw.pipeline.problems import Problem
+from lightning_pipe2bw.runtime.stash import check_memory_plan
+from lightning_pipe2bw.schedule import REGISTRY, ActivationBudget
+
+__all__ = [
+    "BALANCE_MODES",
+    "DEFAULT_SCHEDULE",
+    "DEFAULT_TIMEOUT",
+    "OPTIONS",
+    "OPTION_NAMES",
+    "START_METHODS",
+    "BadOption",
+    "BalanceMode",
+    "Option",
+    "StartMethod",
+    "StateDictType",
+]
+
+BalanceMode = Literal["uniform", "params", "auto"]
+BALANCE_MODES: tuple[str, ...] = get_args(BalanceMode)
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+START_METHODS: tuple[str, ...] = get_args(StartMethod)
+StateDictType = Literal["full", "sharded"]
+STATE_DICT_TYPES: tuple[str, ...] = get_args(StateDictType)
+
+# how long a rank waits for another before the run stops (torch's own default is 30 minutes)
+DEFAULT_TIMEOUT = timedelta(minutes=3)
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+_SAME: Any = object()  # a config field's default: the option's own
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of the strategy, declared once (:data:`OPTIONS`): its keyword, its default,
+    and its check, which normalises a value into :class:`PipeOptions` fields or raises the
+    option's :class:`Problem`; then how a Hydra config holds it (``config_type``, the config's
+    name and default when they differ, ``from_config``: the config's value as the keyword's)
+    and what the config's reader needs to know (``note``)."""
+
+    name: str
+    default: Any
+    parse: Callable[[Any], dict[str, Any]]
+    config_type: Any
+    config_name: str = ""  # "": the option's name
+    config_default: Any = _SAME
+    from_config: Callable[[Any], Any] | None = None
+    note: str = ""
+
+    @property
+    def field_name(self) -> str:
+        """The option's name in a config."""
+        return self.config_name or self.name
+
+    @property
+    def field_default(self) -> Any:
+        """The option's default in a config."""
+        return self.default if self.config_default is _SAME else self.config_default
+
+    def configured(self, value: Any) -> Any:
+        """A config's value as the strategy's keyword value."""
+        return self.from_config(value) if self.from_config is not None else value
+
+
+# the schedule Pipe2BWStrategy() trains with: the one that reaches a given loss soonest on the
+# main job, measured (benchmarks/convergence.py; docs/pipedream-2bw.md, "Time to accuracy"). A
+# synchronous schedule: at every horizon measured, 2BW's delay costs more steps than its missing
+# bubble saves, with every remedy (docs/pipedream-2bw.md, "Which schedule, which optimizer")
+DEFAULT_SCHEDULE = "1f1b"
+
+
+class BadOption(Exception):
+    """An option's value its parser refuses: the :class:`Problem` it makes."""
+
+    def __init__(self, option: str, value: Any, message: str, **kwargs: Any) -> None:
+        super().__init__(message)
+        self.problem = Problem(option, value, message, **kwargs)
+
+
+def _schedule(value: Any) -> dict[str, Any]:
+    names = tuple(REGISTRY)
+    if value not in names:
+        valid = ", ".join(repr(name) for name in names)
+        raise BadOption(
+            "schedule",
+            value,
+            f"unknown schedule {value!r}; valid schedules: {valid}",
+            choices=names,
+        )
+    return {"schedule": value}
+
+
+def _microbatches(value: Any) -> dict[str, Any]:
+    if value is not None and not _positive_int(value):
+        raise BadOption(
+            "microbatches", value, f"microbatches must be a positive int, got {value!r}"
+        )
+    return {"microbatches": value}
+
+
+def _flush_every(value: Any) -> dict[str, Any]:
+    if value is not None and not _positive_int(value):
+        raise BadOption(
+            "flush_every",
+            value,
+            f"flush_every must be a positive int (batches) or None, got {value!r}",
+        )
+    return {"flush_every": value}
+
+
+def _balance(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {"balance": None, "balance_mode": None}
+    if isinstance(value, str):
+        if value not in BALANCE_MODES:
+            modes = ", ".join(repr(m) for m in BALANCE_MODES)
+            raise BadOption(
+                "balance",
+                value,
+                f"balance={value!r} is not a balance mode ({modes}) nor a list of block counts "
+                "per stage such as [3, 5]",
+                choices=BALANCE_MODES,
+            )
+        return {"balance": None, "balance_mode": value}
+    wrong_type = f"balance must be a list of block counts per stage, got {value!r}"
+    if isinstance(value, bytes) or not isinstance(value, Iterable):
+        raise BadOption("balance", value, wrong_type, kind=TypeError)
+    counts = list(value)
+    if not counts:
+        raise BadOption(
+            "balance",
+            value,
+            "balance=[] lists no stage; give one block count per stage, or None for an even split",
+        )
+    if not all(isinstance(b, int) and not isinstance(b, bool) for b in counts):
+        raise BadOption("balance", value, wrong_type, kind=TypeError)
+    if any(b <= 0 for b in counts):
+        raise BadOption(
+            "balance", value, f"every stage needs at least one block, but balance={counts}"
+        )
+    return {"balance": tuple(counts), "balance_mode": None}
+
+
+def _body(value: Any) -> dict[str, Any]:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise BadOption(
+            "body",
+            value,
+            f"body must be the dotted attribute name of the nn.Sequential body (e.g. "
+            f"'encoder.layers') or None, got {value!r}",
+            kind=TypeError,
+        )
+    return {"body": value}
+
+
+def _start_method(value: Any) -> dict[str, Any]:
+    if value not in START_METHODS:
+        raise BadOption(
+            "start_method",
+            value,
+            f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {value!r}",
+            choices=START_METHODS,
+        )
+    return {"start_method": value}
+
+
+def _backend(value: Any) -> dict[str, Any]:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise BadOption(
+            "process_group_backend",
+            value,
+            f"process_group_backend must be a torch.distributed backend name such as 'gloo' or "
+            f"'nccl', or None for the device's default, got {value!r}",
+            kind=TypeError,
+        )
+    return {"process_group_backend": value}
+
+
+def _timeout(value: Any) -> dict[str, Any]:
+    if value is not None and not isinstance(value, timedelta):
+        raise BadOption(
+            "timeout",
+            value,
+            f"timeout must be a datetime.timedelta (e.g. timedelta(minutes=10)) or None, got "
+            f"{value!r}",
+            kind=TypeError,
+        )
+    if value is not None and value.total_seconds() <= 0:
+        raise BadOption(
+            "timeout",
+            value,
+            f"timeout must be positive, got {value!r} ({value.total_seconds():g} s): it is how "
+            "long a rank waits for another before giving up; give e.g. timedelta(minutes=10), or "
+            f"None for the default ({DEFAULT_TIMEOUT.total_seconds() / 60:g} minutes)",
+        )
+    return {"timeout": value}
+
+
+def _state_dict_type(value: Any) -> dict[str, Any]:
+    if value not in STATE_DICT_TYPES:
+        raise BadOption(
+            "state_dict_type",
+            value,
+            f"state_dict_type must be 'full' (one consolidated file) or 'sharded' (a directory "
+            f"of per-stage files), got {value!r}",
+            choices=STATE_DICT_TYPES,
+        )
+    return {"state_dict_type": value}
+
+
+def _data_parallel(value: Any) -> dict[str, Any]:
+    if not _positive_int(value):
+        raise BadOption(
+            "data_parallel",
+            value,
+            f"data_parallel must be a positive int (pipeline replicas), got {value!r}",
+        )
+    return {"data_parallel": value}
+
+
+def _recompute(value: Any) -> dict[str, Any]:
+    if value is None or isinstance(value, bool):
+        return {"recompute": value}
+    wrong = f"recompute must be a bool or a list of one bool per stage, got {value!r}"
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise BadOption("recompute", value, wrong, kind=TypeError)
+    flags = tuple(value)
+    if not flags or not all(isinstance(f, bool) for f in flags):
+        raise BadOption("recompute", value, wrong, kind=TypeError)
+    return {"recompute": flags}
+
+
+def _memory_plan(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {"memory_plan": None}
+    if not isinstance(value, Mapping):
+        raise BadOption(
+            "memory_plan",
+            value,
+            f"memory_plan must map block indices to policies, e.g. {{0: 'recompute', 5: 'swap'}}, "
+            f"got {value!r}",
+            kind=TypeError,
+        )
+    try:
+        return {"memory_plan": check_memory_plan(value)}
+    except ValueError as err:
+        raise BadOption("memory_plan", value, str(err)) from None
+
+
+def _balance_activations(value: Any) -> dict[str, Any]:
+    if value is None or isinstance(value, bool):
+        return {"activation_budget": ActivationBudget() if value else None}
+    try:
+        return {"activation_budget": ActivationBudget(microbatches=value)}
+    except ValueError as err:
+        raise BadOption("balance_activations", value, str(err)) from None
+
+
+def _repartition_every(value: Any) -> dict[str, Any]:
+    if value is not None and not _positive_int(value):
+        raise BadOption(
+            "repartition_every",
+            value,
+            f"repartition_every must be a positive int (steps) or None, got {value!r}",
+        )
+    return {"repartition_every": value}
+
+
+def _repartition_threshold(value: Any) -> dict[str, Any]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 10:
+        raise BadOption(
+            "repartition_threshold",
+            value,
+            "repartition_threshold must be a fraction >= 0 such as 0.15 (15% slower), got "
+            f"{value!r}",
+        )
+    return {"repartition_threshold": float(value)}
+
+
+def _early_input_grad(value: Any) -> dict[str, Any]:
+    if not isinstance(value, bool):
+        raise BadOption(
+            "early_input_grad",
+            value,
+            f"early_input_grad must be True or False, got {value!r}",
+            kind=TypeError,
+        )
+    return {"early_input_grad": value}
+
+
+def _sync_steps(value: Any) -> dict[str, Any]:
+    whole = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    share = isinstance(value, float) and 0 < value < 1
+    if not (whole or share):
+        raise BadOption(
+            "sync_steps",
+            value,
+            f"sync_steps must be an int >= 0 (the batches 2BW runs synchronously before its "
+            f"delayed rule starts; 0: none) or a float between 0 and 1 (that share of the fit's "
+            f"optimizer steps, e.g. 0.8), got {value!r}",
+        )
+    return {"sync_steps": value}
+
+
+def _fresh_last_stage(value: Any) -> dict[str, Any]:
+    if not isinstance(value, bool):
+        raise BadOption(
+            "fresh_last_stage",
+            value,
+            f"fresh_last_stage must be True or False, got {value!r}",
+            kind=TypeError,
+        )
+    return {"fresh_last_stage": value}
+
+
+def _check_split(value: Any) -> dict[str, Any]:
+    if not isinstance(value, bool):
+        raise BadOption(
+            "check_split",
+            value,
+            f"check_split must be True or False, got {value!r}",
+            kind=TypeError,
+        )
+    return {"check_split": value}
+
+
+def _delay_correction(value: Any) -> dict[str, Any]:
+    if value == "auto":
+        return {"delay_correction": value}
+    try:
+        return {"delay_correction": canonical_correction(value)}
+    except ValueError as err:
+        message = str(err)
+        if isinstance(value, str) and "+" not in value and "=" not in value:
+            valid = ", ".join(repr(n) for n in ("auto", *CORRECTIONS))
+            message = (
+                f"unknown delay_correction {value!r}; valid: {valid}, or several joined by '+' "
+                "(e.g. 'predict+error_feedback=0.5')"
+            )
+        raise BadOption("delay_correction", value, message) from None
+
+
+def _listed_unless(kind: type) -> Callable[[Any], Any]:
+    """A config's sequence (Hydra's ``ListConfig``) as a list; None or a ``kind`` as is."""
+    return lambda value: value if value is None or isinstance(value, kind) else list(value)
+
+
+def _mapped(value: Any) -> Any:
+    """A config's mapping (Hydra's ``DictConfig``) as a dict."""
+    return None if value is None else dict(value.items())
+
+
+def _seconds(value: Any) -> Any:
+    return timedelta(seconds=value) if value is not None else DEFAULT_TIMEOUT
+
+
+# Every option, declared once, in the order of the strategy's signature and of the problems
+# listed. ``PipeOptions.create`` reads the defaults and checks; ``lightning_pipe2bw.config``
+# derives the Hydra schema (``StrategyConfig``) from the ``config_*`` fields; a unit test holds
+# ``Pipe2BWStrategy.__init__``'s keywords and defaults to this table.
+OPTIONS: tuple[Option, ...] = (
+    Option("schedule", DEFAULT_SCHEDULE, _schedule, str),
+    Option(
+        "microbatches", None, _microbatches, int | None, config_default=4,
+        note="per batch; at least the number of stages under 2bw",
+    ),
+    Option(
+        "flush_every", None, _flush_every, int | None,
+        note="also drain the pipeline every this many batches (2bw, pipedream)",
+    ),
+    Option(
+        "balance", None, _balance, Any, from_config=_listed_unless(str),
+        note='blocks per stage, e.g. [3, 3], or a mode: "uniform", "params", "auto" (profile and '
+        "plan)",
+    ),
+    Option("body", None, _body, str | None, note="the dotted name of the nn.Sequential body"),
+    Option(
+        "start_method", "popen", _start_method, str, config_default="auto",
+        note='"auto": "popen" for a single run, "spawn" under --multirun '
+        "(config.resolve_start_method)",
+    ),
+    Option(
+        "process_group_backend", None, _backend, str | None,
+        note="None: gloo on CPU, nccl on CUDA",
+    ),
+    Option(
+        "timeout", DEFAULT_TIMEOUT, _timeout, float | None, config_name="timeout_s",
+        config_default=None, from_config=_seconds,
+        note="process-group timeout in seconds; None: the strategy default (3 min)",
+    ),
+    Option(
+        "state_dict_type", "full", _state_dict_type, str,
+        note='"full": one consolidated file; "sharded": a torch.distributed.checkpoint directory',
+    ),
+    Option(
+        "data_parallel", 1, _data_parallel, int,
+        note="pipeline replicas (devices must be a multiple)",
+    ),
+    Option(
+        "recompute", None, _recompute, Any, from_config=_listed_unless(bool),
+        note="recompute activations in the backward: a bool, or one per stage; None: off, or "
+        "the planner's choice with balance=auto",
+    ),
+    Option(
+        "memory_plan", None, _memory_plan, Any, from_config=_mapped,
+        note='per block index: "keep", "recompute", "swap" (to host) or "evict" (to the '
+        "partner stage)",
+    ),
+    Option(
+        "balance_activations", None, _balance_activations, Any,
+        note="BPipe: true (the balanced share), or a budget in micro-batches per evicting stage",
+    ),
+    Option(
+        "repartition_every", None, _repartition_every, int | None,
+        note="vPipe: check the stages' measured times every this many steps and move blocks",
+    ),
+    Option(
+        "repartition_threshold", 0.15, _repartition_threshold, float,
+        note="move when the slowest stage is this much over the best split",
+    ),
+    Option(
+        "early_input_grad", True, _early_input_grad, bool,
+        note="flush schedules: send the last (GPipe: and the first) micro-batch's input "
+        "gradient before the weights' gradients",
+    ),
+    Option(
+        "delay_correction", "auto", _delay_correction, str,
+        note="2bw/pipedream: auto (the schedule's default), none, predict, error_feedback, "
+        "nesterov or update_feedback, or several joined by '+'",
+    ),
+    Option(
+        "sync_steps", 0, _sync_steps, Any,
+        note="2bw: the first this many batches run synchronously (flushed, at the newest "
+        "weights), then the delayed rule; a float in (0, 1): that share of the fit's steps",
+    ),
+    Option(
+        "fresh_last_stage", False, _fresh_last_stage, bool,
+        note="2bw: the last stage runs each batch at its newest weights (its update lands in "
+        "the same step, uncorrected); the stages before it keep the delay",
+    ),
+    Option(
+        "check_split", True, _check_split, bool,
+        note="models that are not an nn.Sequential: check the split's output against the whole "
+        "model's at set-up, and that every parameter gets a gradient at the first update",
+    ),
+)  # fmt: skip
+OPTION_NAMES = frozenset(option.name for option in OPTIONS)
