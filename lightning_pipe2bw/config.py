@@ -2,7 +2,7 @@
 
 :class:`StrategyConfig` holds ``Pipe2BWStrategy``'s options in types Hydra can hold (a timeout
 in seconds, a start method that may be ``"auto"``); it is made from the options' table
-(``pipeline.options.OPTIONS``), so a new option needs no line here. It is checked by the same
+(``pipeline.optiontable.OPTIONS``), so a new option needs no line here. It is checked by the same
 code as the strategy: :func:`strategy_problems` builds :class:`~lightning_pipe2bw.pipeline.options.PipeOptions`
 and the process layout from it and words their problems for a config (``strategy.<option>``);
 :func:`build_strategy` builds the strategy from the same options. A recipe composes these with
@@ -34,7 +34,7 @@ START_METHODS = ("auto", "popen", "spawn", "fork", "forkserver")
 
 
 def _strategy_config() -> type:
-    """``StrategyConfig``, made from the options' table (``pipeline.options.OPTIONS``)."""
+    """``StrategyConfig``, made from the options' table (``pipeline.optiontable.OPTIONS``)."""
     cls = make_dataclass(
         "StrategyConfig",
         [(o.field_name, o.config_type, field(default=o.field_default)) for o in OPTIONS],
@@ -42,7 +42,7 @@ def _strategy_config() -> type:
     cls.__module__ = __name__
     cls.__doc__ = (
         "``Pipe2BWStrategy``'s options (``configs/strategy/<schedule>.yaml``), one field per "
-        "option of ``lightning_pipe2bw.pipeline.options.OPTIONS``:\n\n"
+        "option of ``lightning_pipe2bw.pipeline.optiontable.OPTIONS``:\n\n"
         + "\n".join(f"- ``{o.field_name}``: {o.note}" for o in OPTIONS if o.note)
     )
     return cls

@@ -217,7 +217,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         check_split: bool = True,
         **kwargs: Any,
     ) -> None:
-        # the keywords are the options' table (pipeline.options.OPTIONS, held to this signature
+        # the keywords are the options' table (pipeline.optiontable.OPTIONS, held to this signature
         # by tests/unit/test_options.py), given as they are
         given = {name: value for name, value in locals().items() if name in OPTION_NAMES}
         super().__init__(**kwargs)

@@ -3,7 +3,7 @@ precision, the partition (those against the process layout are ``Topology.option
 which the layout's rewrite keeps for now). Each is a pure function of plain values returning the
 collected problems (:class:`~lightning_pipe2bw.pipeline.problems.Problem`); the caller raises them
 at once (:func:`~lightning_pipe2bw.pipeline.problems.raise_problems`). The checks of one option's
-value alone live with its declaration (``pipeline/options.py``).
+value alone live with its declaration (``pipeline/optiontable.py``).
 """
 
 from __future__ import annotations
