@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure, mark_action
+from lightning_pipe2bw.runtime.failure import StageFailure, lost_peer, mark_action
 from lightning_pipe2bw.runtime.inplace import writable
 from lightning_pipe2bw.runtime.payload import (
     StepFn,
@@ -36,6 +36,7 @@ from lightning_pipe2bw.runtime.slots import (
     EngineStats,
     Slot,
     VirtualStages,
+    weight_buffers_referenced,
 )
 from lightning_pipe2bw.runtime.splitgrad import SplitBackward
 from lightning_pipe2bw.runtime.stage import StageBody
@@ -68,6 +69,7 @@ def _enable_debug_log() -> None:
 
 
 _COMM_KINDS = (ActionKind.RECV_F, ActionKind.SEND_F, ActionKind.RECV_B, ActionKind.SEND_B)
+
 
 class _BodyReached(BaseException):
     """Raised on the first stage when the user's step reaches the body: the rest of the step (the
@@ -243,7 +245,8 @@ class PipelineEngine:
                     elif train:
                         stats.forward_s += end - start
                     stats.max_weight_versions = max(
-                        stats.max_weight_versions, self.weight_versions_referenced()
+                        stats.max_weight_versions,
+                        weight_buffers_referenced(self.body, self.slots.values()),
                     )
                 if observer is not None:
                     observer(action)
@@ -469,26 +472,7 @@ class PipelineEngine:
         peer_stage = action.stage - 1 if toward_prev else action.stage + 1
         peer = self.virtual.ranks.get(peer_stage)
         assert peer is not None
-        if "timed out" in str(error).lower():
-            what = (
-                "it stopped answering: nothing came from it within the process-group timeout (it "
-                "hangs, or keeps the pipeline waiting longer than the timeout allows; raise "
-                "Pipe2BWStrategy(timeout=...) if that is expected)"
-            )
-            verb = "rank {peer} (stage {peer_stage}) timed out"
-        else:
-            what = (
-                "its process vanished without reporting an error (killed by a signal or the "
-                "out-of-memory killer, or its node was lost; or it timed out waiting for another "
-                "rank, which breaks its connections before it can tell anyone: see its own error)"
-            )
-            verb = "lost rank {peer} (stage {peer_stage})"
-        record = FailureRecord(rank=peer, stage=peer_stage, action="an unknown action", error=what)
-        message = (
-            f"{verb.format(peer=peer, peer_stage=peer_stage)} while this stage ({action.stage}) ran "
-            f"action {action}: {type(error).__name__}: {error}. {record.describe()}"
-        )
-        return StageFailure(message, record, source=peer)
+        return lost_peer(peer, peer_stage, action.stage, str(action), error)
 
     def _post_next_receive(self, actions: Sequence[Action], n: int) -> None:
         """Before the send ``actions[n]``: post the receive that follows it before the next
@@ -512,16 +496,6 @@ class PipelineEngine:
         assert rank is not None, "the schedule asked a stage to talk past the end of the pipeline"
         return rank
 
-    def weight_versions_referenced(self) -> int:
-        """How many distinct weight buffers are in use: the live parameters' and those the
-        in-flight micro-batches compute with (identified by their first tensor's storage)."""
-        first = next(self.body.parameters(), None)
-        ptrs = {first.untyped_storage().data_ptr()} if first is not None else set()
-        for slot in self.slots.values():
-            if slot.params:
-                ptrs.add(next(iter(slot.params.values())).untyped_storage().data_ptr())
-        return len(ptrs)
-
     def _link(self) -> PeerLink:
         if self.link is None:
             raise RuntimeError(
@@ -533,21 +507,8 @@ class PipelineEngine:
 
     def _sample_memory(self) -> None:
         """Update the activation figures after an action (the link's threads move bytes too)."""
-        stats, stash = self.stats, self.stash
         partner = self.link.held_bytes if self.link is not None else 0
-        stats.partner_bytes = partner
-        stats.host_bytes = stash.host_bytes
-        stats.evicted_bytes = stash.away_bytes
-        stats.activation_bytes = stash.resident_bytes + partner
-        stats.peak_activation_bytes = max(stats.peak_activation_bytes, stats.activation_bytes)
-        if len(self.virtual.stages) > 1:
-            per = dict.fromkeys(self.virtual.stages, 0)
-            for (v, _), micro in stash.micro.items():
-                per[v] += micro.resident
-            peaks = stats.stage_peak_bytes
-            for v, nbytes in per.items():
-                if nbytes > peaks.get(v, -1):
-                    peaks[v] = nbytes
+        self.stats.sample(self.stash, partner, self.virtual.stages)
 
     def _check_same_batch(self, slot: Slot, microbatch: Any, v: int, index: int) -> None:
         upstream = slot.upstream_batch

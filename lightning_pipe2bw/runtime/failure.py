@@ -31,6 +31,7 @@ __all__ = [
     "SignalStop",
     "StageFailure",
     "action_of",
+    "lost_peer",
     "mark_action",
     "new_run",
     "say",
@@ -140,3 +141,31 @@ def say(text: str) -> None:
         os.write(sys.stderr.fileno(), data)
     except (AttributeError, OSError, ValueError):  # a stderr without a file descriptor
         print(text, file=sys.stderr, flush=True)
+
+
+def lost_peer(
+    peer: int, peer_stage: int, stage: int, action: str, error: BaseException
+) -> StageFailure:
+    """The error for a receive or send of ``action`` on ``stage`` that failed because the peer
+    (rank ``peer``, stage ``peer_stage``) is gone or stopped answering (the process group's
+    timeout passed)."""
+    if "timed out" in str(error).lower():
+        what = (
+            "it stopped answering: nothing came from it within the process-group timeout (it "
+            "hangs, or keeps the pipeline waiting longer than the timeout allows; raise "
+            "Pipe2BWStrategy(timeout=...) if that is expected)"
+        )
+        verb = "rank {peer} (stage {peer_stage}) timed out"
+    else:
+        what = (
+            "its process vanished without reporting an error (killed by a signal or the "
+            "out-of-memory killer, or its node was lost; or it timed out waiting for another "
+            "rank, which breaks its connections before it can tell anyone: see its own error)"
+        )
+        verb = "lost rank {peer} (stage {peer_stage})"
+    record = FailureRecord(rank=peer, stage=peer_stage, action="an unknown action", error=what)
+    message = (
+        f"{verb.format(peer=peer, peer_stage=peer_stage)} while this stage ({stage}) ran "
+        f"action {action}: {type(error).__name__}: {error}. {record.describe()}"
+    )
+    return StageFailure(message, record, source=peer)

@@ -4,16 +4,25 @@ rank holds, and the counters callbacks and benchmarks read."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_pipe2bw.runtime.payload import StepFn
+from lightning_pipe2bw.runtime.stash import ActivationStash
 from lightning_pipe2bw.schedule import Action
 
-__all__ = ["WHOLE", "ActionTiming", "Call", "EngineStats", "Slot", "VirtualStages"]
+__all__ = [
+    "WHOLE",
+    "ActionTiming",
+    "Call",
+    "EngineStats",
+    "Slot",
+    "VirtualStages",
+    "weight_buffers_referenced",
+]
 
 
 @dataclass(frozen=True)
@@ -108,3 +117,33 @@ class EngineStats:
     repeated_input_passes: int = 0
     # the most recent actions only, so that long runs keep bounded memory
     timeline: deque[ActionTiming] = field(default_factory=lambda: deque(maxlen=20_000))
+
+    def sample(self, stash: ActivationStash, partner: int, stages: Sequence[int]) -> None:
+        """Update the activation figures after an action from the stash and the ``partner``'s
+        bytes held here (the link's threads move bytes too); with several ``stages`` per rank,
+        each one's peak too."""
+        self.partner_bytes = partner
+        self.host_bytes = stash.host_bytes
+        self.evicted_bytes = stash.away_bytes
+        self.activation_bytes = stash.resident_bytes + partner
+        self.peak_activation_bytes = max(self.peak_activation_bytes, self.activation_bytes)
+        if len(stages) > 1:
+            per = dict.fromkeys(stages, 0)
+            for (v, _), micro in stash.micro.items():
+                per[v] += micro.resident
+            peaks = self.stage_peak_bytes
+            for v, nbytes in per.items():
+                if nbytes > peaks.get(v, -1):
+                    peaks[v] = nbytes
+
+
+def weight_buffers_referenced(body: nn.Module, slots: Iterable[Slot]) -> int:
+    """How many distinct weight buffers are in use: the live parameters' and those the
+    in-flight micro-batches (``slots``) compute with (identified by their first tensor's
+    storage)."""
+    first = next(body.parameters(), None)
+    ptrs = {first.untyped_storage().data_ptr()} if first is not None else set()
+    for slot in slots:
+        if slot.params:
+            ptrs.add(next(iter(slot.params.values())).untyped_storage().data_ptr())
+    return len(ptrs)
