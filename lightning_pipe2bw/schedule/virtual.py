@@ -125,6 +125,9 @@ def zb_v(
     placement = v_placement(p)
     stages = 2 * p
     lanes = _list_schedule(placement, p, stages, m, limit=2 * p, costs=costs)
+    if lanes is None:
+        lanes = _list_schedule(placement, p, stages, m, limit=2 * p, costs=costs, reserve=True)
+    assert lanes is not None, "the list order with a place kept for the later stage never stalls"
     return Schedule("zb-v", stages, m, lanes, placement=placement)
 
 
@@ -209,9 +212,12 @@ def _list_schedule(
     m: int,
     limit: int,
     costs: tuple[float, float, float],
-) -> tuple[tuple[Action, ...], ...]:
+    reserve: bool = False,
+) -> tuple[tuple[Action, ...], ...] | None:
     """Rank lanes for F, I, W of every (stage, micro-batch) by list scheduling (see
-    :func:`zb_v`)."""
+    :func:`zb_v`); None if the greedy order stalls (every rank waits: at some cost ratios the
+    earlier stage's forwards fill a rank's places before the later stage's can run), which
+    ``reserve`` (the last place kept for the later stage) avoids."""
     took = {
         ActionKind.FORWARD: float(costs[0]),
         ActionKind.INPUT_GRAD: float(costs[1]),
@@ -234,6 +240,8 @@ def _list_schedule(
         return end is not None and end <= t + 1e-9
 
     while remaining:
+        if not events:
+            return None
         t, r = heapq.heappop(events)
         if free_at[r] > t + 1e-9:
             continue
@@ -249,8 +257,14 @@ def _list_schedule(
                 i_done[(v, i)] = t + took[ActionKind.INPUT_GRAD]
                 break
         if action is None and held[r] < limit:
+            later = max(held_by[r])
             for v in sorted(held_by[r], reverse=True):  # F: the later stage first
                 f = next_f[v]
+                # with ``reserve`` the last free place is the later stage's while it has
+                # forwards to run: filled by the earlier stage's, it could wait for gradients
+                # that need the later's
+                if reserve and v != later and held[r] == limit - 1 and next_f[later] < m:
+                    continue
                 if f < m and (v == 0 or ready((v - 1, f), f_done, t)):
                     action = Action(v, ActionKind.FORWARD, f)
                     next_f[v] += 1

@@ -140,6 +140,17 @@ def test_zb_v_properties(p: int, m: int, ratios: tuple[float, float, float]) -> 
     assert max(result.peak_activations) <= 2 * p
 
 
+def test_zb_v_does_not_stall_at_any_costs() -> None:
+    """At some ratios the greedy list order filled a rank's places with its earlier stage's
+    forwards, whose gradients needed the later stage's: every rank waited (hypothesis found
+    p = 2, m = 6, F : I : W = 0.875 : 2 : 0.5). The order then keeps the last place for the
+    later stage; at the default costs it is the order it always was (the golden literals)."""
+    schedule = zb_v(2, 6, (0.875, 2.0, 0.5))
+    validate(add_communication(schedule))
+    _check_order(schedule)
+    assert max(simulate(add_communication(schedule)).peak_activations) <= 4
+
+
 def test_interleaving_needs_whole_groups() -> None:
     with pytest.raises(ValueError, match="groups of p=4, got m=6; use a multiple of 4"):
         interleaved_1f1b(4, 6)
