@@ -2,7 +2,7 @@
 
 Nothing is measured: each model's profile comes from an analytic FLOP and byte model of its
 blocks, the machine is described by a few stated numbers (``ASSUMPTIONS``), and the planner
-(:func:`lightning_pipe2bw.partition.planner.plan`) picks the best configuration for GPipe,
+(:func:`lightning_pipe2bw.planner.planner.plan`) picks the best configuration for GPipe,
 PipeDream-Flush (1F1B) and PipeDream-2BW at a small and a large global batch. It prints one
 markdown table and writes ``benchmarks/results/paper_scale.json``. Run from the repository root::
 
@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_pipe2bw.partition.planner import Cluster, Plan, plan
-from lightning_pipe2bw.partition.profile import BlockProfile, Profile, ProfileSet
+from lightning_pipe2bw.planner.planner import Cluster, Plan, plan
+from lightning_pipe2bw.planner.profile import BlockProfile, Profile, ProfileSet
 
 __all__ = [
     "ASSUMPTIONS",

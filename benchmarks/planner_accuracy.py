@@ -7,8 +7,8 @@ residual MLP blocks, width 256, fp32, AdamW) is
   intra-op thread each, so that the figures include what two processes on this machine cost
   each other), rank 0's figures: per-block forward and backward time and bytes at every
   micro-batch size the plans use, and the AdamW update of each block
-  (``lightning_pipe2bw.partition.measure``);
-* predicted by the cost model (``lightning_pipe2bw.partition.planner.predict``) on a cluster of
+  (``lightning_pipe2bw.planner.measure``);
+* predicted by the cost model (``lightning_pipe2bw.planner.planner.predict``) on a cluster of
   d devices with the point-to-point bandwidth and per-message latency measured between two
   ranks here, and the training loop's own cost per step (``Cluster.step_overhead_s``) measured
   apart, per schedule: a one-rank run of a one-block model, its step time less its compute;
@@ -43,11 +43,11 @@ from machine import cpu_pressure_60s
 from ranks import RankPool
 from schedules import LR, WIDTH, _env, _quiet, make_body, run_ours
 
-from lightning_pipe2bw.partition.costmodel import Cluster
-from lightning_pipe2bw.partition.measure import profile_sizes
-from lightning_pipe2bw.partition.planner import predict
-from lightning_pipe2bw.partition.profile import ProfileSet
 from lightning_pipe2bw.pipeline.autoplan import measure_bandwidth, measure_latency
+from lightning_pipe2bw.planner.costmodel import Cluster
+from lightning_pipe2bw.planner.measure import profile_sizes
+from lightning_pipe2bw.planner.planner import predict
+from lightning_pipe2bw.planner.profile import ProfileSet
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # (schedule, depth, micro-batches)

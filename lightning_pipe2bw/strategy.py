@@ -42,7 +42,6 @@ from lightning_pipe2bw import compat
 from lightning_pipe2bw.callbacks.summary import use_pipeline_summary
 from lightning_pipe2bw.callbacks.view import PipelineView
 from lightning_pipe2bw.partition import Partition, find_body
-from lightning_pipe2bw.partition.plans import PlanResult
 from lightning_pipe2bw.pipeline.assembly import build_runtime, place_stage, resolve_balance
 from lightning_pipe2bw.pipeline.autoplan import PlanCheck
 from lightning_pipe2bw.pipeline.checkpoint import CheckpointFormat
@@ -65,6 +64,7 @@ from lightning_pipe2bw.pipeline.repartition import Repartition, Repartitioner
 from lightning_pipe2bw.pipeline.signals import SignalGuard
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
 from lightning_pipe2bw.pipeline.topology import Topology
+from lightning_pipe2bw.planner.plans import PlanResult
 from lightning_pipe2bw.runtime import PipelineEngine, StageBody
 from lightning_pipe2bw.runtime.driver import Driver
 from lightning_pipe2bw.runtime.failure import StageFailure

@@ -13,7 +13,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_pipe2bw.callbacks.view import pipeline_strategy, pipeline_view
-from lightning_pipe2bw.partition.measure import storage_bytes
+from lightning_pipe2bw.planner.measure import storage_bytes
 
 __all__ = ["StageMemoryMonitor", "stage_memory"]
 

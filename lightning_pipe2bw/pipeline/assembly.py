@@ -21,7 +21,6 @@ from torch import nn
 from lightning_pipe2bw.partition import BodyRef, Partition, build_stage
 from lightning_pipe2bw.partition.balance import balance_by_params
 from lightning_pipe2bw.partition.build import Init, Uninitialized, UninitializedError
-from lightning_pipe2bw.partition.plans import PlanResult
 from lightning_pipe2bw.pipeline.checks import memory_plan_problems, runtime_problems
 from lightning_pipe2bw.pipeline.groups import ProcessGroups
 from lightning_pipe2bw.pipeline.options import PipeOptions
@@ -29,6 +28,7 @@ from lightning_pipe2bw.pipeline.problems import raise_problems
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
 from lightning_pipe2bw.pipeline.ties import TiedCopies
 from lightning_pipe2bw.pipeline.topology import Topology
+from lightning_pipe2bw.planner.plans import PlanResult
 from lightning_pipe2bw.runtime import P2PTransport, PipelineEngine, StageBody
 from lightning_pipe2bw.runtime.channel import ObjectChannel
 from lightning_pipe2bw.runtime.driver import Driver, FlushDriver

@@ -16,12 +16,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_pipe2bw.partition.costmodel import Cluster
-from lightning_pipe2bw.partition.measure import MakeOptimizer, profile_sizes
-from lightning_pipe2bw.partition.planner import plan
-from lightning_pipe2bw.partition.plans import PlanResult
-from lightning_pipe2bw.partition.profile import ProfileSet
 from lightning_pipe2bw.partition.split import BodyRef
+from lightning_pipe2bw.planner.costmodel import Cluster
+from lightning_pipe2bw.planner.measure import MakeOptimizer, profile_sizes
+from lightning_pipe2bw.planner.planner import plan
+from lightning_pipe2bw.planner.plans import PlanResult
+from lightning_pipe2bw.planner.profile import ProfileSet
 from lightning_pipe2bw.runtime.call import BodyInput
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, split_batch
 from lightning_pipe2bw.runtime.shm import SharedMemoryTransport, create_transport

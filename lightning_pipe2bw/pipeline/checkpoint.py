@@ -23,7 +23,6 @@ from typing import Any, TypeVar
 import torch
 from torch.optim import Optimizer
 
-from lightning_pipe2bw.partition.plans import PlanResult
 from lightning_pipe2bw.pipeline.checkpoint_io import (
     add_stored_optimizer_entries,
     gather_named,
@@ -38,6 +37,7 @@ from lightning_pipe2bw.pipeline.checkpoint_io import (
     stage_optimizer_state,
 )
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
+from lightning_pipe2bw.planner.plans import PlanResult
 
 __all__ = ["CheckpointFormat", "layout_to_adopt"]
 

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_pipe2bw.partition.partitioner import minmax_partition
 from lightning_pipe2bw.partition.split import Partition, make_partition
+from lightning_pipe2bw.planner.partitioner import minmax_partition
 from lightning_pipe2bw.runtime.engine import PipelineEngine
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,6 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_pipe2bw import compat
 from lightning_pipe2bw.partition import BodyRef
-from lightning_pipe2bw.partition.plans import PlanResult
 from lightning_pipe2bw.pipeline.autoplan import (
     TRUST_NOTE,
     AutoPlanInputs,
@@ -24,6 +23,7 @@ from lightning_pipe2bw.pipeline.autoplan import (
     plan_from_loader,
 )
 from lightning_pipe2bw.pipeline.options import PipeOptions
+from lightning_pipe2bw.planner.plans import PlanResult
 from lightning_pipe2bw.runtime.microbatch import batch_size_of
 from lightning_pipe2bw.seam.loopcost import loop_costs
 

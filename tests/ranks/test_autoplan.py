@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from helpers import workers
 
-from lightning_pipe2bw.partition.plans import format_balance
+from lightning_pipe2bw.planner.plans import format_balance
 
 
 def _fit_auto(tmp: str, **strategy_kwargs: Any) -> dict[str, Any]:

@@ -22,7 +22,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("optim", ("lightning_pipe2bw.optim",)),
     ("schedule", ("lightning_pipe2bw.schedule",)),
     ("runtime", ("lightning_pipe2bw.runtime",)),
-    ("partition", ("lightning_pipe2bw.partition",)),
+    ("partition", ("lightning_pipe2bw.partition", "lightning_pipe2bw.planner")),
     ("pipeline", ("lightning_pipe2bw.pipeline",)),
     (
         "seam",

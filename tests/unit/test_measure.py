@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_pipe2bw.partition.measure import profile_blocks, profile_sizes
-from lightning_pipe2bw.partition.profile import BlockProfile, Profile, ProfileSet
+from lightning_pipe2bw.planner.measure import profile_blocks, profile_sizes
+from lightning_pipe2bw.planner.profile import BlockProfile, Profile, ProfileSet
 
 torch.set_num_threads(1)
 
@@ -249,7 +249,7 @@ def test_cuda_profiles_a_cpu_model_and_moves_it_back() -> None:
 def test_update_times_leave_the_blocks_alone_and_scale_with_parameters() -> None:
     """The update is timed on copies: the blocks' weights and ``.grad`` stay as they were; a
     block 64x larger takes longer; a block without parameters costs nothing."""
-    from lightning_pipe2bw.partition.measure import update_times
+    from lightning_pipe2bw.planner.measure import update_times
 
     torch.manual_seed(0)
     small, large, empty = nn.Linear(16, 16), nn.Linear(512, 512), nn.ReLU()

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_pipe2bw.partition.memoryplan import plan_memory
-from lightning_pipe2bw.partition.profile import BlockProfile, Profile
+from lightning_pipe2bw.planner.memoryplan import plan_memory
+from lightning_pipe2bw.planner.profile import BlockProfile, Profile
 
 
 def profile(forward_s: float = 1e-3) -> Profile:

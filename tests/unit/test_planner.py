@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from lightning_pipe2bw.partition.costmodel import CostModel
-from lightning_pipe2bw.partition.partitioner import best_partition, smallest_peak_memory
-from lightning_pipe2bw.partition.planner import (
+from lightning_pipe2bw.planner.costmodel import CostModel
+from lightning_pipe2bw.planner.partitioner import best_partition, smallest_peak_memory
+from lightning_pipe2bw.planner.planner import (
     Cluster,
     Plan,
     PlanResult,
@@ -21,7 +21,7 @@ from lightning_pipe2bw.partition.planner import (
     predict,
     simulate_plan,
 )
-from lightning_pipe2bw.partition.profile import BlockProfile, Profile, ProfileSet
+from lightning_pipe2bw.planner.profile import BlockProfile, Profile, ProfileSet
 from lightning_pipe2bw.schedule import Costs, simulate, training_schedule
 
 GIB = 2**30

@@ -1,4 +1,4 @@
-"""The planner for the schedules with two stages per rank (``partition.virtualplan``) and
+"""The planner for the schedules with two stages per rank (``planner.virtualplan``) and
 ``plan(schedule="all")``: 2d-stage splits, per-rank figures, step times by simulation."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 
-from lightning_pipe2bw.partition.costmodel import Cluster, CostModel
-from lightning_pipe2bw.partition.planner import ALL_SCHEDULES, plan, predict
-from lightning_pipe2bw.partition.profile import Profile
-from lightning_pipe2bw.partition.virtualplan import VIRTUAL_PLANNER_SCHEDULES, virtual_problem
+from lightning_pipe2bw.planner.costmodel import Cluster, CostModel
+from lightning_pipe2bw.planner.planner import ALL_SCHEDULES, plan, predict
+from lightning_pipe2bw.planner.profile import Profile
+from lightning_pipe2bw.planner.virtualplan import VIRTUAL_PLANNER_SCHEDULES, virtual_problem
 from lightning_pipe2bw.schedule import Costs, add_communication, simulate, virtual_schedule
 from unit.test_planner import cluster, profile
 
