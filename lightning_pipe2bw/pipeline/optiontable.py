@@ -295,15 +295,17 @@ def _repartition_threshold(value: Any) -> dict[str, Any]:
     return {"repartition_threshold": float(value)}
 
 
-def _early_input_grad(value: Any) -> dict[str, Any]:
-    if not isinstance(value, bool):
-        raise BadOption(
-            "early_input_grad",
-            value,
-            f"early_input_grad must be True or False, got {value!r}",
-            kind=TypeError,
-        )
-    return {"early_input_grad": value}
+def _flag(name: str) -> Callable[[Any], dict[str, Any]]:
+    """The parser of a True/False option ``name``."""
+
+    def parse(value: Any) -> dict[str, Any]:
+        if not isinstance(value, bool):
+            raise BadOption(
+                name, value, f"{name} must be True or False, got {value!r}", kind=TypeError
+            )
+        return {name: value}
+
+    return parse
 
 
 def _sync_steps(value: Any) -> dict[str, Any]:
@@ -318,28 +320,6 @@ def _sync_steps(value: Any) -> dict[str, Any]:
             f"optimizer steps, e.g. 0.8), got {value!r}",
         )
     return {"sync_steps": value}
-
-
-def _fresh_last_stage(value: Any) -> dict[str, Any]:
-    if not isinstance(value, bool):
-        raise BadOption(
-            "fresh_last_stage",
-            value,
-            f"fresh_last_stage must be True or False, got {value!r}",
-            kind=TypeError,
-        )
-    return {"fresh_last_stage": value}
-
-
-def _check_split(value: Any) -> dict[str, Any]:
-    if not isinstance(value, bool):
-        raise BadOption(
-            "check_split",
-            value,
-            f"check_split must be True or False, got {value!r}",
-            kind=TypeError,
-        )
-    return {"check_split": value}
 
 
 def _delay_correction(value: Any) -> dict[str, Any]:
@@ -437,7 +417,7 @@ OPTIONS: tuple[Option, ...] = (
         note="move when the slowest stage is this much over the best split",
     ),
     Option(
-        "early_input_grad", True, _early_input_grad, bool,
+        "early_input_grad", True, _flag("early_input_grad"), bool,
         note="flush schedules: send the last (GPipe: and the first) micro-batch's input "
         "gradient before the weights' gradients",
     ),
@@ -452,12 +432,12 @@ OPTIONS: tuple[Option, ...] = (
         "weights), then the delayed rule; a float in (0, 1): that share of the fit's steps",
     ),
     Option(
-        "fresh_last_stage", False, _fresh_last_stage, bool,
+        "fresh_last_stage", False, _flag("fresh_last_stage"), bool,
         note="2bw: the last stage runs each batch at its newest weights (its update lands in "
         "the same step, uncorrected); the stages before it keep the delay",
     ),
     Option(
-        "check_split", True, _check_split, bool,
+        "check_split", True, _flag("check_split"), bool,
         note="models that are not an nn.Sequential: check the split's output against the whole "
         "model's at set-up, and that every parameter gets a gradient at the first update",
     ),
