@@ -30,7 +30,7 @@ from lightning_pipe2bw.planner.planargs import (
     ranked_result,
 )
 from lightning_pipe2bw.planner.plans import Plan, PlanResult
-from lightning_pipe2bw.planner.profile import Profile
+from lightning_pipe2bw.planner.profile import Profile, ProfileSet
 from lightning_pipe2bw.planner.simcosts import flush_step, simulation_costs
 from lightning_pipe2bw.planner.virtualplan import (
     VIRTUAL_PLANNER_SCHEDULES,
@@ -45,17 +45,7 @@ from lightning_pipe2bw.schedule import (
     simulate,
 )
 
-__all__ = [
-    "ALL_SCHEDULES",
-    "RECOMPUTE_MODES",
-    "Cluster",
-    "Plan",
-    "PlanResult",
-    "best_partition",
-    "plan",
-    "predict",
-    "simulate_plan",
-]
+__all__ = ["Cluster", "plan", "predict", "simulate_plan"]
 
 # what ``plan(schedule="all")`` compares
 ALL_SCHEDULES = (*PLANNER_SCHEDULES, *VIRTUAL_PLANNER_SCHEDULES)
@@ -177,7 +167,7 @@ def plan(
     pset = as_profiles(profiles)
     if not isinstance(cluster, Cluster):
         raise TypeError(f"cluster must be a Cluster, got {type(cluster).__name__}")
-    spec = schedule_spec(check_schedule(schedule))
+    check_schedule(schedule)
     batch = check_int("global_batch_size", global_batch_size, "give the samples per optimizer step")
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {list(RECOMPUTE_MODES)}, got {recompute!r}")
@@ -188,9 +178,37 @@ def plan(
             check_int("micro-batch size", b, "use sizes >= 1") for b in microbatch_sizes
         ]
     modes = ("off", "on") if recompute == "search" else (recompute,)
-    n, total = pset.num_blocks, cluster.num_devices
-    limit = float(cluster.memory_bytes)
+    candidates, skipped = _candidates(
+        pset, cluster, schedule, batch, microbatch_sizes, modes, ratio, data_parallel
+    )
+    found, infeasible = _search(candidates, keep, float(cluster.memory_bytes))
+    if not found:
+        raise ValueError(_nothing_fits(candidates, skipped, cluster, batch, schedule, recompute))
+    return PlanResult(
+        best=found[0],
+        alternatives=tuple(found[1:]),
+        cluster=cluster,
+        global_batch_size=batch,
+        configurations=len(candidates),
+        infeasible=infeasible,
+        search_time_s=time.perf_counter() - started,
+    )
 
+
+def _candidates(
+    pset: ProfileSet,
+    cluster: Cluster,
+    schedule: str,
+    batch: int,
+    microbatch_sizes: Sequence[int] | None,
+    modes: Sequence[str],
+    ratio: float,
+    data_parallel: int | None,
+) -> tuple[list[_Candidate], list[str]]:
+    """Every configuration (w, d, b, recompute) the schedule's micro-batch rule allows, best
+    throughput bound first, and why the others were skipped."""
+    spec = schedule_spec(schedule)
+    n, total = pset.num_blocks, cluster.num_devices
     candidates: list[_Candidate] = []
     skipped: list[str] = []
     profiles_at: dict[int, Profile] = {}
@@ -222,8 +240,17 @@ def plan(
                 t_floor, mem_floor = model.bounds(mode == "on")
                 candidates.append(_Candidate(model, mode, model.throughput(t_floor), mem_floor))
     candidates.sort(key=lambda c: -c.upper)
+    return candidates, skipped
 
-    kept: list[tuple[Plan, CostModel]] = []  # the search's best, by the closed form
+
+def _search(candidates: list[_Candidate], keep: int, limit: float) -> tuple[list[Plan], int]:
+    """The ``keep`` fastest plans that fit in ``limit`` bytes per device, best first, and how
+    many configurations nothing fitted.
+
+    Exact under the closed form: candidates come by their throughput bound, and the search stops
+    once none left can enter the top ``keep``. The plans kept are then timed by simulating the
+    list the engine runs, and ranked by that."""
+    kept: list[tuple[Plan, CostModel]] = []
     infeasible = 0
     for cand in candidates:
         floor = kept[-1][0].throughput if len(kept) >= keep else 0.0
@@ -241,23 +268,8 @@ def plan(
         kept.append((_make_plan(model, *result, limit, simulated=False), model))
         kept.sort(key=lambda pair: rank(pair[0]))
         del kept[keep:]
-    # the closed form ranked and pruned the search (exact under it); the plans kept are timed
-    # by simulating the list the engine runs, and ranked by that
-    found = sorted(
-        (_make_plan(model, p.balance, p.recompute, limit) for p, model in kept), key=rank
-    )
-
-    if not found:
-        raise ValueError(_nothing_fits(candidates, skipped, cluster, batch, schedule, recompute))
-    return PlanResult(
-        best=found[0],
-        alternatives=tuple(found[1:]),
-        cluster=cluster,
-        global_batch_size=batch,
-        configurations=len(candidates),
-        infeasible=infeasible,
-        search_time_s=time.perf_counter() - started,
-    )
+    found = [_make_plan(model, p.balance, p.recompute, limit) for p, model in kept]
+    return sorted(found, key=rank), infeasible
 
 
 def _plan_all(
