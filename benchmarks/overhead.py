@@ -106,7 +106,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"{args.model}, one process ({where}), batch {args.batch_size}, {args.steps} timed steps, "
         f"{args.rounds} interleaved rounds (CPU pressure before: {pressure})"
     )
-    print(f"{'run':<26} {'median samples/s':>17} {'per-round ratio to plain (median, min-max)':>44}")
+    print(
+        f"{'run':<26} {'median samples/s':>17} {'per-round ratio to plain (median, min-max)':>44}"
+    )
     table = []
     for run in RUNS:
         ratios = [r / b for r, b in zip(rates[run], base, strict=True)]

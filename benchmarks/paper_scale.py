@@ -37,7 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_pipe2bw.planner.planner import Cluster, Plan, plan
+from lightning_pipe2bw.planner.planner import Cluster, plan
+from lightning_pipe2bw.planner.plans import Plan
 from lightning_pipe2bw.planner.profile import BlockProfile, Profile, ProfileSet
 
 __all__ = [

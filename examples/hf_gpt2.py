@@ -73,7 +73,9 @@ def main() -> None:
             again = GPT2LMHeadModel.from_pretrained(folder).eval()
             before = module.model.eval()(input_ids=ids, labels=ids).loss
             after = again(input_ids=ids, labels=ids).loss
-        print(f"loss after {args.steps} steps: {float(before):.4f}; reloaded on one device: {float(after):.4f}")
+        print(
+            f"loss after {args.steps} steps: {float(before):.4f}; reloaded on one device: {float(after):.4f}"
+        )
 
 
 if __name__ == "__main__":

@@ -49,7 +49,6 @@ from torch.optim import Optimizer
 from lightning_pipe2bw.runtime.versions import unwrap_optimizer
 
 __all__ = [
-    "REQUIRED",
     "Launcher",
     "MultiProcessingLauncher",
     "StrategyRegistryType",

@@ -10,9 +10,9 @@ from __future__ import annotations
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_pipe2bw.callbacks.view import pipeline_strategy
-from lightning_pipe2bw.schedule.offload import ActivationBudget, evict_share, stashed_microbatches
+from lightning_pipe2bw.schedule.offload import ActivationBudget
 
-__all__ = ["ActivationBalancer", "ActivationBudget", "evict_share", "stashed_microbatches"]
+__all__ = ["ActivationBalancer", "ActivationBudget"]
 
 
 class ActivationBalancer(Callback):

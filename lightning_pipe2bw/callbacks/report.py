@@ -22,7 +22,6 @@ from lightning_pipe2bw.callbacks.timeline import (
     Lane,
     StepWindow,
     TimedAction,
-    TimelineShares,
     chrome_trace,
     in_window,
     loss_curve_png,
@@ -33,23 +32,8 @@ from lightning_pipe2bw.callbacks.timeline import (
 )
 from lightning_pipe2bw.callbacks.view import pipeline_view
 
-__all__ = [
-    "Lane",
-    "PipelineReport",
-    "StageReport",
-    "StepWindow",
-    "TimedAction",
-    "TimelineShares",
-    "chrome_trace",
-    "gather_reports",
-    "loss_curve_png",
-    "print_stage_table",
-    "stage_report",
-    "steady_window",
-    "timed_actions",
-    "timeline_png",
-    "timeline_shares",
-]
+__all__ = ["PipelineReport"]
+
 
 @dataclass
 class StageReport:

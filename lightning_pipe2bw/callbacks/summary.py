@@ -65,7 +65,13 @@ class PipelineModelSummary(Callback):
             ("FLOPs", ["-" for _ in merged]),  # not measured: no forward runs
         ]
         self.inner.summarize(
-            data, total, trainable, size_mb, modes, total_flops=0, **compat.summary_options(self.inner)
+            data,
+            total,
+            trainable,
+            size_mb,
+            modes,
+            total_flops=0,
+            **compat.summary_options(self.inner),
         )
 
     @property

@@ -14,7 +14,6 @@ __all__ = [
     "Lane",
     "StepWindow",
     "TimedAction",
-    "TimelineShares",
     "chrome_trace",
     "in_window",
     "loss_curve_png",

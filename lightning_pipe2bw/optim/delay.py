@@ -31,17 +31,10 @@ from torch.optim import Optimizer
 __all__ = [
     "CORRECTIONS",
     "DEFAULT_CORRECTION",
-    "CombinedCorrection",
     "DelayCorrection",
-    "ErrorFeedback",
-    "NesterovLookahead",
-    "NoCorrection",
-    "UpdateFeedback",
-    "WeightPrediction",
     "canonical_correction",
     "correction_predicts",
     "make_correction",
-    "parse_correction",
 ]
 
 

@@ -7,7 +7,7 @@ from itertools import accumulate
 
 from torch import nn
 
-__all__ = ["balance_by_params", "balance_by_weights"]
+__all__ = ["balance_by_params"]
 
 
 def balance_by_weights(weights: Sequence[float], num_stages: int) -> tuple[int, ...]:

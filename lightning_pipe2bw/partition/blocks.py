@@ -40,7 +40,7 @@ from lightning_pipe2bw.partition.replay import Blanks, ReadsBlanks, ReplayHead, 
 from lightning_pipe2bw.partition.standin import Run, Stack
 from lightning_pipe2bw.runtime.call import BodyInput
 
-__all__ = ["First", "Junction", "Last", "Layer", "Part", "StackInfo", "whole"]
+__all__ = ["First", "Junction", "Last", "Layer", "Part", "StackInfo"]
 
 # runs the last part of the model: (model, hidden state, the step's args, its kwargs) -> output
 Head = Callable[[nn.Module, Any, tuple[Any, ...], dict[str, Any]], Any]
@@ -321,7 +321,9 @@ class Junction(_Guarded):
                 raise ReadsBlanks(_wrong(model, key, problems, how), read)
             self.pipe_checked.add(key)
         previous = self.pipe_layout[self.pipe_stack - 1]
-        outputs = {self.pipe_stack - 1: carry["hidden"]} if previous.path in self.pipe_carried else {}
+        outputs = (
+            {self.pipe_stack - 1: carry["hidden"]} if previous.path in self.pipe_carried else {}
+        )
         return pack(run.first, run.calls, self._parts_out(run), outputs, before=carry)
 
     @property
@@ -455,7 +457,12 @@ class Last(_Guarded):
         last = len(self.pipe_layout) - 1
         modes = {j: "pass" for j in range(last)} | {last: "replay"}
         stacks = _stacks(
-            model, self.pipe_layout, modes, carry.get("forms"), _outputs(carry), generator is not None
+            model,
+            self.pipe_layout,
+            modes,
+            carry.get("forms"),
+            _outputs(carry),
+            generator is not None,
         )
         for stack in stacks:
             stack.noisy = stack.noisy and (vary is None or stack.path in vary)

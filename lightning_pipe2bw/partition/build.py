@@ -16,7 +16,7 @@ from lightning_pipe2bw.partition.split import BodyRef, Partition, make_partition
 from lightning_pipe2bw.partition.ties import find_ties, share_parameter
 from lightning_pipe2bw.runtime.stage import StageBody
 
-__all__ = ["Init", "Uninitialized", "UninitializedError", "build_stage", "uninitialized_message"]
+__all__ = ["Init", "Uninitialized", "UninitializedError", "build_stage"]
 
 Init = Callable[[nn.Module], None]
 """A per-module initialiser, called like ``nn.Module.apply``'s function (``pipeline_init``)."""

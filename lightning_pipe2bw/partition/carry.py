@@ -43,12 +43,9 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 __all__ = [
-    "KEEP",
     "Carry",
     "LayerCall",
     "Pending",
-    "Ref",
-    "Size",
     "Zeros",
     "advance",
     "call_of",

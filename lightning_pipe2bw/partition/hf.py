@@ -29,7 +29,7 @@ from lightning_pipe2bw.partition.replay import ReplayHead
 from lightning_pipe2bw.partition.standin import training_kwargs
 from lightning_pipe2bw.runtime.call import BodyInput
 
-__all__ = ["hf_layout", "pipe_model_for", "training_kwargs"]
+__all__ = ["hf_layout", "pipe_model_for"]
 
 
 def _base(model: nn.Module) -> tuple[str, nn.Module] | None:
@@ -161,7 +161,9 @@ def pipe_model_for(model: nn.Module, call: BodyInput | None = None) -> PipeModel
             if path in static_pre:
                 pre.append(path)
             elif any(path in b for b in static_between):
-                next(b for b, s in zip(between, static_between, strict=True) if path in s).append(path)
+                next(b for b, s in zip(between, static_between, strict=True) if path in s).append(
+                    path
+                )
             else:
                 post.append(path)
     else:

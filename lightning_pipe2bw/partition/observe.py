@@ -98,7 +98,9 @@ def observe(model: nn.Module, blocks: str | Sequence[str], call: Callable[[], An
     stacks = [blocks] if isinstance(blocks, str) else list(blocks)
     lists = [model.get_submodule(path) for path in stacks]
     index = {
-        id(layer): (k, i) for k, layers in enumerate(lists) for i, layer in enumerate(layers.children())
+        id(layer): (k, i)
+        for k, layers in enumerate(lists)
+        for i, layer in enumerate(layers.children())
     }
     names = [list(layers._modules) for layers in lists]  # the layers' names in each list
     offsets = [sum(len(n) for n in names[:k]) for k in range(len(names))]
@@ -216,9 +218,7 @@ def _without_gradient(model: nn.Module, output: Any) -> list[str]:
     cross-attention of a decoder used on its own, a pooler whose output the model does not
     return), by name: on one device they get no gradient either. Empty where the forward ran
     without gradient."""
-    roots = [
-        t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad
-    ]
+    roots = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not roots or not named:
         return []

@@ -63,12 +63,7 @@ from lightning_pipe2bw.partition.replay import Blanks
 from lightning_pipe2bw.runtime.call import BodyInput, call_input
 from lightning_pipe2bw.runtime.stage import add_block_index, drop_block_index
 
-__all__ = [
-    "BodyInput",
-    "PipeModel",
-    "PipeModelBody",
-    "Released",
-]
+__all__ = ["PipeModel", "PipeModelBody"]
 
 # the parts of a model by their dotted paths (kept under these names for the modules that use them)
 _get, _set = get_path, set_path
@@ -241,7 +236,10 @@ class PipeModelBody(nn.Sequential):
         stages' replays (see :class:`PipeModel`'s ``carried``)."""
         self.spec.carried = [*self.spec.carried, *paths]
         for block in self:
-            carried, checked = getattr(block, "pipe_carried", None), getattr(block, "pipe_checked", None)
+            carried, checked = (
+                getattr(block, "pipe_carried", None),
+                getattr(block, "pipe_checked", None),
+            )
             if isinstance(carried, set) and isinstance(checked, set):
                 carried.update(paths)
                 checked.clear()

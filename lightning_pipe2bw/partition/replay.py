@@ -26,7 +26,7 @@ from lightning_pipe2bw.partition.paths import get_path, set_path
 from lightning_pipe2bw.partition.standin import Captured, Run, swapped, training_kwargs
 from lightning_pipe2bw.runtime.call import BodyInput
 
-__all__ = ["Blank", "Blanks", "ReadsBlanks", "ReplayHead", "forward_with"]
+__all__ = ["Blanks", "ReadsBlanks", "ReplayHead", "forward_with"]
 
 
 class ReadsBlanks(SplitError):

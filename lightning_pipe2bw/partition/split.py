@@ -22,7 +22,7 @@ from lightning_pipe2bw.runtime.stage import StageBody
 # the arguments the user's step passes to a model on the first micro-batch, or None
 CallOf = Callable[[nn.Module], BodyInput | None]
 
-__all__ = ["BodyRef", "CallOf", "Partition", "check_split", "find_body", "make_partition"]
+__all__ = ["BodyRef", "Partition", "find_body", "make_partition"]
 
 
 @dataclass(frozen=True)

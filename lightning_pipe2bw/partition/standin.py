@@ -37,16 +37,7 @@ from lightning_pipe2bw.partition.carry import LayerCall, Pending
 from lightning_pipe2bw.partition.observe import SplitError
 from lightning_pipe2bw.partition.paths import get_path, set_path
 
-__all__ = [
-    "Captured",
-    "Run",
-    "Stack",
-    "StandIn",
-    "hidden_key",
-    "split_call",
-    "swapped",
-    "training_kwargs",
-]
+__all__ = ["Captured", "Run", "Stack", "split_call", "swapped", "training_kwargs"]
 
 
 class Captured(BaseException):

@@ -44,12 +44,7 @@ from lightning_pipe2bw.schedule import (
     stashed_microbatches,
 )
 
-__all__ = [
-    "build_runtime",
-    "place_stage",
-    "resolve_balance",
-    "resolve_init",
-]
+__all__ = ["build_runtime", "place_stage", "resolve_balance"]
 
 log = logging.getLogger(__name__)
 

@@ -28,17 +28,7 @@ from lightning_pipe2bw.runtime.shm import SharedMemoryTransport, create_transpor
 from lightning_pipe2bw.runtime.transport import wire_device
 from lightning_pipe2bw.schedule import schedule_spec
 
-__all__ = [
-    "AutoPlanInputs",
-    "MessageTimes",
-    "auto_plan",
-    "body_input",
-    "compare_schedules",
-    "local_cluster",
-    "measure_bandwidth",
-    "measure_latency",
-    "plan_from_loader",
-]
+__all__ = ["AutoPlanInputs", "plan_from_loader"]
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,6 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.optim import Optimizer
 
 __all__ = [
-    "SHARDED_META",
     "gather_named",
     "gather_optimizer_state",
     "gather_state_dict",

@@ -14,12 +14,7 @@ from lightning_pipe2bw.pipeline.problems import Problem
 from lightning_pipe2bw.runtime.stash import check_memory_plan
 from lightning_pipe2bw.schedule import ActivationBudget, offload_stages
 
-__all__ = [
-    "async_problems",
-    "memory_plan_problems",
-    "run_problems",
-    "runtime_problems",
-]
+__all__ = ["memory_plan_problems", "run_problems", "runtime_problems"]
 
 
 def run_problems(

@@ -23,7 +23,7 @@ from lightning_pipe2bw.partition.observe import TURN_OFF, SplitError
 from lightning_pipe2bw.runtime.call import BodyInput
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, split_batch
 
-__all__ = ["SplitError", "check_every_parameter_used", "step_call"]
+__all__ = ["check_every_parameter_used", "step_call"]
 
 
 class _Stopped(BaseException):

@@ -41,16 +41,7 @@ from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
 from lightning_pipe2bw.pipeline.ties import TiedCopies
 from lightning_pipe2bw.runtime.stage import StageBody
 
-__all__ = [
-    "CarriedState",
-    "carry_state",
-    "check_movable",
-    "hand_back",
-    "move_blocks",
-    "relayout",
-    "restore_body",
-    "restore_state",
-]
+__all__ = ["hand_back", "relayout"]
 
 log = logging.getLogger(__name__)
 

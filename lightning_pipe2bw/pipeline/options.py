@@ -27,10 +27,8 @@ from lightning_pipe2bw.pipeline.optiontable import (
     DEFAULT_TIMEOUT,
     OPTION_NAMES,
     OPTIONS,
-    START_METHODS,
     BadOption,
     BalanceMode,
-    Option,
     StartMethod,
     StateDictType,
 )
@@ -44,13 +42,10 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "OPTIONS",
     "OPTION_NAMES",
-    "START_METHODS",
     "BalanceMode",
-    "Option",
     "PipeOptions",
     "Problem",
     "StartMethod",
-    "StateDictType",
     "raise_problems",
 ]
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure
 
-__all__ = ["PeerDirectory", "RankProcess", "checkpoint_problem", "looks_lost"]
+__all__ = ["PeerDirectory"]
 
 # what a collective's error says when the process at the other end is gone
 _LOST_MARKS = (

@@ -32,11 +32,8 @@ log = logging.getLogger(__name__)
 __all__ = [
     "Repartition",
     "Repartitioner",
-    "StageTiming",
-    "block_costs",
     "load_optimizer_state_by_name",
     "optimizer_state_by_name",
-    "plan_repartition",
 ]
 
 

@@ -36,7 +36,7 @@ from typing import Any
 
 from lightning_pipe2bw.runtime.failure import SignalStop, say
 
-__all__ = ["SIGNALS", "SignalGuard"]
+__all__ = ["SignalGuard"]
 
 SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
 

@@ -27,14 +27,7 @@ from lightning_pipe2bw.planner.timing import (
 )
 from lightning_pipe2bw.runtime.call import call_input
 
-__all__ = [
-    "MakeOptimizer",
-    "profile_blocks",
-    "profile_sizes",
-    "storage_bytes",
-    "storage_key",
-    "update_times",
-]
+__all__ = ["MakeOptimizer", "profile_sizes", "storage_bytes"]
 
 # builds the run's optimizer over some parameters, e.g. ``lambda ps: torch.optim.AdamW(ps)``
 MakeOptimizer = Callable[[list[nn.Parameter]], torch.optim.Optimizer]

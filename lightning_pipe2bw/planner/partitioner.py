@@ -8,13 +8,7 @@ from collections.abc import Callable, Sequence
 
 from lightning_pipe2bw.planner.costmodel import CostModel
 
-__all__ = [
-    "Recompute",
-    "best_partition",
-    "minmax_partition",
-    "recompute_options",
-    "smallest_peak_memory",
-]
+__all__ = ["best_partition", "minmax_partition", "smallest_peak_memory"]
 
 _INF = math.inf
 Recompute = str | Sequence[bool]  # "off", "on", "per_stage", or one bool per stage

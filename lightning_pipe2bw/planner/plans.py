@@ -14,7 +14,7 @@ from rich.table import Table
 from lightning_pipe2bw.planner.costmodel import Cluster
 from lightning_pipe2bw.schedule.registry import schedule_spec
 
-__all__ = ["Plan", "PlanResult", "format_balance"]
+__all__ = ["Plan", "PlanResult"]
 
 _GIB = float(2**30)
 _TUPLES = ("balance", "recompute", "compute_s", "comm_s", "allreduce_s", "memory_bytes")

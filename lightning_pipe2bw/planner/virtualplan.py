@@ -52,7 +52,7 @@ from lightning_pipe2bw.schedule import (
 )
 from lightning_pipe2bw.schedule.registry import names_where
 
-__all__ = ["STAGES_PER_RANK", "VIRTUAL_PLANNER_SCHEDULES", "virtual_plan", "virtual_problem"]
+__all__ = ["VIRTUAL_PLANNER_SCHEDULES"]
 
 # the schedules with several stages per rank, planned by simulation
 VIRTUAL_PLANNER_SCHEDULES = names_where(lambda s: s.virtual)

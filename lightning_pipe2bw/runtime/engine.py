@@ -45,15 +45,7 @@ from lightning_pipe2bw.runtime.transport import Transport
 from lightning_pipe2bw.schedule import Action, ActionKind, Schedule
 
 # the engine's vocabulary, importable from here as before the split
-__all__ = [
-    "ActionTiming",
-    "EngineStats",
-    "PipelineEngine",
-    "StepFn",
-    "VirtualStages",
-    "batch_signature",
-    "step_loss",
-]
+__all__ = ["ActionTiming", "PipelineEngine", "StepFn", "VirtualStages", "step_loss"]
 
 _debug_log = logging.getLogger("lightning_pipe2bw.actions")
 

@@ -10,7 +10,7 @@ import torch
 
 from lightning_pipe2bw.runtime.wire import ALIGN
 
-__all__ = ["CONTROL", "LARGE", "MESSAGE", "NOTICE", "RECORD", "WRAP", "Ring"]
+__all__ = ["CONTROL", "LARGE", "MESSAGE", "NOTICE", "RECORD", "Ring"]
 
 CONTROL = 128  # the ring's head (bytes written, at 0) and tail (bytes read, at 64)
 RECORD = 64  # a record's own head: eight int64 (size, kind, header length, large size)

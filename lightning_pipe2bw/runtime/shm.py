@@ -46,14 +46,7 @@ from lightning_pipe2bw.runtime.wire import (
     wire_device,
 )
 
-__all__ = [
-    "CAPACITY",
-    "TRANSPORTS",
-    "SharedMemoryTransport",
-    "SharedMemoryUnavailable",
-    "create_transport",
-    "shared_memory_problem",
-]
+__all__ = ["SharedMemoryTransport", "create_transport"]
 
 log = logging.getLogger(__name__)
 

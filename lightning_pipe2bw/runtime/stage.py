@@ -18,13 +18,7 @@ from lightning_pipe2bw.runtime.recompute import Recomputation
 from lightning_pipe2bw.runtime.stash import ActivationStash
 from lightning_pipe2bw.runtime.weights import call_block, call_on, weights_by_block
 
-__all__ = [
-    "BodyCall",
-    "RemoteBlock",
-    "StageBody",
-    "add_block_index",
-    "drop_block_index",
-]
+__all__ = ["StageBody", "add_block_index", "drop_block_index"]
 
 # Called with (stage body, the input the user's step passed to the body); returns what the body
 # call returns to the user's code, or raises to stop the step (see runtime.engine).

@@ -14,12 +14,7 @@ from torch.utils import _pytree as pytree
 
 _ALIGN = 64  # bytes: storages packed into one buffer start at multiples of this
 
-__all__ = [
-    "MEMORY_POLICIES",
-    "ActivationStash",
-    "MemoryPolicy",
-    "check_memory_plan",
-]
+__all__ = ["ActivationStash", "check_memory_plan"]
 
 MemoryPolicy = Literal["keep", "recompute", "swap", "evict"]
 # what a memory plan may say about one block's saved activations

@@ -14,22 +14,12 @@ import torch.distributed as dist
 from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure, new_run
 from lightning_pipe2bw.runtime.wire import (
     Channel,
-    TensorMeta,
     encode,
-    flatten_payload,
     views,
     wire_device,
 )
 
-__all__ = [
-    "TAG_BASE",
-    "HeldSends",
-    "P2PTransport",
-    "TensorMeta",
-    "Transport",
-    "flatten_payload",
-    "wire_device",
-]
+__all__ = ["TAG_BASE", "HeldSends", "P2PTransport", "Transport", "wire_device"]
 
 _NOTICE = -1  # a message length that announces a failure notice instead of a payload
 TAG_BASE = (

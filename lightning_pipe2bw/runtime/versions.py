@@ -12,7 +12,7 @@ from torch.optim import Optimizer
 
 from lightning_pipe2bw.optim.delay import DelayCorrection
 
-__all__ = ["VIEW", "TwoBWOptimizer", "WeightVersions", "unwrap_optimizer"]
+__all__ = ["TwoBWOptimizer", "WeightVersions", "unwrap_optimizer"]
 
 VIEW = -1  # the version key of a batch's leaves when it computes with its predicted weights
 

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from lightning_pipe2bw.runtime.call import call_input
 
-__all__ = ["call_block", "call_on", "parameters_replaced", "weights_by_block"]
+__all__ = ["call_block", "call_on", "weights_by_block"]
 
 
 def weights_by_block(

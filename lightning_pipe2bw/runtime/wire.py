@@ -15,20 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-__all__ = [
-    "ALIGN",
-    "PACK_LIMIT",
-    "Channel",
-    "TensorMeta",
-    "aligned",
-    "encode",
-    "flatten_payload",
-    "layout",
-    "load_header",
-    "view",
-    "views",
-    "wire_device",
-]
+__all__ = ["ALIGN", "Channel", "aligned", "encode", "layout", "view", "views", "wire_device"]
 
 ALIGN = 64  # bytes: where a packed message's control ends and each of its tensors starts
 # a message whose tensors take up to this many bytes travels as one buffer with its control

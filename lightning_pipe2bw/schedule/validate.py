@@ -9,7 +9,7 @@ from .comm import add_communication
 from .generators import Schedule, format_grid
 from .simulate import DeadlockError, simulate
 
-__all__ = ["ScheduleError", "format_grid", "validate"]
+__all__ = ["ScheduleError", "validate"]
 
 _F, _B = ActionKind.FORWARD, ActionKind.BACKWARD
 _I, _W = ActionKind.INPUT_GRAD, ActionKind.WEIGHT_GRAD

@@ -17,13 +17,7 @@ from lightning_pipe2bw.compat import found_inf_state, override_clipping
 from lightning_pipe2bw.pipeline.options import PipeOptions
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
 
-__all__ = [
-    "agree_across_stages",
-    "agree_on_inf_checks",
-    "check_same_setup",
-    "make_clipping_global",
-    "setup_settings",
-]
+__all__ = ["agree_across_stages", "check_same_setup", "setup_settings"]
 
 
 def _grads(optimizer: Optimizer) -> list[torch.Tensor]:

@@ -32,14 +32,7 @@ from lightning_pipe2bw.pipeline.checkpoint_io import gather_named
 from lightning_pipe2bw.pipeline.options import PipeOptions
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
 
-__all__ = [
-    "StageAverage",
-    "average_stage",
-    "average_stages",
-    "averaging_callbacks",
-    "check_averaging",
-    "whole_averages",
-]
+__all__ = ["average_stage", "check_averaging", "whole_averages"]
 
 
 class StageAverage(nn.Module):

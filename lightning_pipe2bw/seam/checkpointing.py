@@ -18,7 +18,7 @@ from lightning_pipe2bw.pipeline.options import DEFAULT_TIMEOUT
 from lightning_pipe2bw.runtime.failure import StageFailure
 from lightning_pipe2bw.seam.process_group import is_initialized
 
-__all__ = ["SAVE_WAIT", "checkpoint_barrier", "load_trusting", "write_replacing"]
+__all__ = ["checkpoint_barrier", "load_trusting", "write_replacing"]
 
 # how long trainer.save_checkpoint waits for every rank to reach it (or the process-group
 # timeout, if shorter)

@@ -27,7 +27,7 @@ from lightning_pipe2bw.seam.loaders import FingerprintCheck, describe_loader
 from lightning_pipe2bw.seam.requeue import RequeueRelay
 from lightning_pipe2bw.seam.steplog import StepRecording, scalar_on
 
-__all__ = ["LOADERS", "StepDelivery", "hook_reading", "missing_like"]
+__all__ = ["StepDelivery"]
 
 # the dataloader each pipelined hook reads, for errors
 LOADERS = {

@@ -41,14 +41,7 @@ from lightning_pipe2bw.pipeline.groups import gather_stages
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
 from lightning_pipe2bw.seam.steplog import log_arguments
 
-__all__ = [
-    "GRADIENT_HOOKS",
-    "LogCall",
-    "StageLogs",
-    "logs_in_gradient_hooks",
-    "merge_stage_logs",
-    "stage_logs",
-]
+__all__ = ["StageLogs", "stage_logs"]
 
 GRADIENT_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step")
 

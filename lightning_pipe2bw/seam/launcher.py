@@ -37,11 +37,8 @@ from lightning_pipe2bw.compat import (
 from lightning_pipe2bw.runtime.failure import say
 
 __all__ = [
-    "GatheringStrategy",
     "PipePopenLauncher",
     "PipeSpawnLauncher",
-    "WorkerWatch",
-    "check_port_free",
     "kill_workers",
     "signal_workers",
     "stop_workers",

@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-__all__ = ["MICROBATCHES", "LoopCosts", "cache_path", "loop_costs", "measure_loop_costs"]
+__all__ = ["loop_costs"]
 
 log = logging.getLogger(__name__)
 

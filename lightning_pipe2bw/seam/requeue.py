@@ -126,7 +126,9 @@ class RequeueRelay:
         self._store.add(self._key, 1)
 
     # ------------------------------------------------------------------ the decision
-    def decide(self, replicas: Any, data_parallel: int, device: torch.device, lag: int) -> int | None:
+    def decide(
+        self, replicas: Any, data_parallel: int, device: torch.device, lag: int
+    ) -> int | None:
         """On the last stage, once per training step: the batch (counted from the fit's start)
         at whose start every rank answers a request, or None. ``lag``: the driver's
         ``values_lag``. With data parallelism every replica's last stage calls this in the same

@@ -42,14 +42,9 @@ from lightning_pipe2bw.runtime.microbatch import batch_size_of, merge_outputs
 from lightning_pipe2bw.runtime.stepvalues import StepValues
 
 __all__ = [
-    "LogRecord",
-    "LogRecorder",
-    "MetricStates",
-    "StepOutputs",
     "StepRecording",
     "log_arguments",
     "quiet_epoch_sync_advice",
-    "replay",
     "scalar_on",
     "share_metrics",
 ]

@@ -117,7 +117,9 @@ def test_a_checkpoint_saved_on_rank_0_only_is_refused_in_time(tmp_path: Path) ->
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert elapsed < LIMIT_S
-    assert "trainer.save_checkpoint on rank 0 (stage 1): not every rank took part" in out, out[-3000:]
+    assert "trainer.save_checkpoint on rank 0 (stage 1): not every rank took part" in out, out[
+        -3000:
+    ]
     assert "Ranks 1 failed to pass monitoredBarrier" in out
     assert "must be called on every rank" in out
     assert "call it outside `if trainer.global_rank == 0:`" in out

@@ -29,7 +29,16 @@ def _run(cmd: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
 
 def test_popen_launch_trains_and_writes_consolidated_checkpoint(tmp_path: Path) -> None:
     ckpt, weights = tmp_path / "final.ckpt", tmp_path / "weights.pt"
-    cmd = [sys.executable, str(EXAMPLE), "--steps", "6", "--ckpt", str(ckpt), "--weights", str(weights)]
+    cmd = [
+        sys.executable,
+        str(EXAMPLE),
+        "--steps",
+        "6",
+        "--ckpt",
+        str(ckpt),
+        "--weights",
+        str(weights),
+    ]
     proc = _run(cmd, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "final metrics" in proc.stdout
@@ -85,7 +94,9 @@ def _one_node(tmp_path: Path, devices: int, data_parallel: int) -> dict[str, tor
     out = tmp_path / f"one-node-{devices}.pt"
     cmd = [sys.executable, str(JOB), "--weights", str(out), "--devices", str(devices)]
     cmd += ["--data-parallel", str(data_parallel)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_job_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=_job_env(), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return _weights(out)
 
@@ -96,13 +107,13 @@ def one_node_2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tens
     return _one_node(tmp_path_factory.mktemp("one-node"), 2, 1)
 
 
-def _run_together(
-    commands: list[tuple[list[str], dict[str, str]]], cwd: Path
-) -> list[str]:
+def _run_together(commands: list[tuple[list[str], dict[str, str]]], cwd: Path) -> list[str]:
     """Start every (command, environment) at once, as the nodes or tasks of one job; their
     combined outputs, after each has exited with 0."""
     procs = [
-        subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         for cmd, env in commands
     ]
     logs = [p.communicate(timeout=300)[0] for p in procs]
@@ -138,7 +149,9 @@ def test_two_torchrun_nodes_on_one_host_train_as_one_node(
     assert sum(log.count(f"of {world}: done at step 6") for log in logs) == world
     reference = one_node_2 if world == 2 else _one_node(tmp_path, world, data_parallel)
     diff = _same(_weights(out), reference)
-    print(f"LAUNCH torchrun 2 nodes x {per_node}, data_parallel={data_parallel}: max|dW| vs one node {diff:.1e}")
+    print(
+        f"LAUNCH torchrun 2 nodes x {per_node}, data_parallel={data_parallel}: max|dW| vs one node {diff:.1e}"
+    )
     assert diff == 0.0
 
 
@@ -154,7 +167,9 @@ def test_an_elastic_restart_resumes_from_the_last_checkpoint(
         "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{_free_port()}", str(JOB),
         "--weights", str(out), "--ckpt-dir", str(tmp_path / "ckpt"), "--kill-at", "4",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_job_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=_job_env(), capture_output=True, text=True, timeout=300
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]
     assert "exitcode: -9" in log  # the first attempt lost a worker
@@ -225,16 +240,22 @@ def test_the_slurm_requeue_warning_checkpoints_at_a_step_boundary_and_the_requeu
     warn = ["--sigusr1-at", str(at)] + ([] if ranks is None else ["--sigusr1-rank", str(ranks)])
     common = ["--schedule", schedule, "--data-parallel", str(data_parallel)]
     args = ["--weights", str(first), *common, *warn]
-    logs = _run_together(_slurm_tasks(args, _free_port(), tmp_path, data_parallel, PATH=path), tmp_path)
+    logs = _run_together(
+        _slurm_tasks(args, _free_port(), tmp_path, data_parallel, PATH=path), tmp_path
+    )
     assert f"rank 1 of {2 * data_parallel}: done at step 6" in logs[1], logs[1][-2000:]
     saved = tmp_path / "hpc_ckpt_1.ckpt"
-    assert saved.exists() and not (tmp_path / "hpc_ckpt_2.ckpt").exists(), sorted(tmp_path.iterdir())
+    assert saved.exists() and not (tmp_path / "hpc_ckpt_2.ckpt").exists(), sorted(
+        tmp_path.iterdir()
+    )
     assert calls.read_text().split("\n") == ["requeue 4242", ""]  # from global rank 0, once
     step = torch.load(saved, weights_only=False, map_location="cpu")["global_step"]
     assert step == 3, step  # the start of the second epoch (batch 3 of the fit)
     # the requeued job: Lightning finds the HPC checkpoint in default_root_dir and resumes
     args = ["--weights", str(second), *common]
-    logs = _run_together(_slurm_tasks(args, _free_port(), tmp_path, data_parallel, PATH=path), tmp_path)
+    logs = _run_together(
+        _slurm_tasks(args, _free_port(), tmp_path, data_parallel, PATH=path), tmp_path
+    )
     assert "Restored all states from the checkpoint" in "".join(logs), logs[0][-2000:]
     diff = _same(_weights(second), _weights(first))
     print(f"LAUNCH SLURM requeue ({schedule}): the requeued job vs the first max|dW| {diff:.1e}")

@@ -155,7 +155,9 @@ def _fit_2bw_too_few_microbatches() -> str:
     from lightning_pipe2bw import Pipe2BWStrategy
 
     trainer = quiet_trainer(
-        devices=dist.get_world_size(), strategy=Pipe2BWStrategy(schedule="2bw", microbatches=1), max_steps=1
+        devices=dist.get_world_size(),
+        strategy=Pipe2BWStrategy(schedule="2bw", microbatches=1),
+        max_steps=1,
     )
     try:
         trainer.fit(RegressionModel(), loader(8))

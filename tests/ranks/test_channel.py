@@ -90,7 +90,10 @@ def _tensors() -> dict[str, Any]:
         "half": torch.randn(3, 5, generator=g).bfloat16(),
         "view": torch.randn(4, 6, generator=g).t()[1:, ::2],  # not contiguous, with an offset
         "empty": torch.empty(0, 3, dtype=torch.int32),
-        "states": [torch.arange(5, dtype=torch.int64), torch.randn(2, generator=g).to(torch.complex64)],
+        "states": [
+            torch.arange(5, dtype=torch.int64),
+            torch.randn(2, generator=g).to(torch.complex64),
+        ],
         "param": torch.nn.Parameter(torch.ones(2)),  # arrives detached
     }
 

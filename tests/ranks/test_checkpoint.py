@@ -226,9 +226,7 @@ def _resume_in(folders: dict[int, str], path: str) -> str:
     return "no error"
 
 
-def test_a_checkpoint_not_every_rank_can_read_is_named_at_once(
-    pools: Any, tmp_path: Path
-) -> None:
+def test_a_checkpoint_not_every_rank_can_read_is_named_at_once(pools: Any, tmp_path: Path) -> None:
     """A checkpoint on the disk of the node that wrote it only: the rank that cannot read it is
     named, with its host and the path, on every rank, before any rank waits on another."""
     pool = pools(2)

@@ -53,7 +53,9 @@ def test_every_rank_holds_the_whole_trained_model_after_fit(pools: Any) -> None:
     for rank, r in enumerate(results):
         assert sorted(r["state"]) == sorted(reference), (rank, sorted(r["state"]))
         diff = max_abs_diff(r["state"], reference)
-        print(f"HANDBACK rank {rank}: {len(r['state'])} of {len(reference)} keys, max |dW| {diff:.2e}")
+        print(
+            f"HANDBACK rank {rank}: {len(r['state'])} of {len(reference)} keys, max |dW| {diff:.2e}"
+        )
         assert diff < 1e-5, rank
         assert r["forward_ok"] and r["body"] == "Sequential"
         assert r["keys_after_validate"] == sorted(reference)
@@ -64,7 +66,9 @@ def _partial_after_fit(folder: str) -> dict[str, Any]:
     model = LateBuiltModel(width=8, num_blocks=4)
     strategy = Pipe2BWStrategy(schedule="1f1b", microbatches=2)
     trainer = quiet_trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=2)
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 8)), batch_size=4)
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(8, 8)), batch_size=4
+    )
     trainer.fit(model, data)
     try:
         model.state_dict()

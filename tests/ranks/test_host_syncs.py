@@ -41,7 +41,9 @@ class ReadsPerStep(Callback):
         self.counts: list[int] = []
         self._mode: CountReads | None = None
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
         if batch_idx >= 2:
             self._mode = CountReads()
             self._mode.__enter__()
@@ -94,7 +96,9 @@ def test_a_step_reads_back_no_more_than_lightnings(
     assert set(metrics) == set(plain_metrics)
     assert metrics["lr_seen"].item() == 0.5
     for name, value in metrics.items():
-        assert value.dtype == plain_metrics[name].dtype and value.device == plain_metrics[name].device
+        assert (
+            value.dtype == plain_metrics[name].dtype and value.device == plain_metrics[name].device
+        )
     if schedule == "1f1b" and microbatches == 1:  # the same computation: the same values, bitwise
         for name, value in metrics.items():
             assert torch.equal(value, plain_metrics[name]), name

@@ -62,7 +62,11 @@ LEARNT = [
 
 @pytest.mark.parametrize(
     ("family", "schedule"),
-    [(f, s) for f in ("gpt2", "gpt2_untied", "llama", "llama_masked", "vit") for s in ("1f1b", "2bw")]
+    [
+        (f, s)
+        for f in ("gpt2", "gpt2_untied", "llama", "llama_masked", "vit")
+        for s in ("1f1b", "2bw")
+    ]
     + LEARNT,
 )
 def test_hf_model_as_it_comes(pools: Any, family: str, schedule: str) -> None:
@@ -214,7 +218,10 @@ class _TinyViT(nn.Module):
         self.cls_token = nn.Parameter(torch.randn(1, 1, 16) * 0.02)
         self.pos_embed = nn.Parameter(torch.randn(1, 17, 16) * 0.02)
         self.blocks = nn.Sequential(
-            *[nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True) for _ in range(4)]
+            *[
+                nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+                for _ in range(4)
+            ]
         )
         self.norm = nn.LayerNorm(16)
         self.head = nn.Linear(16, 5)
@@ -259,7 +266,10 @@ class _DescribedModule(RegressionModel):
 
 def _images(n: int = 5) -> list[tuple[Tensor, Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(n)]
+    return [
+        (torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 5, (8,), generator=g))
+        for _ in range(n)
+    ]
 
 
 def image_loader(n: int = 5) -> torch.utils.data.DataLoader[Any]:
@@ -483,7 +493,13 @@ def test_layers_that_take_their_own_arguments_train_exactly(
 
 @pytest.mark.parametrize(
     ("family", "schedule", "ranks"),
-    [("bart", "1f1b", 2), ("bart", "2bw", 4), ("t5", "1f1b", 4), ("t5", "2bw", 2), ("whisper", "1f1b", 2)],
+    [
+        ("bart", "1f1b", 2),
+        ("bart", "2bw", 4),
+        ("t5", "1f1b", 4),
+        ("t5", "2bw", 2),
+        ("whisper", "1f1b", 2),
+    ],
 )
 def test_an_encoder_decoder_trains_as_two_stacks_of_layers(
     pools: Any, family: str, schedule: str, ranks: int

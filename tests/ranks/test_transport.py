@@ -25,7 +25,8 @@ from unit.test_transport import (
 )
 
 from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure
-from lightning_pipe2bw.runtime.transport import P2PTransport, flatten_payload
+from lightning_pipe2bw.runtime.transport import P2PTransport
+from lightning_pipe2bw.runtime.wire import flatten_payload
 
 TIMEOUT = 60  # seconds; a deadlocked transport fails the test instead of hanging the session
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from lightning_pipe2bw import Pipe2BWStrategy
-from lightning_pipe2bw.callbacks.balancer import ActivationBudget, evict_share
+from lightning_pipe2bw.callbacks.balancer import ActivationBudget
+from lightning_pipe2bw.schedule.offload import evict_share
 
 
 def test_balanced_share_matches_the_pair_model() -> None:

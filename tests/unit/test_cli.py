@@ -11,8 +11,9 @@ import pytest
 import yaml
 from helpers import ROOT
 
+from lightning_pipe2bw.cli import expand_strategy_names
 from lightning_pipe2bw.pipeline.options import DEFAULT_SCHEDULE
-from lightning_pipe2bw.recipes.gpt.cli import expand_strategy_names, main
+from lightning_pipe2bw.recipes.gpt.cli import main
 
 TINY_MODEL = {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 32}
 TINY_DATA = {"block_size": 32, "batch_size": 8, "max_bytes": 200_000, "train_samples": 64}

@@ -15,12 +15,11 @@ from lightning_pipe2bw.planner.costmodel import CostModel
 from lightning_pipe2bw.planner.partitioner import best_partition, smallest_peak_memory
 from lightning_pipe2bw.planner.planner import (
     Cluster,
-    Plan,
-    PlanResult,
     plan,
     predict,
     simulate_plan,
 )
+from lightning_pipe2bw.planner.plans import Plan, PlanResult
 from lightning_pipe2bw.planner.profile import BlockProfile, Profile, ProfileSet
 from lightning_pipe2bw.schedule import Costs, simulate, training_schedule
 

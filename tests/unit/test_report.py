@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_pipe2bw.callbacks.report import (
+from lightning_pipe2bw.callbacks.timeline import (
     Lane,
     chrome_trace,
     loss_curve_png,
@@ -121,7 +121,7 @@ def test_report_without_a_pipeline_writes_the_loss_curve_only(tmp_path: Path) ->
 
 
 def test_the_steady_window_skips_fills_and_validations() -> None:
-    from lightning_pipe2bw.callbacks.report import steady_window
+    from lightning_pipe2bw.callbacks.timeline import steady_window
 
     # steps 1..12 of 1 s each, a validation after steps 4 and 8
     steps = [(i, float(i), i + 0.9) for i in range(1, 13)]

@@ -115,7 +115,10 @@ def check_timeline(schedule: Schedule, result: SimResult, costs: Costs) -> None:
     p, n = schedule.num_stages, schedule.num_microbatches
     fwd, bwd = costs.per_stage("forward", p), costs.per_stage("backward", p)
     cost_of = {
-        F: fwd, B: bwd, IG: costs.per_stage("input_grad", p), W: costs.per_stage("weight_grad", p)
+        F: fwd,
+        B: bwd,
+        IG: costs.per_stage("input_grad", p),
+        W: costs.per_stage("weight_grad", p),
     }
     # the backward that sends the gradient on: B, or I in a zero-bubble schedule
     B_ = IG if split(schedule) else B

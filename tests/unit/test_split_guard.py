@@ -127,7 +127,10 @@ def test_a_module_without_parameters_may_run_anywhere() -> None:
 @pytest.mark.parametrize(
     ("kind", "says"),
     [
-        ("inside", "layer 0 of _Odd ('layers') calls 'shared', which is not part of it (and 2 more)"),
+        (
+            "inside",
+            "layer 0 of _Odd ('layers') calls 'shared', which is not part of it (and 2 more)",
+        ),
         ("between", "'shared' of _Odd runs between two layers and after the layers"),
         ("twice", "'norm' of _Odd runs before the layers and after the layers"),
     ],

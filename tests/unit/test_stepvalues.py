@@ -40,4 +40,6 @@ def test_step_values_pickle_bitwise_through_the_channel() -> None:
     back = pickle.loads(buffer.getvalue())
     assert isinstance(back, StepValues)
     torch.testing.assert_close(back.extra, _values().extra, rtol=0, atol=0)
-    assert back.logs == _values().logs and back.loss is not None and back.loss.dtype == torch.float64
+    assert (
+        back.logs == _values().logs and back.loss is not None and back.loss.dtype == torch.float64
+    )

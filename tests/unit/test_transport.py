@@ -97,8 +97,10 @@ def expected_deltas(lengths: list[int]) -> list[int]:
         else:
             lead = CONTROL
             if kept:
-                lead = packed_size(previous_tensors) if packed else CONTROL + sum(
-                    t.numel() * t.element_size() for t in previous_tensors
+                lead = (
+                    packed_size(previous_tensors)
+                    if packed
+                    else CONTROL + sum(t.numel() * t.element_size() for t in previous_tensors)
                 )
             deltas.append(lead + len(header) + payload)
         previous, previous_tensors, kept = header, tensors, same

@@ -47,9 +47,7 @@ def test_the_flush_prediction_is_the_simulated_makespan() -> None:
 def test_zb_v_beats_1f1b_and_interleaved_beats_it_too_on_uniform_blocks() -> None:
     """At m = 2d the fill and drain of 1F1B cost (d - 1)/(m + d - 1) of its step; interleaving
     halves it and ZB-V nearly removes it: plan(schedule="all") ranks them so."""
-    result = plan(
-        UNIFORM, cluster(4), 32, "all", microbatch_sizes=[4], data_parallel=1, keep=1000
-    )
+    result = plan(UNIFORM, cluster(4), 32, "all", microbatch_sizes=[4], data_parallel=1, keep=1000)
     best_of: dict[str, float] = {}
     for p in result.ranked:
         best_of.setdefault(p.schedule, p.step_time)

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from lightning.pytorch.cli import ArgsType
 
-from lightning_pipe2bw.cli import Pipe2BWCLI, expand_strategy_names, import_path
+from lightning_pipe2bw.cli import Pipe2BWCLI, import_path
 from lightning_pipe2bw.cli import main as cli_main
 from lightning_pipe2bw.recipes.gpt.data import StdlibTextDataModule
 from lightning_pipe2bw.recipes.gpt.model import GPT
 
-__all__ = ["GPTCLI", "expand_strategy_names", "main"]
+__all__ = []
 
 
 class GPTCLI(Pipe2BWCLI):

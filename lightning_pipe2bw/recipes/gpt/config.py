@@ -23,7 +23,6 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import II, DictConfig, OmegaConf
 
 from lightning_pipe2bw.config import (
-    START_METHODS,
     StrategyConfig,
     TrainerConfig,
     build_strategy,
@@ -35,12 +34,7 @@ from lightning_pipe2bw.recipes.gpt.data import StdlibTextDataModule
 from lightning_pipe2bw.recipes.gpt.model import GPT, OPTIMIZERS
 
 __all__ = [
-    "START_METHODS",
-    "DataConfig",
-    "ModelConfig",
-    "StrategyConfig",
     "TrainConfig",
-    "TrainerConfig",
     "build_datamodule",
     "build_model",
     "build_strategy",

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_pipe2bw.recipes.gpt.model import Batch
 
-__all__ = ["RandomWindows", "StdlibTextDataModule", "StridedWindows", "stdlib_files"]
+__all__ = ["StdlibTextDataModule"]
 
 
 def stdlib_files(root: str | Path | None = None) -> list[Path]:

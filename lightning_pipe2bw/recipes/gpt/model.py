@@ -38,16 +38,7 @@ from torchmetrics.functional.text import perplexity
 
 from lightning_pipe2bw.optim import MuonAdamW
 
-__all__ = [
-    "GPT",
-    "MLP",
-    "Batch",
-    "Block",
-    "CausalSelfAttention",
-    "Embeddings",
-    "LMHead",
-    "warmup_cosine",
-]
+__all__ = ["GPT", "Batch"]
 
 # inputs and next-byte targets, (B, T) each
 Batch = tuple[Tensor, Tensor]
@@ -157,8 +148,10 @@ OPTIMIZERS = ("adamw", "muon")
 
 def _block_matrix(name: str, param: Tensor, module: nn.Module) -> bool:
     """Muon's share of the GPT: the matrices of the blocks' attention and MLP."""
-    return isinstance(module, nn.Linear) and param is module.weight and (
-        ".attn." in name or ".mlp." in name
+    return (
+        isinstance(module, nn.Linear)
+        and param is module.weight
+        and (".attn." in name or ".mlp." in name)
     )
 
 

@@ -58,7 +58,6 @@ from lightning_pipe2bw.recipes.gpt.config import (
 )
 
 __all__ = [
-    "CONFIGS",
     "RESULT_FILE",
     "SUMMARY_FILE",
     "RunResult",
@@ -83,7 +82,9 @@ register_configs()
 # What a newcomer would otherwise read on every rank, and can do nothing about: torch's
 # deprecation notice raised inside Lightning's own pytree helper (as on one device), and the
 # CSVLogger's note that it writes into Hydra's run directory, which Hydra made (on purpose).
-warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+warnings.filterwarnings(
+    "ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning
+)
 warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
 
 

@@ -73,7 +73,11 @@ class FaultyModel(RegressionModel):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["raise", "kill", "hang", "kill-after-save", "kill-in-save", "save-on-rank0"], required=True)
+    parser.add_argument(
+        "--mode",
+        choices=["raise", "kill", "hang", "kill-after-save", "kill-in-save", "save-on-rank0"],
+        required=True,
+    )
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--step", type=int, default=2)
     parser.add_argument("--schedule", default="2bw")
