@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test quick lint typecheck clean
+.PHONY: setup train test quick lint typecheck docs clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,10 @@ test: lint typecheck
 
 quick: lint
 	$(PY) -m pytest -q tests/unit
+
+# the options' tables of README.md and docs/configuration.md, from pipeline/optiontable.py
+docs: setup
+	$(PY) -c 'import sys; from lightning_pipe2bw.pipeline.optiondocs import main; sys.exit(main())'
 
 clean:
 	rm -rf $(VENV) outputs lightning_logs

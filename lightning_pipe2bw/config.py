@@ -22,7 +22,6 @@ __all__ = [
     "START_METHODS",
     "StrategyConfig",
     "TrainerConfig",
-    "build_options",
     "build_strategy",
     "resolve_start_method",
     "strategy_problems",
@@ -42,8 +41,10 @@ def _strategy_config() -> type:
     cls.__module__ = __name__
     cls.__doc__ = (
         "``Pipe2BWStrategy``'s options (``configs/strategy/<schedule>.yaml``), one field per "
-        "option of ``lightning_pipe2bw.pipeline.optiontable.OPTIONS``:\n\n"
-        + "\n".join(f"- ``{o.field_name}``: {o.note}" for o in OPTIONS if o.note)
+        "option of ``lightning_pipe2bw.pipeline.optiontable.OPTIONS``, named and typed as the "
+        "keyword is unless said here (what each does: the strategy's docstring, "
+        "``docs/configuration.md``):\n\n"
+        + "\n".join(f"- ``{o.field_name}``: {o.config_note}" for o in OPTIONS if o.config_note)
     )
     return cls
 

@@ -50,6 +50,7 @@ from lightning_pipe2bw.pipeline.checks import run_problems
 from lightning_pipe2bw.pipeline.groups import ProcessGroups, choose_backend
 from lightning_pipe2bw.pipeline.intake import step_call
 from lightning_pipe2bw.pipeline.migrate import hand_back
+from lightning_pipe2bw.pipeline.optiondocs import docstring
 from lightning_pipe2bw.pipeline.options import (
     DEFAULT_SCHEDULE,
     DEFAULT_TIMEOUT,
@@ -94,98 +95,12 @@ __all__ = ["Pipe2BWStrategy"]
 
 
 class Pipe2BWStrategy(ParallelStrategy):
-    """Pipeline-parallel training: one stage of the model's body per process.
-
-    Args:
-        schedule: the pipeline schedule, one of ``lightning_pipe2bw.schedule.REGISTRY``:
-            ``"1f1b"`` (PipeDream-Flush, the default: the schedule that reaches a given loss
-            soonest on our measurements, ``docs/pipedream-2bw.md``), ``"2bw"`` (PipeDream-2BW:
-            double-buffered weights, no flush between batches, W(t+1) = W(t) -
-            step(grad f(W(t-1)))), ``"gpipe"``, ``"pipedream"`` (weight stashing) or ``"zb-h1"``
-            (zero bubble: 1F1B with each backward cut into the inputs' and the weights'
-            gradients, the latter deferred); with several stages per rank
-            ``"interleaved-1f1b"``, ``"zb-v"``, ``"dualpipe-v"`` and ``"2bw-v"``
-            (``VIRTUAL_SCHEDULES``). The flush schedules equal single-device training exactly.
-        flush_every: with ``"2bw"``, also drain the pipeline every this many batches (it is
-            always drained before validation, before a checkpoint, at the end of every epoch and
-            at the end of fit).
-        microbatches: micro-batches per batch (``m``); each batch is split along dim 0. Defaults to
-            the number of stages. Uneven splits are allowed (sizes differ by at most one).
-        balance: blocks per stage, e.g. ``[3, 5]``; ``None`` splits the body evenly.
-        body: dotted attribute name of the ``nn.Sequential`` body, if it cannot be found
-            automatically (see the user rule in the docs).
-        start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"spawn"``/``"fork"``
-            start workers from this process (like ``ddp_spawn``) and bring the trained weights and
-            predictions back to it. Under ``torchrun`` or a cluster launcher nothing is started.
-        process_group_backend: defaults to ``"nccl"`` on CUDA and ``"gloo"`` on CPU.
-        timeout: the process-group timeout (default 3 minutes): the longest any rank waits for
-            another. A rank that hangs without failing (a deadlock in user code) stops the run
-            after this long, with an error naming it; raise it if one rank may legitimately keep
-            the others waiting longer (a very slow step, writing a huge consolidated checkpoint).
-        data_parallel: pipeline replicas (``w``). ``devices * num_nodes`` must be a multiple of it;
-            each replica is a pipeline of ``world_size / w`` stages that reads its own shard of
-            the data, and every stage averages its gradients with its replicas before the update.
-        state_dict_type: ``"full"`` writes one consolidated Lightning checkpoint, loadable on one
-            device (gathered on rank 0); ``"sharded"`` writes a directory in which every rank
-            saves its own stage with ``torch.distributed.checkpoint`` under the original
-            parameter names, so it reloads with any number of stages.
-        recompute: recompute every block's activations in the backward (a bool, or one per
-            stage); with ``balance="auto"`` and ``None``, the planner decides.
-        memory_plan: what each block does with the activations it saves for the backward,
-            ``{block index: "keep" | "recompute" | "swap" | "evict"}`` (blocks not named keep
-            theirs): ``"swap"`` moves them to host memory until the backward, ``"evict"`` to the
-            partner stage p-1-s (only stages with s < p-1-s have one). See ``docs/memory.md``.
-        balance_activations: BPipe: ``True`` makes each early stage hand the balanced share of
-            its saved activations to its partner p-1-s; a number is a budget in micro-batches of
-            its own saved activations an evicting stage keeps at its peak (the
-            ``ActivationBalancer`` callback also takes a budget in bytes).
-        repartition_every: vPipe: every this many steps, measure each block's time and move
-            whole blocks between stages when the slowest stage is more than
-            ``repartition_threshold`` slower than the best split of the measured times
-            (``None``: off). Blocks move at a flush point (2BW drains the pipeline first, unless
-            ``flush_every`` already did), with their weights, 2BW weight versions and optimizer
-            state; the math is unchanged. See ``docs/repartition.md``.
-        repartition_threshold: how much slower (0.15: 15%) the slowest stage must be than the
-            best split's before blocks move.
-        early_input_grad: flush schedules (``gpipe``, ``1f1b``): each stage after the first
-            computes its last micro-batch's input gradient (GPipe: also its first's) on its own
-            and sends it before the weights' gradients, so that the previous stage, which waits
-            for it, starts that backward about half a backward sooner. The backward is cut into
-            an inputs' pass and a weights' pass that do the work of one, bitwise exact; where
-            the graph does not allow the cut, the last backward takes one more pass over the
-            input-gradient path instead. Stages whose backward must run as one pass (hooks,
-            recomputation) do not split (see ``docs/schedules.md``); ``False`` turns it off
-            everywhere.
-        delay_correction: ``2bw`` (and ``pipedream``, gradient corrections only): how each
-            update corrects 2BW's one-step gradient delay, by an exact rule of
-            ``lightning_pipe2bw.optim.delay``: ``"predict"`` evaluates each batch at the
-            optimizer's own prediction of the weights its gradient is applied to,
-            ``"error_feedback"`` adds the gradient's change since the previous step to the
-            gradient, ``"nesterov"`` extends each update by its change since the previous one,
-            ``"update_feedback"`` by all of it (arXiv 2606.30634's rule), ``"none"`` is the
-            plain rule; ``"auto"`` (the default) takes the schedule's default. Rules, memory and
-            measured convergence: ``docs/pipedream-2bw.md``.
-        sync_steps: ``2bw`` and ``2bw-v``: a synchronous start. The first ``sync_steps``
-            batches of a fit run as ``1f1b`` does (at the newest weights, drained in their own
-            step, their updates uncorrected), then the delayed rule starts. A float between 0
-            and 1 is a share of the fit's optimizer steps (``max_steps``, else Lightning's
-            estimate), e.g. ``0.8``. ``0`` (the default) starts delayed.
-        fresh_last_stage: ``2bw``: the last stage runs every batch at its newest weights. In
-            1F1B order it has run batch t's last backward before batch t+1's first forward, so
-            its update can land in the same step, W(t+1) = W(t) - U(grad f_t(W(t))), without a
-            correction; the stages before it keep the one-step delay. Not with weights tied
-            between the last stage and another. See ``docs/pipedream-2bw.md``.
-        check_split: the guard against a split that trains silently wrong (on by default): at
-            set-up, a model that is not an ``nn.Sequential`` (a Hugging Face model, a
-            ``PipeModel``) is run whole and split on the first micro-batch and their outputs
-            must agree; each micro-batch of new shapes is proved to split exactly on the stages
-            before they train on it (once per shape); at the first update, every trainable
-            parameter the model uses must have received a gradient (as DDP checks; each stage
-            checks its own). ``False`` turns all three off. See ``docs/models.md``.
-
-    The options are checked at once (:class:`~lightning_pipe2bw.pipeline.options.PipeOptions`,
-    every problem in one error); :meth:`from_options` takes them already built.
-    """
+    # the Args are the options' own text (pipeline/optiontable.py), written there once
+    __doc__ = docstring(
+        "Pipeline-parallel training: one stage of the model's body per process.",
+        "The options are checked at once (:class:`~lightning_pipe2bw.pipeline.options.PipeOptions`, "
+        "every problem in one error); :meth:`from_options` takes them already built.",
+    )
 
     strategy_name = "pipe2bw"
     # set to a list before fit to record the weight versions alive after every action (tests)

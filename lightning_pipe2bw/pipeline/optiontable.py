@@ -22,10 +22,8 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "OPTIONS",
     "OPTION_NAMES",
-    "START_METHODS",
     "BadOption",
     "BalanceMode",
-    "Option",
     "StartMethod",
     "StateDictType",
 ]
@@ -53,8 +51,10 @@ class Option:
     """One option of the strategy, declared once (:data:`OPTIONS`): its keyword, its default,
     and its check, which normalises a value into :class:`PipeOptions` fields or raises the
     option's :class:`Problem`; then how a Hydra config holds it (``config_type``, the config's
-    name and default when they differ, ``from_config``: the config's value as the keyword's)
-    and what the config's reader needs to know (``note``)."""
+    name and default when they differ, ``from_config``: the config's value as the keyword's);
+    then its text, written here only: ``doc`` (Markdown: what it does), ``shown_default`` (the
+    default in words, where the value does not say it) and ``config_note`` (what differs in a
+    config). ``pipeline/optiondocs.py`` renders them."""
 
     name: str
     default: Any
@@ -63,7 +63,9 @@ class Option:
     config_name: str = ""  # "": the option's name
     config_default: Any = _SAME
     from_config: Callable[[Any], Any] | None = None
-    note: str = ""
+    doc: str = ""
+    shown_default: str = ""
+    config_note: str = ""
 
     @property
     def field_name(self) -> str:
@@ -354,92 +356,170 @@ def _seconds(value: Any) -> Any:
 
 # Every option, declared once, in the order of the strategy's signature and of the problems
 # listed. ``PipeOptions.create`` reads the defaults and checks; ``lightning_pipe2bw.config``
-# derives the Hydra schema (``StrategyConfig``) from the ``config_*`` fields; a unit test holds
-# ``Pipe2BWStrategy.__init__``'s keywords and defaults to this table.
+# derives the Hydra schema (``StrategyConfig``) from the ``config_*`` fields; ``doc`` is the one
+# text the strategy's docstring, README.md and docs/configuration.md show (``make docs`` writes
+# the two files, ``pipeline/optiondocs.py``); a unit test holds ``Pipe2BWStrategy.__init__``'s
+# keywords and defaults to this table.
 OPTIONS: tuple[Option, ...] = (
-    Option("schedule", DEFAULT_SCHEDULE, _schedule, str),
     Option(
-        "microbatches", None, _microbatches, int | None, config_default=4,
-        note="per batch; at least the number of stages under 2bw",
+        "schedule", DEFAULT_SCHEDULE, _schedule, str,
+        doc="the pipeline schedule, one of `lightning_pipe2bw.schedule.REGISTRY`: `\"1f1b\"` "
+        "(PipeDream-Flush, the default: the schedule that reaches a given loss soonest on our "
+        "measurements), `\"2bw\"` (PipeDream-2BW: double-buffered weights, no flush between "
+        "batches, W(t+1) = W(t) - step(grad f(W(t-1)))), `\"gpipe\"` (fill-drain), "
+        "`\"pipedream\"` (weight stashing) or `\"zb-h1\"` (zero bubble: each backward cut into "
+        "the inputs' and the weights' gradients, the latter deferred); with several stages per "
+        "rank `\"interleaved-1f1b\"`, `\"zb-v\"`, `\"dualpipe-v\"` and `\"2bw-v\"`. The flush "
+        "schedules equal single-device training exactly. See [docs/schedules.md](docs/schedules.md) "
+        "and [docs/pipedream-2bw.md](docs/pipedream-2bw.md#which-schedule-which-optimizer)",
     ),
     Option(
-        "flush_every", None, _flush_every, int | None,
-        note="also drain the pipeline every this many batches (2bw, pipedream)",
+        "microbatches", None, _microbatches, int | None, config_default=4,
+        shown_default="the number of stages",
+        doc="micro-batches per batch (m); each batch is split along dim 0, unevenly if it must "
+        "(sizes differ by at most one); `2bw` needs at least one per stage",
+    ),
+    Option(
+        "flush_every", None, _flush_every, int | None, shown_default="`None` (off)",
+        doc="with `2bw`, also drain the pipeline every this many batches (it is always drained "
+        "before validation, before a checkpoint, at the end of every epoch and at the end of "
+        "fit)",
     ),
     Option(
         "balance", None, _balance, Any, from_config=_listed_unless(str),
-        note='blocks per stage, e.g. [3, 3], or a mode: "uniform", "params", "auto" (profile and '
-        "plan)",
+        shown_default="`None` (even)",
+        doc="blocks per stage, e.g. `[3, 5]`; `None` or `\"uniform\"` splits the body evenly, "
+        "`\"params\"` evens out parameter counts, `\"auto\"` profiles the blocks and lets the "
+        "planner choose the split, the micro-batches and recomputation "
+        "([docs/planner.md](docs/planner.md))",
     ),
-    Option("body", None, _body, str | None, note="the dotted name of the nn.Sequential body"),
+    Option(
+        "body", None, _body, str | None, shown_default="found automatically",
+        doc="the dotted attribute name of the `nn.Sequential` body (or of a Hugging Face "
+        "model), if it cannot be found automatically ([docs/models.md](docs/models.md))",
+    ),
     Option(
         "start_method", "popen", _start_method, str, config_default="auto",
-        note='"auto": "popen" for a single run, "spawn" under --multirun '
-        "(config.resolve_start_method)",
+        doc="`\"popen\"` re-runs the script per rank (like `ddp`); `\"spawn\"`, `\"fork\"` and "
+        "`\"forkserver\"` start workers from this process (like `ddp_spawn`) and bring the "
+        "trained weights and predictions back to it. Under `torchrun` or a cluster launcher "
+        "nothing is started",
+        config_note="`auto`: `popen` for a single run, `spawn` under `--multirun`",
     ),
     Option(
         "process_group_backend", None, _backend, str | None,
-        note="None: gloo on CPU, nccl on CUDA",
+        shown_default="gloo on CPU, NCCL on CUDA",
+        doc="the `torch.distributed` backend; `None`: NCCL on CUDA, gloo on CPU",
     ),
     Option(
         "timeout", DEFAULT_TIMEOUT, _timeout, float | None, config_name="timeout_s",
-        config_default=None, from_config=_seconds,
-        note="process-group timeout in seconds; None: the strategy default (3 min)",
+        config_default=None, from_config=_seconds, shown_default="3 minutes",
+        doc="the process-group timeout: the longest any rank waits for another. A rank that "
+        "hangs without failing (a deadlock in user code) stops the run after this long, with "
+        "an error naming it; raise it if one rank may legitimately keep the others waiting "
+        "longer (a very slow step, writing a huge consolidated checkpoint)",
+        config_note="in seconds; `null` keeps the strategy's default (180)",
     ),
     Option(
         "state_dict_type", "full", _state_dict_type, str,
-        note='"full": one consolidated file; "sharded": a torch.distributed.checkpoint directory',
+        doc="`\"full\"` writes one consolidated Lightning checkpoint, loadable on one device "
+        "(gathered on rank 0); `\"sharded\"` writes a directory in which every rank saves its "
+        "own stage with `torch.distributed.checkpoint` under the original parameter names, so "
+        "it reloads with any number of stages",
     ),
     Option(
         "data_parallel", 1, _data_parallel, int,
-        note="pipeline replicas (devices must be a multiple)",
+        doc="pipeline replicas (w): `devices * num_nodes` must be a multiple of it; each "
+        "replica is a pipeline of world size / w stages that reads its own shard of the data, "
+        "and every stage averages its gradients with its replicas before the update (not with "
+        "`pipedream`)",
     ),
     Option(
         "recompute", None, _recompute, Any, from_config=_listed_unless(bool),
-        note="recompute activations in the backward: a bool, or one per stage; None: off, or "
-        "the planner's choice with balance=auto",
+        shown_default="`None` (off; the planner's choice with `balance=\"auto\"`)",
+        doc="recompute every block's activations in the backward (`torch.utils.checkpoint`): "
+        "a stage then keeps only its input per micro-batch in flight; a bool, or one per stage",
     ),
     Option(
         "memory_plan", None, _memory_plan, Any, from_config=_mapped,
-        note='per block index: "keep", "recompute", "swap" (to host) or "evict" (to the '
-        "partner stage)",
+        shown_default="`None` (every block keeps its activations)",
+        doc="what each block does with the activations it saves for the backward, "
+        "`{block index: \"keep\" | \"recompute\" | \"swap\" | \"evict\"}` (blocks not named "
+        "keep theirs): `\"swap\"` moves them to host memory until the backward, `\"evict\"` to "
+        "the partner stage p-1-s (only stages with s < p-1-s have one); see "
+        "[docs/memory.md](docs/memory.md)",
+        config_note="e.g. `strategy.memory_plan='{0: swap, 1: swap}'`",
     ),
     Option(
-        "balance_activations", None, _balance_activations, Any,
-        note="BPipe: true (the balanced share), or a budget in micro-batches per evicting stage",
+        "balance_activations", None, _balance_activations, Any, shown_default="`None` (off)",
+        doc="BPipe: `True` makes each early stage hand the balanced share of its saved "
+        "activations to its partner p-1-s; a number is a budget in micro-batches of its own "
+        "saved activations an evicting stage keeps at its peak (the `ActivationBalancer` "
+        "callback also takes a budget in bytes)",
     ),
     Option(
-        "repartition_every", None, _repartition_every, int | None,
-        note="vPipe: check the stages' measured times every this many steps and move blocks",
+        "repartition_every", None, _repartition_every, int | None, shown_default="`None` (off)",
+        doc="vPipe: every this many steps, measure each block's time and move whole blocks "
+        "between stages when the slowest stage is more than `repartition_threshold` slower "
+        "than the best split of the measured times. Blocks move at a flush point (2BW drains "
+        "the pipeline first, unless `flush_every` already did), with their weights, 2BW weight "
+        "versions and optimizer state; the math is unchanged. See "
+        "[docs/repartition.md](docs/repartition.md)",
     ),
     Option(
         "repartition_threshold", 0.15, _repartition_threshold, float,
-        note="move when the slowest stage is this much over the best split",
+        doc="how much slower (0.15: 15%) the slowest stage must be than the best split's "
+        "before blocks move",
     ),
     Option(
         "early_input_grad", True, _flag("early_input_grad"), bool,
-        note="flush schedules: send the last (GPipe: and the first) micro-batch's input "
-        "gradient before the weights' gradients",
+        doc="flush schedules (`gpipe`, `1f1b`): each stage after the first computes its last "
+        "micro-batch's input gradient (GPipe: also its first's) on its own and sends it before "
+        "the weights' gradients, so that the previous stage, which waits for it, starts that "
+        "backward about half a backward sooner. The backward is cut into an inputs' pass and a "
+        "weights' pass that do the work of one, bitwise exact; where the graph does not allow "
+        "the cut, the last backward takes one more pass over the input-gradient path instead. "
+        "Stages whose backward must run as one pass (hooks, recomputation) do not split; "
+        "`False` turns it off everywhere "
+        "([docs/schedules.md](docs/schedules.md#input-gradients-go-first-early_input_grad))",
     ),
     Option(
         "delay_correction", "auto", _delay_correction, str,
-        note="2bw/pipedream: auto (the schedule's default), none, predict, error_feedback, "
-        "nesterov or update_feedback, or several joined by '+'",
+        doc="`2bw` (and `pipedream`, gradient corrections only): how each update corrects "
+        "2BW's one-step gradient delay, by an exact rule of `lightning_pipe2bw.optim.delay`: "
+        "`\"predict\"` evaluates each batch at the optimizer's own prediction of the weights "
+        "its gradient is applied to, `\"error_feedback\"` adds the gradient's change since the "
+        "previous step to the gradient, `\"nesterov\"` extends each update by its change since "
+        "the previous one, `\"update_feedback\"` by all of it (arXiv 2606.30634's rule), "
+        "`\"none\"` is the plain rule, and several join with `+`; `\"auto\"` takes the "
+        "schedule's default. Rules, memory and measured convergence: "
+        "[docs/pipedream-2bw.md](docs/pipedream-2bw.md#delay-corrections)",
     ),
     Option(
         "sync_steps", 0, _sync_steps, Any,
-        note="2bw: the first this many batches run synchronously (flushed, at the newest "
-        "weights), then the delayed rule; a float in (0, 1): that share of the fit's steps",
+        doc="`2bw` and `2bw-v`: a synchronous start. The first `sync_steps` batches of a fit "
+        "run as `1f1b` does (at the newest weights, drained in their own step, their updates "
+        "uncorrected), then the delayed rule starts. A float between 0 and 1 is a share of the "
+        "fit's optimizer steps (`max_steps`, else Lightning's estimate), e.g. `0.8`; `0` starts "
+        "delayed ([docs/pipedream-2bw.md](docs/pipedream-2bw.md#a-synchronous-start))",
     ),
     Option(
         "fresh_last_stage", False, _flag("fresh_last_stage"), bool,
-        note="2bw: the last stage runs each batch at its newest weights (its update lands in "
-        "the same step, uncorrected); the stages before it keep the delay",
+        doc="`2bw`: the last stage runs every batch at its newest weights. In 1F1B order it "
+        "has run batch t's last backward before batch t+1's first forward, so its update can "
+        "land in the same step, W(t+1) = W(t) - U(grad f_t(W(t))), without a correction; the "
+        "stages before it keep the one-step delay. Not with weights tied between the last "
+        "stage and another ([docs/pipedream-2bw.md](docs/pipedream-2bw.md#a-fresh-last-stage))",
     ),
     Option(
         "check_split", True, _flag("check_split"), bool,
-        note="models that are not an nn.Sequential: check the split's output against the whole "
-        "model's at set-up, and that every parameter gets a gradient at the first update",
+        doc="the guard against a split that trains silently wrong: at set-up, a model that is "
+        "not an `nn.Sequential` (a Hugging Face model, a `PipeModel`) is run whole and split "
+        "on the first micro-batch and their outputs must agree; each micro-batch of new shapes "
+        "is proved to split exactly on the stages before they train on it (once per shape); at "
+        "the first update, every trainable parameter the model uses must have received a "
+        "gradient (as DDP checks; each stage checks its own). `False` turns all three off "
+        "([docs/models.md](docs/models.md#the-guard-against-silent-wrongness))",
     ),
 )  # fmt: skip
 OPTION_NAMES = frozenset(option.name for option in OPTIONS)

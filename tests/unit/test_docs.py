@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import re
 from dataclasses import MISSING, fields
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,12 +13,10 @@ import yaml
 from helpers import ROOT
 
 from lightning_pipe2bw import Pipe2BWStrategy
-from lightning_pipe2bw.recipes.gpt.config import (
-    DataConfig,
-    ModelConfig,
-    StrategyConfig,
-    TrainerConfig,
-)
+from lightning_pipe2bw.config import StrategyConfig, TrainerConfig
+from lightning_pipe2bw.pipeline.optiondocs import BLOCKS, as_rst, rendered
+from lightning_pipe2bw.pipeline.optiontable import OPTIONS
+from lightning_pipe2bw.recipes.gpt.config import DataConfig, ModelConfig
 
 
 def _tables(text: str) -> dict[str, dict[str, str]]:
@@ -65,3 +64,29 @@ def test_readme_lists_every_strategy_option() -> None:
         if name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD
     ]
     assert list(documented) == params
+
+
+@pytest.mark.parametrize("name", sorted(BLOCKS))
+def test_the_options_tables_are_made_from_the_option_table(name: str) -> None:
+    text = (ROOT / name).read_text()
+    assert rendered(text, BLOCKS[name](), name) == text, (
+        f"{name}'s options table is not what pipeline/optiontable.py says: run `make docs`"
+    )
+
+
+def test_the_strategys_docstring_has_every_options_text() -> None:
+    doc = " ".join((Pipe2BWStrategy.__doc__ or "").split())
+    for option in OPTIONS:
+        assert option.doc, f"option {option.name} has no doc in pipeline/optiontable.py"
+        assert f"{option.name}: {' '.join(as_rst(option.doc).split())}." in doc, option.name
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "strategy").glob("*.yaml")))
+def test_a_strategy_yaml_carries_only_what_differs_from_the_defaults(path: Path) -> None:
+    values = yaml.safe_load(path.read_text())
+    defaults = {f.name: _default(f) for f in fields(StrategyConfig)}
+    assert values.get("schedule") == path.stem, "the group's option names its schedule"
+    unknown = set(values) - set(defaults)
+    assert not unknown, f"{path.name}: not options: {sorted(unknown)}"
+    same = [k for k, v in values.items() if k != "schedule" and v == defaults[k]]
+    assert not same, f"{path.name} restates defaults (drop them): {same}"
