@@ -43,7 +43,7 @@ from machine import cpu_pressure_60s
 from ranks import RankPool
 from schedules import LR, WIDTH, _env, _quiet, make_body, run_ours
 
-from lightning_pipe2bw.pipeline.autoplan import measure_bandwidth, measure_latency
+from lightning_pipe2bw.planner.autoplan import measure_bandwidth, measure_latency
 from lightning_pipe2bw.planner.costmodel import Cluster
 from lightning_pipe2bw.planner.measure import profile_sizes
 from lightning_pipe2bw.planner.planner import predict

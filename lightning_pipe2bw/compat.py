@@ -146,7 +146,7 @@ def skip_sigterm_broadcast(trainer: Trainer) -> None:
     """Turn off the broadcast of a SIGTERM flag from rank 0 that Lightning's training loop
     runs at the start of every step (``_broadcast_sigterm_tensor``): a collective of every rank
     once per step, which ties the pipeline's stages together at every step boundary, and which a
-    rank stopping on a signal never joins. ``pipeline.signals.SignalGuard`` does its job."""
+    rank stopping on a signal never joins. ``failures.signals.SignalGuard`` does its job."""
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _no_broadcast  # type: ignore[method-assign]
 
 

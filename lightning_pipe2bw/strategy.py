@@ -3,13 +3,14 @@
 This module is wiring. What it delegates to knows nothing of Lightning (``docs/design.md``):
 the options and their checks (``pipeline.options``, ``pipeline.checks``), the process mesh
 (``pipeline.topology``, ``pipeline.groups``), the stage's runtime (``pipeline.assembly``: body,
-engine, driver, stash, BPipe link), the checkpoint format (``pipeline.checkpoint``), block
-migration (``pipeline.migrate``) and the rest of ``runtime/``, ``schedule/`` and ``partition/``.
-The seam's own ideas live in modules of their own: a Trainer call's steps (``steps``), a step's
-values on every rank (``delivery``), the default process group (``process_group``), a lost rank
-named and workers stopped (``failures``), the checkpoint hooks' barrier, write and load
-(``checkpointing``), ``balance="auto"`` (``planning``), blocks moved under Lightning
-(``repartitioning``), what the stages agree on (``agreement``). Lightning's private API is
+engine, driver, stash, BPipe link), the checkpoint format (``checkpoint.format``), block
+migration (``repartition.migrate``) and the rest of ``runtime/``, ``schedule/`` and ``partition/``.
+The Lightning side of each idea lives with the idea: a Trainer call's steps
+(``steps.pipelined``), a step's values on every rank (``steps.delivery``), a lost rank named and
+workers stopped (``failures.hooks``), the checkpoint hooks' barrier, write and load
+(``checkpoint.hooks``), ``balance="auto"`` (``planner.hooks``), blocks moved under Lightning
+(``repartition.hooks``); the rest in ``seam/``: the default process group (``process_group``),
+what the stages agree on (``agreement``). Lightning's private API is
 reached through ``compat`` only.
 """
 
@@ -41,15 +42,18 @@ from typing_extensions import override
 from lightning_pipe2bw import compat
 from lightning_pipe2bw.callbacks.summary import use_pipeline_summary
 from lightning_pipe2bw.callbacks.view import PipelineView
+from lightning_pipe2bw.checkpoint.format import CheckpointFormat
+from lightning_pipe2bw.checkpoint.hooks import checkpoint_barrier, load_trusting, write_replacing
+from lightning_pipe2bw.checkpoint.storage import gather_state_dict, is_sharded_checkpoint
+from lightning_pipe2bw.failures.hooks import lost_rank, names_lost_ranks, stop_workers_after
+from lightning_pipe2bw.failures.peers import PeerDirectory
+from lightning_pipe2bw.failures.record import StageFailure
+from lightning_pipe2bw.failures.signals import SignalGuard
 from lightning_pipe2bw.partition import Partition, find_body
 from lightning_pipe2bw.pipeline.assembly import build_runtime, place_stage, resolve_balance
-from lightning_pipe2bw.pipeline.autoplan import PlanCheck
-from lightning_pipe2bw.pipeline.checkpoint import CheckpointFormat
-from lightning_pipe2bw.pipeline.checkpoint_io import gather_state_dict, is_sharded_checkpoint
 from lightning_pipe2bw.pipeline.checks import run_problems
 from lightning_pipe2bw.pipeline.groups import ProcessGroups, choose_backend
 from lightning_pipe2bw.pipeline.intake import step_call
-from lightning_pipe2bw.pipeline.migrate import hand_back
 from lightning_pipe2bw.pipeline.optiondocs import docstring
 from lightning_pipe2bw.pipeline.options import (
     DEFAULT_SCHEDULE,
@@ -60,25 +64,22 @@ from lightning_pipe2bw.pipeline.options import (
     StartMethod,
     raise_problems,
 )
-from lightning_pipe2bw.pipeline.peers import PeerDirectory
-from lightning_pipe2bw.pipeline.repartition import Repartition, Repartitioner
-from lightning_pipe2bw.pipeline.signals import SignalGuard
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
 from lightning_pipe2bw.pipeline.topology import Topology
+from lightning_pipe2bw.planner.autoplan import PlanCheck
+from lightning_pipe2bw.planner.hooks import check_plan, finish_plan_check, plan_auto
 from lightning_pipe2bw.planner.plans import PlanResult
+from lightning_pipe2bw.repartition.hooks import checkpoint_layout, move_blocks, repartition_at
+from lightning_pipe2bw.repartition.migrate import hand_back
+from lightning_pipe2bw.repartition.plan import Repartition, Repartitioner
 from lightning_pipe2bw.runtime import PipelineEngine, StageBody
 from lightning_pipe2bw.runtime.driver import Driver
-from lightning_pipe2bw.runtime.failure import StageFailure
 from lightning_pipe2bw.schedule import REGISTRY, ActivationBudget
 from lightning_pipe2bw.seam.agreement import agree_across_stages, check_same_setup, setup_settings
 from lightning_pipe2bw.seam.averaging import average_stage, check_averaging, whole_averages
-from lightning_pipe2bw.seam.checkpointing import checkpoint_barrier, load_trusting, write_replacing
-from lightning_pipe2bw.seam.delivery import StepDelivery
-from lightning_pipe2bw.seam.failures import lost_rank, names_lost_ranks, stop_workers_after
 from lightning_pipe2bw.seam.hooklogs import stage_logs
 from lightning_pipe2bw.seam.launcher import PipePopenLauncher, PipeSpawnLauncher, kill_workers
 from lightning_pipe2bw.seam.loaders import batch_fingerprint, last_batch_problem, seed_sampler
-from lightning_pipe2bw.seam.planning import check_plan, finish_plan_check, plan_auto
 from lightning_pipe2bw.seam.process_group import (
     broadcast_object,
     connect,
@@ -86,10 +87,10 @@ from lightning_pipe2bw.seam.process_group import (
     is_initialized,
     rank_zero_decision,
 )
-from lightning_pipe2bw.seam.repartitioning import checkpoint_layout, move_blocks, repartition_at
 from lightning_pipe2bw.seam.requeue import RequeueRelay
-from lightning_pipe2bw.seam.steplog import quiet_epoch_sync_advice, share_metrics
-from lightning_pipe2bw.seam.steps import PipelinedSteps, scaler_of
+from lightning_pipe2bw.steps.delivery import StepDelivery
+from lightning_pipe2bw.steps.log import quiet_epoch_sync_advice, share_metrics
+from lightning_pipe2bw.steps.pipelined import PipelinedSteps, scaler_of
 
 __all__ = ["Pipe2BWStrategy"]
 
@@ -151,7 +152,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         self._steps: PipelinedSteps | None = None  # this Trainer call's steps (set-up)
         # a step's values, from the last stage to what every rank logs and returns
         self._delivery = StepDelivery()
-        # SIGTERM / SIGINT end every rank within seconds (see pipeline.signals)
+        # SIGTERM / SIGINT end every rank within seconds (see failures.signals)
         self._signals = SignalGuard(self._describe, self._on_forced_exit)
         # SLURM's requeue warning answered at a step boundary (see requeue.py)
         self._requeue = RequeueRelay(self._describe)
@@ -557,7 +558,7 @@ class Pipe2BWStrategy(ParallelStrategy):
     def _move_blocks(self, balance: Sequence[int], carry: bool = True) -> None:
         """Make the pipeline run ``balance`` (collective; at a flush point), carrying the
         optimizers' and schedulers' state (not before a checkpoint's state is loaded:
-        ``carry=False``); see ``pipeline.migrate``."""
+        ``carry=False``); see ``repartition.migrate``."""
         module = self.lightning_module
         assert module is not None
         trainer = module.trainer
@@ -679,7 +680,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         dist.barrier()
 
     def _checkpoint_barrier(self) -> None:
-        """Every rank reaches ``trainer.save_checkpoint`` (``checkpointing.checkpoint_barrier``)."""
+        """Every rank reaches ``trainer.save_checkpoint`` (``checkpoint.hooks.checkpoint_barrier``)."""
         checkpoint_barrier(
             self._control, self.options.timeout, self.world_size, self._describe(), self._lost_rank
         )

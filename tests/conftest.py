@@ -19,7 +19,7 @@ from helpers.pool import Pools
 
 torch.set_num_threads(1)
 
-# what balance="auto" measures once per machine (lightning_pipe2bw/seam/loopcost.py) is kept with the tests'
+# what balance="auto" measures once per machine (lightning_pipe2bw/planner/loopcost.py) is kept with the tests'
 # cache, not in the user's: a clean checkout measures it once, in its first auto plan
 os.environ.setdefault(
     "PIPE2BW_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".pytest_cache" / "pipe2bw")

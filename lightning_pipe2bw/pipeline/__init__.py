@@ -1,5 +1,5 @@
-"""The pipeline below the Lightning seam: options, the process mesh, a stage's assembled runtime,
-block migration, the checkpoint format, live repartitioning and ``balance="auto"``.
+"""The pipeline below the Lightning seam: options, the process mesh, a stage's assembled runtime
+and ``balance="auto"`` (checkpoints, repartitioning and failures have their own folders).
 
 Nothing here imports ``lightning.pytorch``: the strategy (``lightning_pipe2bw.strategy``) turns
 Lightning's hooks into calls on these pieces (see ``docs/design.md``).

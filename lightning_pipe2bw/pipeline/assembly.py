@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_pipe2bw.failures.record import wait_limits
 from lightning_pipe2bw.partition import BodyRef, Partition, build_stage
 from lightning_pipe2bw.partition.balance import balance_by_params
 from lightning_pipe2bw.partition.build import Init, Uninitialized, UninitializedError
@@ -33,7 +34,6 @@ from lightning_pipe2bw.runtime import P2PTransport, PipelineEngine, StageBody
 from lightning_pipe2bw.runtime.channel import ObjectChannel
 from lightning_pipe2bw.runtime.driver import Driver, FlushDriver
 from lightning_pipe2bw.runtime.engine import VirtualStages
-from lightning_pipe2bw.runtime.failure import wait_limits
 from lightning_pipe2bw.runtime.peer import PeerLink
 from lightning_pipe2bw.runtime.shm import create_transport
 from lightning_pipe2bw.runtime.twobw import PipeDreamDriver, TwoBWDriver

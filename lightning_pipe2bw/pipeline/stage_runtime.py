@@ -17,6 +17,13 @@ import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
+from lightning_pipe2bw.failures.record import (
+    FailureRecord,
+    SignalStop,
+    StageFailure,
+    action_of,
+    say,
+)
 from lightning_pipe2bw.partition.split import Partition
 from lightning_pipe2bw.pipeline.groups import (
     ProcessGroups,
@@ -28,17 +35,10 @@ from lightning_pipe2bw.pipeline.ties import TiedCopies
 from lightning_pipe2bw.pipeline.topology import Topology
 from lightning_pipe2bw.runtime.driver import Driver, DueGradient
 from lightning_pipe2bw.runtime.engine import PipelineEngine, StepFn, step_loss
-from lightning_pipe2bw.runtime.failure import (
-    FailureRecord,
-    SignalStop,
-    StageFailure,
-    action_of,
-    say,
-)
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, merge_outputs, split_batch
 from lightning_pipe2bw.runtime.stage import StageBody
-from lightning_pipe2bw.runtime.stepvalues import StepValues
 from lightning_pipe2bw.schedule import Schedule, add_communication, forward_only
+from lightning_pipe2bw.steps.values import StepValues
 
 __all__ = ["StageRuntime"]
 
@@ -215,7 +215,7 @@ class StageRuntime:
     def report_failure(self, exception: BaseException) -> bool:
         """Tell the neighbour stages (and the BPipe partner) that this rank stops, so that they
         stop now with an error naming the failure instead of waiting for a message until the
-        process-group timeout (see ``lightning_pipe2bw.runtime.failure``). False when there is
+        process-group timeout (see ``lightning_pipe2bw.failures.record``). False when there is
         no one to tell (one stage, no process group)."""
         engine, t = self.engine, self.topology
         if t.num_stages == 1 or not (dist.is_available() and dist.is_initialized()):

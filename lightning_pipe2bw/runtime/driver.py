@@ -20,7 +20,6 @@ from torch import Tensor
 
 from lightning_pipe2bw.runtime.channel import ObjectChannel
 from lightning_pipe2bw.runtime.engine import PipelineEngine, StepFn
-from lightning_pipe2bw.runtime.stepvalues import StepValues
 from lightning_pipe2bw.schedule import (
     Action,
     Schedule,
@@ -28,6 +27,7 @@ from lightning_pipe2bw.schedule import (
     one_channel_per_pair,
     training_schedule,
 )
+from lightning_pipe2bw.steps.values import StepValues
 
 __all__ = ["Driver", "DueGradient", "FlushDriver"]
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_pipe2bw.runtime.failure import StageFailure, lost_peer, mark_action
+from lightning_pipe2bw.failures.record import StageFailure, lost_peer, mark_action
 from lightning_pipe2bw.runtime.inplace import writable
 from lightning_pipe2bw.runtime.payload import (
     StepFn,
@@ -92,7 +92,7 @@ class PipelineEngine:
         virtual: VirtualStages | None = None,
     ) -> None:
         """``wait_limits``: seconds to wait for a forward input and for a backward gradient
-        (None: the process group's timeout; see ``failure.wait_limits``). ``link``: BPipe's
+        (None: the process group's timeout; see ``failures.record.wait_limits``). ``link``: BPipe's
         link to the partner stage, if this stage has one; ``evict_share(saved_bytes)``: the
         share of a micro-batch's saved bytes this stage evicts to it (the activation balancer;
         None: only the memory plan's ``"evict"`` blocks move). ``virtual``: the stages this rank

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure
+from lightning_pipe2bw.failures.record import FailureRecord, StageFailure
 from lightning_pipe2bw.runtime.transport import wire_device
 
 __all__ = ["PeerLink"]

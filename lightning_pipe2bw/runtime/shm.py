@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure, new_run
+from lightning_pipe2bw.failures.record import FailureRecord, StageFailure, new_run
 from lightning_pipe2bw.runtime.ring import CONTROL, LARGE, MESSAGE, NOTICE, RECORD, Ring
 from lightning_pipe2bw.runtime.transport import TAG_BASE, HeldSends
 from lightning_pipe2bw.runtime.wire import (

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure, new_run
+from lightning_pipe2bw.failures.record import FailureRecord, StageFailure, new_run
 from lightning_pipe2bw.runtime.wire import (
     Channel,
     encode,

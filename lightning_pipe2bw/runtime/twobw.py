@@ -13,7 +13,6 @@ from lightning_pipe2bw.optim.delay import make_correction
 from lightning_pipe2bw.runtime.channel import ObjectChannel
 from lightning_pipe2bw.runtime.driver import DueGradient
 from lightning_pipe2bw.runtime.engine import PipelineEngine, StepFn
-from lightning_pipe2bw.runtime.stepvalues import StepValues
 from lightning_pipe2bw.runtime.versions import TwoBWOptimizer, WeightVersions, unwrap_optimizer
 from lightning_pipe2bw.schedule import (
     Action,
@@ -22,6 +21,7 @@ from lightning_pipe2bw.schedule import (
     add_offload,
     with_communication,
 )
+from lightning_pipe2bw.steps.values import StepValues
 
 __all__ = ["PipeDreamDriver", "TwoBWDriver"]
 

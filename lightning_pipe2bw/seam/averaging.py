@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import StochasticWeightAveraging
 from torch import Tensor, nn
 
 from lightning_pipe2bw import compat
-from lightning_pipe2bw.pipeline.checkpoint_io import gather_named
+from lightning_pipe2bw.checkpoint.storage import gather_named
 from lightning_pipe2bw.pipeline.options import PipeOptions
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
 

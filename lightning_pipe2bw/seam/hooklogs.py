@@ -39,7 +39,7 @@ from torchmetrics import Metric
 from lightning_pipe2bw import compat
 from lightning_pipe2bw.pipeline.groups import gather_stages
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
-from lightning_pipe2bw.seam.steplog import log_arguments
+from lightning_pipe2bw.steps.log import log_arguments
 
 __all__ = ["StageLogs", "stage_logs"]
 

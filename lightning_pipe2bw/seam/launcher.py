@@ -34,7 +34,7 @@ from lightning_pipe2bw.compat import (
     set_num_threads_if_needed,
     start_worker_scripts,
 )
-from lightning_pipe2bw.runtime.failure import say
+from lightning_pipe2bw.failures.record import say
 
 __all__ = [
     "PipePopenLauncher",

@@ -38,8 +38,8 @@ from lightning.fabric.plugins.environments.cluster_environment import ClusterEnv
 from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_pipe2bw.runtime.failure import say
-from lightning_pipe2bw.runtime.stepvalues import StepValues
+from lightning_pipe2bw.failures.record import say
+from lightning_pipe2bw.steps.values import StepValues
 
 __all__ = ["RequeueRelay"]
 
@@ -48,7 +48,7 @@ _active: weakref.ReferenceType[RequeueRelay] | None = None  # the relay in charg
 
 def _dispatch(signum: int, frame: FrameType | None) -> None:
     """The handler the process holds: the relay in charge counts the signal. Module level, so
-    that a handler Lightning leaves installed after a fit holds no Trainer (see pipeline.signals)."""
+    that a handler Lightning leaves installed after a fit holds no Trainer (see failures.signals)."""
     relay = _active() if _active is not None else None
     if relay is not None:
         relay._received(signum)

@@ -54,7 +54,7 @@ def test_a_raising_rank_stops_every_rank(tmp_path: Path, rank: int, stage: int, 
     # the other rank reports the first failure: rank, stage, action (a forward of this stage,
     # PipeDream-2BW version 1) and the original exception
     expected = (
-        f"[rank{other}]: lightning_pipe2bw.runtime.failure.StageFailure: rank {rank} (stage "
+        f"[rank{other}]: lightning_pipe2bw.failures.record.StageFailure: rank {rank} (stage "
         f"{stage}) failed in action {stage}F4v1: ValueError: failing on purpose at step 2"
     )
     assert expected in out, out[-4000:]
@@ -78,7 +78,7 @@ def test_a_killed_rank_stops_every_rank(
     assert proc.returncode != 0  # -9 when the launching process itself was killed
     assert elapsed < LIMIT_S
     assert (
-        f"[rank{other}]: lightning_pipe2bw.runtime.failure.StageFailure: lost rank {rank} " in out
+        f"[rank{other}]: lightning_pipe2bw.failures.record.StageFailure: lost rank {rank} " in out
     )
     assert f"rank {rank} (stage {stage}) failed in an unknown action: its process vanished" in out
 
@@ -101,7 +101,7 @@ def test_a_rank_killed_outside_the_schedule_is_named(
     assert proc.returncode != 0
     assert elapsed < LIMIT_S
     expected = (
-        f"[rank{other}]: lightning_pipe2bw.runtime.failure.StageFailure: lost rank {rank} "
+        f"[rank{other}]: lightning_pipe2bw.failures.record.StageFailure: lost rank {rank} "
         f"(stage {stage}, process "
     )
     assert expected in out, out[-4000:]
@@ -138,7 +138,7 @@ def test_a_hanging_rank_is_stopped_by_the_timeout(
     assert proc.returncode != 0
     assert elapsed < LIMIT_S
     assert (
-        f"[rank{other}]: lightning_pipe2bw.runtime.failure.StageFailure: rank {rank} (stage "
+        f"[rank{other}]: lightning_pipe2bw.failures.record.StageFailure: rank {rank} (stage "
         f"{stage}) timed out while this stage ({1 - other}) ran action" in out
     ), out[-4000:]
     assert "it stopped answering" in out
@@ -150,7 +150,7 @@ def test_a_hanging_rank_is_stopped_by_the_timeout(
 def test_a_failure_travels_along_a_longer_pipeline(tmp_path: Path, mode: str, rank: int) -> None:
     """Three stages (rank 1 runs the middle one, rank 0 the last); the failure happens in a body
     block. A failure in the middle reaches both ends. A hang at the end is noticed first by its
-    neighbour (whose wait limit is shorter, see ``failure.wait_limits``), which names it and
+    neighbour (whose wait limit is shorter, see ``failures.record.wait_limits``), which names it and
     passes it on: the first stage stops naming the hung rank too (its notice comes over the
     shared-memory transport, which a timed-out gloo group would have closed)."""
     proc, elapsed = _run_job(tmp_path, mode, rank, "--devices", "3", "--timeout", "8", "--in-block")

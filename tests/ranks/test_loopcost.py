@@ -1,6 +1,6 @@
 """The training loop's cost per step (on one rank and in a pipeline) and the engine's per action,
 measured for balance="auto" by tiny runs in child processes, once per machine
-(``lightning_pipe2bw/seam/loopcost.py``)."""
+(``lightning_pipe2bw/planner/loopcost.py``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_pipe2bw.seam.loopcost import _read_cache, _write_cache, cache_path, loop_costs
+from lightning_pipe2bw.planner.loopcost import _read_cache, _write_cache, cache_path, loop_costs
 
 
 def test_the_loop_costs_are_measured_once_kept_and_measured_again_when_stale(

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from helpers import workers
 from unit.test_transport import sequence_message
 
-from lightning_pipe2bw.runtime.failure import FailureRecord
+from lightning_pipe2bw.failures.record import FailureRecord
 from lightning_pipe2bw.runtime.shm import (
     SharedMemoryTransport,
     create_transport,

@@ -24,7 +24,7 @@ from unit.test_transport import (
     sequence_message,
 )
 
-from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure
+from lightning_pipe2bw.failures.record import FailureRecord, StageFailure
 from lightning_pipe2bw.runtime.transport import P2PTransport
 from lightning_pipe2bw.runtime.wire import flatten_payload
 

@@ -11,7 +11,7 @@ def test_wait_limits_grow_away_from_a_hang(stages: int) -> None:
     """Wherever a rank hangs, its neighbour's limit is the shortest on the waiting chain: the
     limits are within the timeout, at least half of it, and grow by stage in the direction of the
     wait (forward inputs flow to higher stages, gradients to lower)."""
-    from lightning_pipe2bw.runtime.failure import wait_limits
+    from lightning_pipe2bw.failures.record import wait_limits
 
     limits = [wait_limits(s, stages, 60.0) for s in range(stages)]
     for forward, backward in limits:

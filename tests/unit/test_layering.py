@@ -21,15 +21,38 @@ PACKAGE = ROOT / "lightning_pipe2bw"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("optim", ("lightning_pipe2bw.optim",)),
     ("schedule", ("lightning_pipe2bw.schedule",)),
-    ("runtime", ("lightning_pipe2bw.runtime",)),
+    (
+        "runtime",
+        (
+            "lightning_pipe2bw.runtime",
+            "lightning_pipe2bw.failures.record",  # the error the runtime raises
+            "lightning_pipe2bw.steps.values",  # what the runtime's drivers build
+        ),
+    ),
     ("partition", ("lightning_pipe2bw.partition", "lightning_pipe2bw.planner")),
-    ("pipeline", ("lightning_pipe2bw.pipeline",)),
+    (
+        "pipeline",
+        (
+            "lightning_pipe2bw.pipeline",
+            # an idea's folder holds its modules of every layer; each is placed by its name
+            "lightning_pipe2bw.checkpoint",
+            "lightning_pipe2bw.repartition",
+            "lightning_pipe2bw.failures",
+            "lightning_pipe2bw.planner.autoplan",
+        ),
+    ),
     (
         "seam",
         (
             "lightning_pipe2bw.strategy",
             "lightning_pipe2bw.compat",
             "lightning_pipe2bw.seam",  # the strategy's helpers
+            "lightning_pipe2bw.checkpoint.hooks",
+            "lightning_pipe2bw.repartition.hooks",
+            "lightning_pipe2bw.failures.hooks",
+            "lightning_pipe2bw.steps",
+            "lightning_pipe2bw.planner.hooks",
+            "lightning_pipe2bw.planner.loopcost",
             "lightning_pipe2bw.callbacks",
             "lightning_pipe2bw.config",
             "lightning_pipe2bw.cli",

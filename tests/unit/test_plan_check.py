@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from lightning_pipe2bw.pipeline.autoplan import PlanCheck
+from lightning_pipe2bw.planner.autoplan import PlanCheck
 
 
 def test_the_measured_rate_is_samples_over_the_measured_steps() -> None:

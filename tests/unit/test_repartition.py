@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_pipe2bw import Pipe2BWStrategy
-from lightning_pipe2bw.pipeline.repartition import StageTiming, block_costs, plan_repartition
+from lightning_pipe2bw.repartition.plan import StageTiming, block_costs, plan_repartition
 
 
 def _timings(block_s: list[float], balance: list[int], extra: float = 0.0) -> list[StageTiming]:

@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from lightning_pipe2bw.runtime.channel import _Pickler
-from lightning_pipe2bw.runtime.stepvalues import StepValues
+from lightning_pipe2bw.steps.values import StepValues
 
 
 def _values() -> StepValues:

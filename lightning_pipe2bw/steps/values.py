@@ -19,7 +19,7 @@ class StepValues:
     their own: one device would have them all. Empty on a stage other than the last until they
     arrive. The last stage fills the fields in three places: the stage's runtime (``loss``,
     ``extra``, ``output``), the step's recording (``logs``, ``appended``, ``metrics``,
-    ``lightning_pipe2bw.seam.steplog``) and the strategy (``batch``, ``requeue``).
+    ``lightning_pipe2bw.steps.log``) and the strategy (``batch``, ``requeue``).
 
     A pytree node (``torch.utils._pytree``): the channel moves every tensor in it to the host.
     """
@@ -32,11 +32,11 @@ class StepValues:
     extra: dict[str, Any] | None = None
     # an evaluation step's outputs, merged over the micro-batches, on the CPU
     output: Any = None
-    # what ``self.log`` recorded, per logged name (``steplog.LogRecorder.summary``)
+    # what ``self.log`` recorded, per logged name (``steps.log.LogRecorder.summary``)
     logs: list[Any] | None = None
-    # the items the step appended to the module's lists (``steplog.StepOutputs``)
+    # the items the step appended to the module's lists (``steps.log.StepOutputs``)
     appended: dict[tuple[str, Any], list[Any]] | None = None
-    # the logged torchmetrics Metrics' states (``steplog.MetricStates``)
+    # the logged torchmetrics Metrics' states (``steps.log.MetricStates``)
     metrics: dict[str, Any] | None = None
     # the batch's fingerprint (``loaders.batch_fingerprint``), compared by the other stages
     batch: str | None = None

@@ -4,7 +4,7 @@ rank of the pipeline checks, logs and returns to Lightning.
 The last stage adds the batch's fingerprint and a SLURM requeue request to the values; every
 rank then takes the values delivered to it (``StageRuntime.deliver_values``: in the same step, or
 one step late under 2BW), compares the fingerprints of the batches it ran (``loaders``), logs
-the values (``steplog.StepRecording``), notes a requeue request (``requeue``) and returns the
+the values (``steps.log.StepRecording``), notes a requeue request (``requeue``) and returns the
 step's output: a training step's loss (NaN while no values have arrived) and its other values,
 or an evaluation step's outputs.
 """
@@ -22,10 +22,10 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
-from lightning_pipe2bw.runtime.stepvalues import StepValues
 from lightning_pipe2bw.seam.loaders import FingerprintCheck, describe_loader
 from lightning_pipe2bw.seam.requeue import RequeueRelay
-from lightning_pipe2bw.seam.steplog import StepRecording, scalar_on
+from lightning_pipe2bw.steps.log import StepRecording, scalar_on
+from lightning_pipe2bw.steps.values import StepValues
 
 __all__ = ["StepDelivery"]
 

@@ -1,4 +1,4 @@
-"""What the strategy's checkpoint hooks do besides the format (``pipeline.checkpoint``): the barrier
+"""What the strategy's checkpoint hooks do besides the format (``checkpoint.format``): the barrier
 ``trainer.save_checkpoint`` starts with, which every rank must reach, the consolidated file's
 write under a temporary name, and the loader's ``weights_only`` first attempt.
 """
@@ -14,8 +14,8 @@ from typing import Any
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_pipe2bw.failures.record import StageFailure
 from lightning_pipe2bw.pipeline.options import DEFAULT_TIMEOUT
-from lightning_pipe2bw.runtime.failure import StageFailure
 from lightning_pipe2bw.seam.process_group import is_initialized
 
 __all__ = ["checkpoint_barrier", "load_trusting", "write_replacing"]

@@ -185,7 +185,7 @@ def local_cluster(
     """The cluster the run is on: device memory (a CUDA device's, or this machine's RAM shared
     by its processes), the measured bandwidth inside a node and across nodes, a message's
     latency and its sender's cost, and the training loop's cost per step and the engine's per
-    compute action (``loop_costs``, called on global rank 0: see :mod:`lightning_pipe2bw.seam.loopcost`;
+    compute action (``loop_costs``, called on global rank 0: see :mod:`lightning_pipe2bw.planner.loopcost`;
     None: both 0; on a GPU the actions' host cost overlaps the device's work and is left out).
     Collective."""
     if device.type == "cuda":

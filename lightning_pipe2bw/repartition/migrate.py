@@ -28,17 +28,17 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_pipe2bw.checkpoint.storage import to_cpu
 from lightning_pipe2bw.partition import make_partition
 from lightning_pipe2bw.partition.ties import share_parameter
-from lightning_pipe2bw.pipeline.checkpoint_io import to_cpu
 from lightning_pipe2bw.pipeline.checks import memory_plan_problems
 from lightning_pipe2bw.pipeline.options import raise_problems
-from lightning_pipe2bw.pipeline.repartition import (
+from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
+from lightning_pipe2bw.pipeline.ties import TiedCopies
+from lightning_pipe2bw.repartition.plan import (
     load_optimizer_state_by_name,
     optimizer_state_by_name,
 )
-from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
-from lightning_pipe2bw.pipeline.ties import TiedCopies
 from lightning_pipe2bw.runtime.stage import StageBody
 
 __all__ = ["hand_back", "relayout"]

@@ -6,7 +6,7 @@ collective inside the handler and one more at every training step, which a pipel
 busy with point-to-point messages, cannot match: a SIGTERM to some ranks left the others waiting
 until the process group's timeout. While a stage runs, :class:`SignalGuard` takes over:
 
-* the handler raises in the rank's main thread: :class:`~lightning_pipe2bw.runtime.failure.SignalStop`
+* the handler raises in the rank's main thread: :class:`~lightning_pipe2bw.failures.record.SignalStop`
   for SIGTERM (a ``SystemExit`` with status 128 + 15), ``KeyboardInterrupt`` for SIGINT. Either
   goes through the strategy's failure path: the neighbour stages get a failure notice naming the
   signal and stop, and the launching process stops its workers;
@@ -34,7 +34,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from lightning_pipe2bw.runtime.failure import SignalStop, say
+from lightning_pipe2bw.failures.record import SignalStop, say
 
 __all__ = ["SignalGuard"]
 

@@ -1,5 +1,5 @@
 """``balance="auto"`` under Lightning: the plan made at set-up from the training dataloader
-(``pipeline.autoplan``), and the plan's predicted throughput compared with the run's.
+(``planner.autoplan``), and the plan's predicted throughput compared with the run's.
 
 Every rank gets rank 0's profile, so every rank applies the same plan; it is logged on rank 0
 (on the ``lightning_pipe2bw.strategy`` logger) and saved in checkpoints (``strategy.plan``).
@@ -16,16 +16,16 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_pipe2bw import compat
 from lightning_pipe2bw.partition import BodyRef
-from lightning_pipe2bw.pipeline.autoplan import (
+from lightning_pipe2bw.pipeline.options import PipeOptions
+from lightning_pipe2bw.planner.autoplan import (
     TRUST_NOTE,
     AutoPlanInputs,
     PlanCheck,
     plan_from_loader,
 )
-from lightning_pipe2bw.pipeline.options import PipeOptions
+from lightning_pipe2bw.planner.loopcost import loop_costs
 from lightning_pipe2bw.planner.plans import PlanResult
 from lightning_pipe2bw.runtime.microbatch import batch_size_of
-from lightning_pipe2bw.seam.loopcost import loop_costs
 
 __all__ = ["check_plan", "finish_plan_check", "plan_auto"]
 

@@ -39,7 +39,7 @@ from torchmetrics import Metric
 
 from lightning_pipe2bw.compat import metric_batch_value, set_metric_batch_value, set_metric_state
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, merge_outputs
-from lightning_pipe2bw.runtime.stepvalues import StepValues
+from lightning_pipe2bw.steps.values import StepValues
 
 __all__ = [
     "StepRecording",

@@ -1,5 +1,5 @@
 """Moving blocks between stages under Lightning: vPipe's live repartitioning at a training batch's
-start (``pipeline.repartition`` decides, ``pipeline.migrate`` moves), and the layout a checkpoint
+start (``repartition.plan`` decides, ``repartition.migrate`` moves), and the layout a checkpoint
 was written with, adopted before its state is loaded.
 
 Blocks move at a flush point, collectively (every rank decides alike from the same measured
@@ -17,10 +17,10 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 
 from lightning_pipe2bw import compat
-from lightning_pipe2bw.pipeline.checkpoint import layout_to_adopt
-from lightning_pipe2bw.pipeline.migrate import relayout
-from lightning_pipe2bw.pipeline.repartition import Repartitioner
+from lightning_pipe2bw.checkpoint.format import layout_to_adopt
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
+from lightning_pipe2bw.repartition.migrate import relayout
+from lightning_pipe2bw.repartition.plan import Repartitioner
 
 __all__ = ["checkpoint_layout", "move_blocks", "repartition_at"]
 
@@ -58,7 +58,7 @@ def move_blocks(
 ) -> list[Optimizer] | None:
     """Make the pipeline run ``balance`` (collective; at a flush point), carrying the state of
     ``optimizers`` (Lightning's, possibly wrapped) and of the ``schedulers`` (none: nothing to
-    carry), then ``rebuild`` them (None: not fitting); see ``pipeline.migrate``. The optimizers
+    carry), then ``rebuild`` them (None: not fitting); see ``repartition.migrate``. The optimizers
     Lightning steps from then on, or None when they stay."""
     return relayout(
         runtime,

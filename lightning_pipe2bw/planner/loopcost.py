@@ -163,7 +163,7 @@ def _run(world_size: int, timeout_s: float) -> list[float]:
     port = _free_port()
     children = [
         subprocess.Popen(
-            [sys.executable, "-m", "lightning_pipe2bw.seam.loopcost"],
+            [sys.executable, "-m", "lightning_pipe2bw.planner.loopcost"],
             env={**base, **torchrun_environment(rank, world_size, port, "pipe2bw-loop-costs")},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -1,10 +1,10 @@
 """A rank's failure at the seam: the strategy's collectives name a rank that is gone, and a
 failing rank makes its neighbours and the workers it launched stop.
 
-Inside the schedule the engine names a lost neighbour (``runtime.failure``); outside it (a
+Inside the schedule the engine names a lost neighbour (``failures.record``); outside it (a
 checkpoint's gather, a barrier, the step values' delivery) the strategy's methods marked with
 :func:`names_lost_ranks` turn the process group's ``Connection reset by peer`` into an error
-naming the rank, its stage and how it died (``pipeline.peers``).
+naming the rank, its stage and how it died (``failures.peers``).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, cast
 
 from lightning_pipe2bw import compat
-from lightning_pipe2bw.pipeline.peers import PeerDirectory
-from lightning_pipe2bw.runtime.failure import SignalStop, StageFailure
+from lightning_pipe2bw.failures.peers import PeerDirectory
+from lightning_pipe2bw.failures.record import SignalStop, StageFailure
 from lightning_pipe2bw.seam.launcher import PipePopenLauncher, signal_workers, stop_workers
 
 __all__ = ["lost_rank", "names_lost_ranks", "stop_workers_after"]
@@ -30,7 +30,7 @@ class _NamesLostRanks(Protocol):
 
 def names_lost_ranks(where: str) -> Callable[[_Method], _Method]:
     """A strategy method whose collectives, when a rank's process is gone, raise an error that
-    names that rank, its stage and how it died (``pipeline.peers``), not the process group's
+    names that rank, its stage and how it died (``failures.peers``), not the process group's
     ``Connection reset by peer``; the strategy's ``_lost_rank`` (:func:`lost_rank`) finds it."""
 
     def wrap(method: _Method) -> _Method:

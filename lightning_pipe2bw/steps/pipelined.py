@@ -4,7 +4,7 @@ Lightning's closure runs ``training_step``, then ``zero_grad``, then ``backward`
 every micro-batch's backward inside the step (through the precision plugin, with the loss
 scaled for mixed precision), so the gradient the step applies is held out of ``.grad`` as a
 ``DueGradient`` until the ``backward`` hook, and ``zero_grad`` (with its hooks) acts on nothing
-in between. A step's values reach every rank through ``delivery``; a 2BW flush applies the
+in between. A step's values reach every rank through ``steps.delivery``; a 2BW flush applies the
 pipeline's last gradient by Lightning's own step path; the first update checks that every
 trainable parameter got a gradient (``check_split``'s second half).
 """
@@ -25,10 +25,10 @@ from lightning_pipe2bw import compat
 from lightning_pipe2bw.pipeline.intake import check_every_parameter_used
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
 from lightning_pipe2bw.runtime.driver import DueGradient
-from lightning_pipe2bw.seam.delivery import StepDelivery
 from lightning_pipe2bw.seam.hooklogs import StageLogs
 from lightning_pipe2bw.seam.requeue import RequeueRelay
-from lightning_pipe2bw.seam.steplog import StepRecording
+from lightning_pipe2bw.steps.delivery import StepDelivery
+from lightning_pipe2bw.steps.log import StepRecording
 
 __all__ = ["PipelinedSteps", "scaler_of"]
 
@@ -79,7 +79,7 @@ class PipelinedSteps:
 
     def run(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], train: bool) -> Any:
         """Run ``hook`` (the user's step) over the batch ``args[0]``'s micro-batches, and return
-        what it returns on this rank (``delivery``)."""
+        what it returns on this rank (``steps.delivery``)."""
         module, runtime = self.module, self.runtime
         with StepRecording(module, hook, args, kwargs, runtime.is_last) as recording:
             values = runtime.run_batch(

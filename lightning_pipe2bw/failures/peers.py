@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from lightning_pipe2bw.runtime.failure import FailureRecord, StageFailure
+from lightning_pipe2bw.failures.record import FailureRecord, StageFailure
 
 __all__ = ["PeerDirectory"]
 

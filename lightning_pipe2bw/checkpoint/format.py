@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 from torch.optim import Optimizer
 
-from lightning_pipe2bw.pipeline.checkpoint_io import (
+from lightning_pipe2bw.checkpoint.storage import (
     add_stored_optimizer_entries,
     gather_named,
     gather_optimizer_state,
