@@ -22,6 +22,9 @@ from helpers import JOBS
 
 JOB = JOBS / "fault_job.py"
 LIMIT_S = 90  # startup is ~10 s here; a hang would last until the 3-minute timeout
+# how long a failing launching process lets its workers stop on their own before it kills them
+# (its worker watch waits twice that for a launching process that hangs); 15 s by default
+GRACE_S = "5"
 
 
 def _run_job(
@@ -30,6 +33,7 @@ def _run_job(
     token = f"fault-{uuid.uuid4().hex[:12]}"
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PIPE2BW_TRANSPORT=transport)
     cmd = [sys.executable, str(JOB), "--mode", mode, "--rank", str(rank), "--token", token]
+    cmd += ["--grace", GRACE_S]
     cmd += options
     start = time.monotonic()
     # run() returns when every process holding the output pipes has exited, rank 1 included
@@ -65,14 +69,15 @@ def test_a_raising_rank_stops_every_rank(tmp_path: Path, rank: int, stage: int, 
 
 @pytest.mark.parametrize(
     ("rank", "stage", "other", "transport"),
-    [(0, 1, 1, "auto"), (1, 0, 0, "auto"), (1, 0, 0, "gloo")],
-    ids=["rank0", "rank1", "rank1-gloo"],
+    [(0, 1, 1, "auto"), (1, 0, 0, "gloo")],
+    ids=["rank0", "rank1-gloo"],
 )
 def test_a_killed_rank_stops_every_rank(
     tmp_path: Path, rank: int, stage: int, other: int, transport: str
 ) -> None:
     """Over shared memory (the default here) the neighbour sees the killed rank's socket close;
-    over gloo its connection break."""
+    over gloo its connection break. The launching process (rank 0) is killed over shared memory,
+    a worker over gloo: each transport and each kind of process once."""
     proc, elapsed = _run_job(tmp_path, "kill", rank, transport=transport)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0  # -9 when the launching process itself was killed
@@ -85,10 +90,9 @@ def test_a_killed_rank_stops_every_rank(
 
 @pytest.mark.parametrize(
     ("rank", "stage", "other", "how"),
-    [
-        (0, 1, 1, "its process vanished without reporting an error"),
-        (1, 0, 0, "its process was killed by SIGKILL (signal 9)"),  # a worker rank 0 started
-    ],
+    # a worker rank 0 started: the launching process knows how it died (a killed launching
+    # process "vanished", as test_a_killed_rank_stops_every_rank[rank0] shows)
+    [(1, 0, 0, "its process was killed by SIGKILL (signal 9)")],
 )
 def test_a_rank_killed_outside_the_schedule_is_named(
     tmp_path: Path, rank: int, stage: int, other: int, how: str
@@ -126,7 +130,8 @@ def test_a_checkpoint_saved_on_rank_0_only_is_refused_in_time(tmp_path: Path) ->
     assert not (tmp_path / "whole.ckpt").exists()
 
 
-@pytest.mark.parametrize(("rank", "stage", "other"), [(0, 1, 1), (1, 0, 0)])
+# a hanging worker; a hanging launching process: test_a_failure_travels_along_a_longer_pipeline
+@pytest.mark.parametrize(("rank", "stage", "other"), [(1, 0, 0)])
 def test_a_hanging_rank_is_stopped_by_the_timeout(
     tmp_path: Path, rank: int, stage: int, other: int
 ) -> None:
@@ -146,7 +151,8 @@ def test_a_hanging_rank_is_stopped_by_the_timeout(
         assert "pipe2bw: killing worker process" in out
 
 
-@pytest.mark.parametrize(("mode", "rank"), [("raise", 1), ("kill", 1), ("hang", 0)])
+# (a raising rank's path is the killed one's once its notice is out: two stages show it)
+@pytest.mark.parametrize(("mode", "rank"), [("kill", 1), ("hang", 0)])
 def test_a_failure_travels_along_a_longer_pipeline(tmp_path: Path, mode: str, rank: int) -> None:
     """Three stages (rank 1 runs the middle one, rank 0 the last); the failure happens in a body
     block. A failure in the middle reaches both ends. A hang at the end is noticed first by its
@@ -174,13 +180,13 @@ def test_a_failure_travels_along_a_longer_pipeline(tmp_path: Path, mode: str, ra
             assert first in stop_line(other), out[-4000:]
 
 
-@pytest.mark.parametrize(("mode", "rank"), [("raise", 3), ("kill", 0)])
-def test_a_failure_at_either_end_of_a_balanced_pair_stops_every_rank(
+@pytest.mark.parametrize(("mode", "rank"), [("raise", 3)])
+def test_a_failure_in_a_balanced_pair_stops_every_rank(
     tmp_path: Path, mode: str, rank: int
 ) -> None:
     """With BPipe on 4 stages, stage 0 (rank 3) and stage 3 (rank 0) also exchange activations
-    over their offload link, on threads of the holding stage: a failure at either end of that
-    pair still stops every rank well before the timeout."""
+    over their offload link, on threads of the holding stage: a failure at the evicting end of
+    that pair still stops every rank well before the timeout."""
     options = ("--devices", "4", "--in-block", "--balance-activations")
     proc, elapsed = _run_job(tmp_path, mode, rank, *options)
     out = proc.stdout + proc.stderr
@@ -202,7 +208,9 @@ def _launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+# 2bw: the schedule with the most state to resume (its second weight version and batch count);
+# resuming every schedule exactly is tests/ranks/test_checkpoint.py's, without killing processes
+@pytest.mark.parametrize("schedule", ["2bw"])
 def test_crash_and_resume_from_last_is_exact(tmp_path: Path, schedule: str) -> None:
     """Kill the whole run (SIGKILL, every rank) after the checkpoint at step 3, start it again
     with ckpt_path="last": the weights after 6 steps equal an uninterrupted run's, bit for bit."""

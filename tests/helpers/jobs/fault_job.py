@@ -86,7 +86,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=None, help="seconds")
     parser.add_argument("--token", default="")
     parser.add_argument("--balance-activations", action="store_true", help="BPipe on")
+    parser.add_argument(
+        "--grace", type=float, default=None, help="seconds the launcher lets workers stop"
+    )
     args = parser.parse_args()
+    if args.grace is not None:  # the launching process's wait (and its worker watch's, twice it)
+        Pipe2BWStrategy.worker_grace_s = args.grace
     timeout = {"timeout": timedelta(seconds=args.timeout)} if args.timeout else {}
     trainer = quiet_trainer(
         devices=args.devices,
