@@ -211,14 +211,17 @@ def test_a_two_task_slurm_job_trains_as_one_node(
     assert diff == 0.0
 
 
+# one task warned (the others learn it at the step boundary they agree on), 2bw (a drain before
+# the save), two replicas (their last stages agree too): the warning's hardest path. The warning
+# to every task is the same agreement with every rank voting; the save leaving the first run as
+# it was shows in the requeued job's weights equalling the first's.
 @pytest.mark.parametrize(
     ("schedule", "at", "ranks", "data_parallel"),
-    [("1f1b", 2, None, 1), ("2bw", 1, 3, 2)],
-    ids=["1f1b-every-task", "2bw-data-parallel-one-task"],
+    [("2bw", 1, 3, 2)],
+    ids=["2bw-data-parallel-one-task"],
 )
 def test_the_slurm_requeue_warning_checkpoints_at_a_step_boundary_and_the_requeued_job_resumes(
     tmp_path: Path,
-    one_node_2: dict[str, torch.Tensor],
     schedule: str,
     at: int,
     ranks: int | None,
@@ -260,5 +263,3 @@ def test_the_slurm_requeue_warning_checkpoints_at_a_step_boundary_and_the_requeu
     diff = _same(_weights(second), _weights(first))
     print(f"LAUNCH SLURM requeue ({schedule}): the requeued job vs the first max|dW| {diff:.1e}")
     assert diff == 0.0
-    if schedule == "1f1b":  # and the save left the first run as it was
-        assert _same(_weights(first), one_node_2) == 0.0
