@@ -26,11 +26,31 @@ def is_initialized() -> bool:
 
 
 def connect(env: ClusterEnvironment, backend: str, timeout: timedelta | None) -> None:
-    """Join the default process group (collective), torn down at exit if this call made it."""
+    """Join the default process group (collective), torn down at exit if this call made it.
+
+    ``timeout`` is how long a rank waits for another once they run; joining waits at least
+    :data:`DEFAULT_TIMEOUT` for every rank to start (a rank's first seconds import torch and
+    Lightning, longer on a busy machine, and a timeout of a few seconds meant to end a hang must
+    not end a start; a worker that dies while starting is its launcher's to notice)."""
     created = not is_initialized()
-    compat.init_dist_connection(env, backend, timeout=timeout, **_elastic_store(timeout))
+    store = (_elastic_store(timeout) or _joining_store(env, timeout)) if created else {}
+    compat.init_dist_connection(env, backend, timeout=timeout, **store)
     if created:
         atexit.register(_destroy_process_group)
+
+
+def _joining_store(env: ClusterEnvironment, timeout: timedelta | None) -> dict[str, Any]:
+    """The rendezvous store torch would make from ``env`` (global rank 0 serves it), with the
+    joining wait of :func:`connect`."""
+    wait = max(timeout or DEFAULT_TIMEOUT, DEFAULT_TIMEOUT)
+    store = TCPStore(
+        env.main_address,
+        env.main_port,
+        env.world_size(),
+        is_master=env.global_rank() == 0,
+        timeout=wait,
+    )
+    return {"store": store}
 
 
 def control_group() -> Any:

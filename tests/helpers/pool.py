@@ -4,7 +4,11 @@ Workers look to Lightning like ranks started by ``torchrun`` (see
 :func:`~lightning_pipe2bw.seam.launcher.torchrun_environment`), so a ``Trainer(strategy=...,
 devices=N)`` built inside them launches nothing, and many Trainer runs share one process group.
 A task that fails or times out on any rank tears the pool down (a stuck rank cannot be reused);
-the next task starts a fresh one.
+the next task starts a fresh one. Ranks are forked from a fork server that imported torch,
+Lightning and the package once (:data:`PRELOAD`), so a fresh pool costs a fork instead of an
+interpreter that imports them again (about 8 s here, and many tests end with a failing task);
+each rank starts with the environment the test process had when the pool started, as a spawned
+one would.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ import torch.multiprocessing as mp
 from lightning_pipe2bw.seam.launcher import torchrun_environment
 
 __all__ = ["Pools", "RankPool", "TaskError"]
+
+# imported once, by the fork server every pool's ranks are forked from (with one intra-op thread:
+# torch reads OMP_NUM_THREADS when it loads)
+PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_pipe2bw.strategy"]
 
 
 class TaskError(RuntimeError):
@@ -54,9 +62,12 @@ def _worker(
     run_id: str,
     pg_timeout_s: float,
     initializer: Callable[[], None] | None,
+    environ: dict[str, str],
     tasks: Any,
     results: Any,
 ) -> None:
+    os.environ.clear()  # the fork server's, from when it started: the test process's now instead
+    os.environ.update(environ)
     os.environ.update(torchrun_environment(rank, world_size, port, run_id))
     torch.set_num_threads(1)
     if initializer is not None:
@@ -72,7 +83,7 @@ def _worker(
 
 
 class RankPool:
-    """``world_size`` spawned gloo ranks, one intra-op thread each, that run picklable
+    """``world_size`` gloo ranks, one intra-op thread each, that run picklable
     module-level functions; restarted after a failure.
 
     Args:
@@ -98,11 +109,13 @@ class RankPool:
         self._results: Any = None
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)  # no effect once the fork server runs
         port = _free_port()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
-        args = (self.run_id, self.pg_timeout_s, self.initializer)
+        environ = {**os.environ, "OMP_NUM_THREADS": "1"}
+        args = (self.run_id, self.pg_timeout_s, self.initializer, environ)
         self._procs = [
             ctx.Process(
                 target=_worker,
@@ -111,7 +124,7 @@ class RankPool:
             )
             for r in range(self.world_size)
         ]
-        # children read OMP_NUM_THREADS when torch loads, before the worker function runs
+        # the fork server (started by the first start) reads OMP_NUM_THREADS when torch loads
         saved = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"
         try:
