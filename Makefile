@@ -31,14 +31,14 @@ typecheck: setup
 	$(VENV)/bin/mypy
 
 # One process runs tests/unit and tests/ranks (the ranks share one pool and need the cores);
-# tests/launch runs on two workers: its tests mostly wait on processes that import torch and
-# Lightning, so two at a time overlap one's waiting with the other's work. Both halves always
+# tests/launch runs on three workers: its tests mostly wait on processes that import torch and
+# Lightning, so several at a time overlap one's waiting with another's work. Both halves always
 # run; the target fails if either did. Byte code is written first, because this machine's
 # environment sets PYTHONDONTWRITEBYTECODE and every launched process would compile the package.
 test: lint typecheck
 	$(PY) -m compileall -q lightning_pipe2bw tests
 	rc=0; $(PY) -m pytest tests/unit tests/ranks || rc=$$?; \
-	$(PY) -m pytest -n 2 tests/launch || rc=$$?; exit $$rc
+	$(PY) -m pytest -n 3 tests/launch || rc=$$?; exit $$rc
 
 quick: lint
 	$(PY) -m pytest -q tests/unit
