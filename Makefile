@@ -30,14 +30,18 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy
 
-# One process runs tests/unit and tests/ranks (the ranks share one pool and need the cores);
-# tests/launch runs on three workers: its tests mostly wait on processes that import torch and
-# Lightning, so several at a time overlap one's waiting with another's work. Both halves always
-# run; the target fails if either did. Byte code is written first, because this machine's
-# environment sets PYTHONDONTWRITEBYTECODE and every launched process would compile the package.
-test: lint typecheck
+# The type check runs beside tests/unit (each needs one core); tests/ranks then runs in one
+# process (its ranks share one pool and need both cores); tests/launch runs on three workers:
+# its tests mostly wait on processes that import torch and Lightning, so several at a time
+# overlap one's waiting with another's work. Every part runs; the target fails if any did.
+# Byte code is written first, because this machine's environment sets PYTHONDONTWRITEBYTECODE
+# and every launched process would compile the package again.
+test: lint
 	$(PY) -m compileall -q lightning_pipe2bw tests
-	rc=0; $(PY) -m pytest tests/unit tests/ranks || rc=$$?; \
+	rc=0; $(VENV)/bin/mypy & typecheck=$$!; \
+	$(PY) -m pytest tests/unit || rc=$$?; \
+	wait $$typecheck || rc=$$?; \
+	$(PY) -m pytest tests/ranks || rc=$$?; \
 	$(PY) -m pytest -n 3 tests/launch || rc=$$?; exit $$rc
 
 quick: lint
