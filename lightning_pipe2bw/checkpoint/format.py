@@ -162,6 +162,7 @@ class CheckpointFormat:
         # its state per parameter is in the optimizer's; under a prediction the next batch's
         # view is what "previous_weights" holds
         state["delay_correction"] = driver["delay_correction"]
+        state["fresh_last_stage"] = driver.get("fresh_last_stage", False)
         if consolidate:
             local = gather_named(local, t.rank, t.world_size)
         state["previous_weights"] = local

@@ -73,6 +73,7 @@ class TwoBWDriver:
         self.version_log = version_log
         self.delay_correction = delay_correction
         self.sync_steps = sync_steps
+        self.fresh_last_stage = fresh_last_stage  # the option, as the checkpoint records it
         # the last stage of a plain 1F1B stream has run batch t's last backward before batch
         # t+1's first forward: with fresh_last_stage its update lands at once, no delay
         self.fresh = fresh_last_stage and engine.is_last and engine.virtual.placement is None
@@ -388,6 +389,7 @@ class TwoBWDriver:
                 dict(zip(names, previous, strict=True)) if previous is not None else {}
             ),
             "delay_correction": self.delay_correction,
+            "fresh_last_stage": self.fresh_last_stage,
         }
 
     def resume(self, state: dict[str, Any], names: Sequence[str]) -> None:
@@ -403,6 +405,19 @@ class TwoBWDriver:
                 f"resuming 2BW with delay_correction={self.delay_correction!r} from a checkpoint "
                 f"written with {written!r}: the next batch is evaluated where the checkpoint's rule "
                 "put it, and the correction starts from whatever state the optimizer holds for it",
+                stacklevel=2,
+            )
+        written_fresh = bool(state.get("fresh_last_stage", False))
+        if self.engine.is_last and written_fresh != self.fresh_last_stage:
+            warnings.warn(
+                f"resuming 2BW with fresh_last_stage={self.fresh_last_stage} from a checkpoint "
+                f"written with fresh_last_stage={written_fresh}: from here the last stage "
+                + (
+                    "runs every batch at its newest weights, its update uncorrected"
+                    if self.fresh_last_stage
+                    else "runs every batch one step late again, with the delay correction"
+                )
+                + ", so the run does not go on as the checkpoint's would have",
                 stacklevel=2,
             )
         previous: list[Tensor] | None = None

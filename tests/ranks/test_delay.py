@@ -433,3 +433,39 @@ def test_a_fresh_last_stage_resumes_exactly(pools: Any, tmp_path: Path) -> None:
     fresh = lambda name: name.split(".")[1] in {"4", "5", "6", "7"}  # noqa: E731 - [4, 4]
     ref = reference_2bw_fresh(6, 4, fresh, correction="update_feedback", data=epochs)
     assert max_abs_diff(straight["state"], ref) == 0.0
+
+
+def _fit_warned(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    """``test_checkpoint._fit`` on this rank, with the warnings it raised (their messages)."""
+    import warnings
+
+    from ranks.test_checkpoint import _fit
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _fit(*args, **kwargs)
+    out["warnings"] = [str(w.message) for w in caught]
+    return out
+
+
+def test_resuming_with_another_rule_than_the_checkpoints_is_said(
+    pools: Any, tmp_path: Path
+) -> None:
+    """A checkpoint records the delay correction and ``fresh_last_stage`` it was written with;
+    resuming under others warns, naming both values (the run goes on, but not as the
+    checkpoint's would have)."""
+    written = {"microbatches": 4, "delay_correction": "update_feedback", "fresh_last_stage": True}
+    pools(2).run(_fit_warned, "2bw", 3, str(tmp_path), **written)
+    resumed = {"microbatches": 4, "delay_correction": "error_feedback", "fresh_last_stage": False}
+    last, first = pools(2).run(
+        _fit_warned, "2bw", 6, None, str(tmp_path / "step=3.ckpt"), **resumed
+    )  # global rank 0 runs the last stage
+    said = "\n".join(last["warnings"])
+    assert "fresh_last_stage=False from a checkpoint written with fresh_last_stage=True" in said
+    assert "delay_correction='error_feedback' from a checkpoint written with 'update_feedback'" in (
+        said
+    )
+    assert not any("fresh_last_stage" in w for w in first["warnings"])  # the first stage's
+    # rule is the same either way
+    same = pools(2).run(_fit_warned, "2bw", 6, None, str(tmp_path / "step=3.ckpt"), **written)
+    assert not any("from a checkpoint written with" in w for r in same for w in r["warnings"])
