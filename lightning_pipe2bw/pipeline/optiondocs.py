@@ -3,9 +3,9 @@ option's ``doc`` is written once) for the places that show it: the strategy's do
 (:func:`docstring`), the options table of ``README.md`` (:func:`readme_table`) and the strategy
 table of ``docs/configuration.md`` (:func:`config_table`).
 
-``make docs`` (:func:`main`) rewrites the two files'
-generated blocks, between :data:`BEGIN` and :data:`END`; ``--check`` only says whether they are
-stale, and ``tests/unit/test_docs.py`` fails when they are.
+``make docs`` (:func:`main`) rewrites the two files' generated blocks, between :data:`BEGIN`
+and :data:`END`; ``--check`` only says whether they are stale, and ``tests/unit/test_docs.py``
+fails when they are.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ _MARKUP = re.compile(r"\[(?P<text>[^\]]+)\]\((?P<target>[^)]+)\)|`(?P<code>[^`]+
 
 
 def as_rst(text: str) -> str:
-    """Markdown ``text`` as reStructuredText: code spans doubled, links as their text."""
+    """Markdown ``text`` as reStructuredText: code spans doubled, a link as its text in code
+    (the options' links name the file they point to)."""
 
     def convert(match: re.Match[str]) -> str:
         if match.group("code") is not None:
