@@ -49,6 +49,7 @@ def _joining_store(env: ClusterEnvironment, timeout: timedelta | None) -> dict[s
         env.world_size(),
         is_master=env.global_rank() == 0,
         timeout=wait,
+        multi_tenant=True,  # as torch's own: a later group in this process may use the port too
     )
     return {"store": store}
 
