@@ -13,11 +13,11 @@ from lightning_pipe2bw.planner.plans import Plan, PlanResult
 from lightning_pipe2bw.planner.profile import Profile, ProfileSet
 
 __all__ = [
-    "RECOMPUTE_MODES",
     "ProfilesLike",
     "as_profiles",
     "check_int",
     "check_ratio",
+    "check_search",
     "divisors",
     "even",
     "rank",
@@ -50,6 +50,27 @@ def check_int(label: str, value: object, fix: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{label} must be an int >= 1, got {value!r}; {fix}")
     return value
+
+
+def check_search(
+    profiles: object,
+    cluster: object,
+    global_batch_size: object,
+    recompute: object,
+    optimizer_bytes_per_param_byte: object,
+    keep: object,
+) -> tuple[ProfileSet, Cluster, int, float]:
+    """The arguments both searches take, checked: the profiles, the cluster, the batch and the
+    optimizer's bytes per parameter byte as the search uses them."""
+    pset = as_profiles(profiles)
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster must be a Cluster, got {type(cluster).__name__}")
+    batch = check_int("global_batch_size", global_batch_size, "give the samples per optimizer step")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {list(RECOMPUTE_MODES)}, got {recompute!r}")
+    ratio = check_ratio(optimizer_bytes_per_param_byte)
+    check_int("keep", keep, "keep at least the best plan")
+    return pset, cluster, batch, ratio
 
 
 def check_ratio(value: object) -> float:

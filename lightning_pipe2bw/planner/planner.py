@@ -19,11 +19,11 @@ from lightning_pipe2bw.planner.costmodel import (
 )
 from lightning_pipe2bw.planner.partitioner import best_partition, smallest_peak_memory
 from lightning_pipe2bw.planner.planargs import (
-    RECOMPUTE_MODES,
     ProfilesLike,
     as_profiles,
     check_int,
     check_ratio,
+    check_search,
     divisors,
     even,
     rank,
@@ -164,15 +164,10 @@ def plan(
             keep=keep, data_parallel=data_parallel,
         )  # fmt: skip
     started = time.perf_counter()
-    pset = as_profiles(profiles)
-    if not isinstance(cluster, Cluster):
-        raise TypeError(f"cluster must be a Cluster, got {type(cluster).__name__}")
     check_schedule(schedule)
-    batch = check_int("global_batch_size", global_batch_size, "give the samples per optimizer step")
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute must be one of {list(RECOMPUTE_MODES)}, got {recompute!r}")
-    ratio = check_ratio(optimizer_bytes_per_param_byte)
-    check_int("keep", keep, "keep at least the best plan")
+    pset, cluster, batch, ratio = check_search(
+        profiles, cluster, global_batch_size, recompute, optimizer_bytes_per_param_byte, keep
+    )
     if microbatch_sizes is not None:
         microbatch_sizes = [
             check_int("micro-batch size", b, "use sizes >= 1") for b in microbatch_sizes

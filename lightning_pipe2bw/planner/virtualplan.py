@@ -31,11 +31,10 @@ from collections.abc import Sequence
 from lightning_pipe2bw.planner.costmodel import Cluster, CostModel, StageCost
 from lightning_pipe2bw.planner.partitioner import best_partition
 from lightning_pipe2bw.planner.planargs import (
-    RECOMPUTE_MODES,
     ProfilesLike,
-    as_profiles,
     check_int,
     check_ratio,
+    check_search,
     divisors,
     ranked_result,
 )
@@ -218,14 +217,9 @@ def plan_virtual(
     schedule can run, each split and timed by :func:`virtual_plan` (no bound to prune with:
     the simulated step is the figure)."""
     started = time.perf_counter()
-    pset = as_profiles(profiles)
-    if not isinstance(cluster, Cluster):
-        raise TypeError(f"cluster must be a Cluster, got {type(cluster).__name__}")
-    batch = check_int("global_batch_size", global_batch_size, "give the samples per optimizer step")
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute must be one of {list(RECOMPUTE_MODES)}, got {recompute!r}")
-    ratio = check_ratio(optimizer_bytes_per_param_byte)
-    check_int("keep", keep, "keep at least the best plan")
+    pset, cluster, batch, ratio = check_search(
+        profiles, cluster, global_batch_size, recompute, optimizer_bytes_per_param_byte, keep
+    )
     modes = {"search": (False, True), "per_stage": (False, True), "off": (False,), "on": (True,)}
     n, total, limit = pset.num_blocks, cluster.num_devices, float(cluster.memory_bytes)
     found: list[Plan] = []
