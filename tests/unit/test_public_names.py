@@ -11,18 +11,10 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
 
 from helpers import ROOT
 
-PACKAGE = ROOT / "lightning_pipe2bw"
-
-
-def _module(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
+from unit.test_layering import ALL, PACKAGE, module_name
 
 
 def _all(tree: ast.Module) -> list[str]:
@@ -32,21 +24,6 @@ def _all(tree: ast.Module) -> list[str]:
             assert isinstance(node, ast.Assign) and isinstance(node.value, (ast.List, ast.Tuple))
             return [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
     return []
-
-
-def _imports(tree: ast.Module, module: str, package: bool) -> set[tuple[str, str]]:
-    """(module, name) of every ``from module import name`` in ``tree``, the module ``module``
-    (a package's ``__init__`` if ``package``; relative imports resolved)."""
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            source = node.module or ""
-            if node.level:
-                parts = module.split(".")
-                base = parts[: len(parts) - node.level + package]
-                source = ".".join([*base, source] if source else base)
-            out.update((source, alias.name) for alias in node.names)
-    return out
 
 
 def _documented() -> set[tuple[str, str]]:
@@ -66,11 +43,10 @@ def _documented() -> set[tuple[str, str]]:
 
 def test_every_name_in_all_is_used_by_another_module_or_documented() -> None:
     paths = sorted(PACKAGE.rglob("*.py"))
-    trees = {_module(p): ast.parse(p.read_text()) for p in paths}
-    packages = {_module(p) for p in paths if p.name == "__init__.py"}
-    imported: set[tuple[str, str]] = set()
-    for module, tree in trees.items():
-        imported |= _imports(tree, module, module in packages)
+    trees = {module_name(p): ast.parse(p.read_text()) for p in paths}
+    packages = {module_name(p) for p in paths if p.name == "__init__.py"}
+    # every ``from module import name`` of the package, relative ones resolved (test_layering)
+    imported = {(i.target, name) for i in ALL for name in i.names}
     documented = _documented()
     unused = [
         f"{module}.{name}"
