@@ -643,6 +643,8 @@ class Pipe2BWStrategy(ParallelStrategy):
         finish_plan_check(self.plan_check, self.global_rank)
         self._requeue.answer()  # a requeue warning delivered in the fit's last steps
         self.flush()
+        if self._steps is not None:
+            self._steps.close()
         if self.runtime is not None:
             self.runtime.close()
 

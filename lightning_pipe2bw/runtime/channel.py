@@ -12,12 +12,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-__all__ = ["ObjectChannel"]
+__all__ = ["CHANNEL_TAGS", "DEFAULT_TAG", "ObjectChannel"]
 
 # tags of their own, apart from the pipeline transports' (on gloo the channel may share the
-# default group with them)
-_FIRST_TAG = 1 << 19
-_REST_TAG = _FIRST_TAG + 1
+# default group with them): an object's first message on ``tag``, the rest on ``tag + 1``; two
+# channels between the same ranks in the same group need tags of their own (``CHANNEL_TAGS``)
+DEFAULT_TAG = 1 << 19  # the step values' channel
+CHANNEL_TAGS = 2  # the tags one channel takes, from its ``tag`` on
 # an object's first message: its length (int64), then up to FIRST_BYTES - 8 bytes of it; a larger
 # object sends the rest in a second message
 FIRST_BYTES = 4096
@@ -31,7 +32,8 @@ class ObjectChannel:
     the oldest (which bounds memory; in the strategy the receivers are one object behind). A
     receiver blocks only in :meth:`receive`. The channel runs on a gloo group (so CPU objects never
     wait on a GPU stream; ``None``: the default group, which must then be gloo), on tags of its
-    own, so its messages never mix with the pipeline's activations and gradients.
+    own (``tag`` and ``tag + 1``), so its messages never mix with the pipeline's activations and
+    gradients, nor with another channel's between the same ranks.
 
     Receivers count what the source has posted, or will post, with :meth:`expect` (the two sides
     post and expect at the same points of the training loop), so :attr:`backlog` tells whether an
@@ -43,9 +45,14 @@ class ObjectChannel:
     """
 
     def __init__(
-        self, source: int, group: dist.ProcessGroup | None, members: list[int] | None = None
+        self,
+        source: int,
+        group: dist.ProcessGroup | None,
+        members: list[int] | None = None,
+        tag: int = DEFAULT_TAG,
     ) -> None:
         self.source = source
+        self._first_tag, self._rest_tag = tag, tag + 1
         self.group = group
         self.rank = dist.get_rank()
         # the global ranks of the pipeline (default: the whole world)
@@ -70,10 +77,10 @@ class ObjectChannel:
         first[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
         head = data[: FIRST_BYTES - 8]
         first[8 : 8 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-        messages = [(first, _FIRST_TAG)]
+        messages = [(first, self._first_tag)]
         if len(data) > len(head):
             rest = torch.frombuffer(bytearray(data[len(head) :]), dtype=torch.uint8)
-            messages.append((rest, _REST_TAG))
+            messages.append((rest, self._rest_tag))
         # keep the sends of the last `max_unread` objects; wait for older ones, which the
         # receivers (one step behind in the strategy) took long ago, so the wait returns at once
         # and the held buffers stay bounded (gloo marks a send complete only once waited for)
@@ -93,7 +100,7 @@ class ObjectChannel:
     def expect(self) -> None:
         """Note that the source posts one more object, and post its receive (on a receiver)."""
         first = torch.empty(FIRST_BYTES, dtype=torch.uint8)
-        work = dist.irecv(first, src=self.source, group=self.group, tag=_FIRST_TAG)
+        work = dist.irecv(first, src=self.source, group=self.group, tag=self._first_tag)
         assert work is not None
         self._posted.append((work, first))
         self.backlog += 1
@@ -108,7 +115,7 @@ class ObjectChannel:
         data = first[8 : 8 + min(size, FIRST_BYTES - 8)].numpy().tobytes()
         if size > len(data):
             rest = torch.empty(size - len(data), dtype=torch.uint8)
-            dist.recv(rest, src=self.source, group=self.group, tag=_REST_TAG)
+            dist.recv(rest, src=self.source, group=self.group, tag=self._rest_tag)
             data += rest.numpy().tobytes()
         self.backlog -= 1
         return pickle.loads(data)

@@ -9,7 +9,7 @@ The usual idiom is Lightning's own::
 
 On a stage, ``self`` holds that stage's parameters, so each stage computes the norms of its own
 gradients and a total over them. :class:`StageLogs` records every rank's ``self.log`` calls in
-those hooks, gathers them along the pipeline once per step and logs on every rank:
+those hooks, brings them together once per step and logs on every rank:
 
 * a name that one stage logged (a parameter's norm) with that stage's value;
 * a name several stages logged alike (a learning rate) once;
@@ -19,6 +19,15 @@ those hooks, gathers them along the pipeline once per step and logs on every ran
   stage's copy holds the same summed gradient);
 * any other name the stages logged with different values (a statistic over "all" parameters
   that is the stage's own) with the last stage's value, after a warning that names it.
+
+How the calls come together depends on the schedule. A flush schedule gathers them along the
+pipeline at each step (:class:`GatheredLogs`): its stages end a step together anyway. Without a
+flush (2BW, PipeDream) the stages end their steps at different times, and a gather would make
+every stage wait for the slowest at every step: the bubble 2BW exists to remove. There
+(:class:`RelayedLogs`) each stage posts its calls to the last stage without waiting; the last
+stage (global rank 0: the loggers) merges and logs them in the same step, and posts the merged
+calls back, which the other stages log one step late, as they log the step's own values
+(``TwoBWDriver.deliver_values``); at the last step of an epoch, or of fit, they wait for them.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from torchmetrics import Metric
 from lightning_pipe2bw import compat
 from lightning_pipe2bw.pipeline.groups import gather_stages
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
+from lightning_pipe2bw.runtime.channel import CHANNEL_TAGS, DEFAULT_TAG, ObjectChannel
 from lightning_pipe2bw.steps.log import log_arguments
 
 __all__ = ["StageLogs", "stage_logs"]
@@ -71,26 +81,91 @@ def logs_in_gradient_hooks(trainer: Trainer, module: LightningModule) -> bool:
     return any(is_overridden(h, cb, Callback) for cb in callbacks for h in GRADIENT_HOOKS)
 
 
+class GatheredLogs:
+    """Every stage's calls gathered at each step (``gather``: collective along the pipeline,
+    every stage's :data:`StageCalls` in stage order) and merged on every rank."""
+
+    def __init__(self, gather: Callable[[StageCalls], list[StageCalls]]) -> None:
+        self.gather = gather
+
+    def exchange(self, mine: StageCalls, settle: bool) -> tuple[list[list[LogCall]], list[str]]:
+        """This step's merged calls (to log now) and the names the stages logged differently."""
+        merged, differing = merge_stage_logs(self.gather(mine))
+        return [merged], differing
+
+    def close(self) -> None:
+        """Nothing is ever owed."""
+
+
+class RelayedLogs:
+    """The calls brought together without a barrier (see the module notes): each stage posts
+    its calls to the last stage (``to_last``; ``from_stages`` on the last stage, one channel per
+    other stage, in stage order), which merges them with its own in the same step and posts the
+    merged calls to the other stages (``merged``), where they are logged one step late (at the
+    same step when ``settle``)."""
+
+    def __init__(
+        self,
+        is_last: bool,
+        merged: ObjectChannel,
+        to_last: ObjectChannel | None,
+        from_stages: Sequence[ObjectChannel],
+    ) -> None:
+        self.is_last = is_last
+        self.merged = merged
+        self.to_last = to_last
+        self.from_stages = list(from_stages)
+
+    def exchange(self, mine: StageCalls, settle: bool) -> tuple[list[list[LogCall]], list[str]]:
+        """The merged calls to log now, oldest first: on the last stage this step's; elsewhere
+        the previous step's, if owed, and this step's too when ``settle``. And the names the
+        stages logged differently (known on the last stage)."""
+        if self.is_last:
+            stages = [mine]
+            for channel in self.from_stages:
+                channel.expect()
+                stages.append(channel.receive())  # posted when that stage ended its step
+            merged, differing = merge_stage_logs(sorted(stages, key=lambda s: s[0]))
+            self.merged.post(merged)
+            return [merged], differing
+        assert self.to_last is not None
+        self.to_last.post(mine)
+        now: list[list[LogCall]] = []
+        if self.merged.backlog:
+            now.append(self.merged.receive())  # the previous step's, there long ago
+        self.merged.expect()
+        if settle:
+            now.append(self.merged.receive())
+        return now, []
+
+    def close(self) -> None:
+        """End of fit: take what is still owed (a fit that stopped early) and finish the
+        sends."""
+        for channel in (self.merged, self.to_last, *self.from_stages):
+            if channel is not None:
+                channel.drain()
+
+
 class StageLogs:
     """Records ``module.log`` between :meth:`start` and :meth:`finish` on every rank, and
     :meth:`finish` logs the merged values (see the module notes).
 
-    ``gather(calls)`` is collective along the pipeline and returns every stage's
-    :data:`StageCalls` in stage order; ``tied`` maps this stage's copies of shared parameters to
-    the primary's name; ``device``: where the values are logged."""
+    ``exchange``: a :class:`GatheredLogs` or a :class:`RelayedLogs`; ``tied`` maps this stage's
+    copies of shared parameters to the primary's name; ``device``: where the values are
+    logged."""
 
     def __init__(
         self,
         module: LightningModule,
         stage: int,
         tied: Mapping[str, str],
-        gather: Callable[[StageCalls], list[StageCalls]],
+        exchange: GatheredLogs | RelayedLogs,
         device: torch.device,
     ) -> None:
         self.module = module
         self.stage = stage
         self.tied = dict(tied)
-        self.gather = gather
+        self.exchange = exchange
         self.device = device
         self._calls: list[LogCall] | None = None
         self._warned: set[str] = set()
@@ -116,9 +191,9 @@ class StageLogs:
         self._calls.append(LogCall(compat.current_hook(self.module), name, value, arguments))
 
     @contextmanager
-    def window(self) -> Iterator[None]:
+    def window(self, settle: bool) -> Iterator[None]:
         """Around an optimizer step: on exit :meth:`finish`, or, when the step raised, stop
-        recording without gathering (the other ranks may never get there)."""
+        recording without exchanging (the other ranks may never get there)."""
         try:
             yield
         except BaseException:
@@ -126,16 +201,17 @@ class StageLogs:
                 self._calls = None
                 del self.module.log
             raise
-        self.finish()
+        self.finish(settle)
 
-    def finish(self) -> None:
-        """Stop recording, gather every stage's calls (collective along the pipeline) and log
-        the merged values on this rank. A no-op when :meth:`start` was not called."""
+    def finish(self, settle: bool) -> None:
+        """Stop recording, bring every stage's calls together and log the merged values on this
+        rank (``settle``: the last step of an epoch or of fit, after which every rank has
+        logged every step's values). A no-op when :meth:`start` was not called."""
         calls, self._calls = self._calls, None
         if calls is None:
             return
         del self.module.log
-        merged, differing = merge_stage_logs(self.gather((self.stage, self.tied, calls)))
+        ready, differing = self.exchange.exchange((self.stage, self.tied, calls), settle)
         for name in differing:
             if name not in self._warned:
                 self._warned.add(name)
@@ -147,10 +223,15 @@ class StageLogs:
                     "logged per parameter",
                     stacklevel=2,
                 )
-        for call in merged:
-            value = call.value.to(self.device) if isinstance(call.value, Tensor) else call.value
-            with compat.running_hook(self.module, call.hook):
-                self.module.log(call.name, value, **call.arguments)
+        for merged in ready:
+            for call in merged:
+                value = call.value.to(self.device) if isinstance(call.value, Tensor) else call.value
+                with compat.running_hook(self.module, call.hook):
+                    self.module.log(call.name, value, **call.arguments)
+
+    def close(self) -> None:
+        """End of fit: settle what the exchange still owes (see :meth:`RelayedLogs.close`)."""
+        self.exchange.close()
 
 
 def merge_stage_logs(stages: Sequence[StageCalls]) -> tuple[list[LogCall], list[str]]:
@@ -223,6 +304,28 @@ def stage_logs(
         body, path = runtime.body, runtime.body_path
         for param, (block, name) in runtime.tied.copies_elsewhere():
             tied[runtime.parameter_names([param])[0]] = f"{path}.{body.key_of(block, name)}"
-    return StageLogs(
-        module, topology.stage, tied, lambda calls: gather_stages(calls, topology, groups), device
-    )
+    exchange: GatheredLogs | RelayedLogs
+    if runtime.options.is_async:
+        exchange = relayed_logs(runtime)
+    else:
+        exchange = GatheredLogs(lambda calls: gather_stages(calls, topology, groups))
+    return StageLogs(module, topology.stage, tied, exchange, device)
+
+
+# the hook logs' channels: tags of their own beside the step values' channel in the same group
+_MERGED_TAG = DEFAULT_TAG + CHANNEL_TAGS
+_TO_LAST_TAG = DEFAULT_TAG + 2 * CHANNEL_TAGS
+
+
+def relayed_logs(runtime: StageRuntime) -> RelayedLogs:
+    """The channels of a :class:`RelayedLogs` for this rank's pipeline: from every other rank
+    of the pipeline to the last stage's, and from it back to all of them (no collective)."""
+    topology, group = runtime.topology, runtime.groups.values()
+    members, last = topology.pipeline_ranks(), topology.last_rank
+    merged = ObjectChannel(last, group, members, tag=_MERGED_TAG)
+    if topology.rank == last:
+        others = [r for r in members if r != last]
+        channels = [ObjectChannel(r, group, [r, last], tag=_TO_LAST_TAG) for r in others]
+        return RelayedLogs(True, merged, None, channels)
+    to_last = ObjectChannel(topology.rank, group, [topology.rank, last], tag=_TO_LAST_TAG)
+    return RelayedLogs(False, merged, to_last, [])

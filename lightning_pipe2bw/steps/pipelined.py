@@ -76,6 +76,8 @@ class PipelinedSteps:
         self.due = DueGradient()  # the gradient Lightning's coming optimizer step applies
         # the training step running now ends its epoch: 2BW drains after its update
         self.ends_epoch = False
+        # ... or its epoch or fit: every rank logs what is owed to it before the step ends
+        self.settle = False
 
     def run(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], train: bool) -> Any:
         """Run ``hook`` (the user's step) over the batch ``args[0]``'s micro-batches, and return
@@ -89,6 +91,8 @@ class PipelinedSteps:
         recording.fill(values)
         settle = train and compat.ends_epoch(module.trainer)
         self.ends_epoch = train and compat.last_batch_of_epoch(module.trainer)
+        if train:
+            self.settle = settle
         return self.delivery.deliver(
             runtime, recording, values, hook=hook, train=train, settle=settle,
             device=self.device, requeue=self.requeue,
@@ -145,7 +149,7 @@ class PipelinedSteps:
         logs = self.hook_logs
         if logs is None:
             return step(closure)
-        with logs.window():
+        with logs.window(self.settle):
             return step(_logging_after(closure, logs))
 
     def finish_update(self) -> bool:
@@ -169,7 +173,7 @@ class PipelinedSteps:
         # on_before_optimizer_step hooks, clipping over all stages, then the update
         done = torch.zeros((), device=self.device)
         logs = self.hook_logs
-        with logs.window() if logs is not None else nullcontext():
+        with logs.window(settle=True) if logs is not None else nullcontext():
             if logs is not None:
                 logs.start()
             self.plugin.optimizer_step(
@@ -178,6 +182,11 @@ class PipelinedSteps:
         runtime.driver.finish_update()
         due.clear()
         log.debug("pipe2bw: flushed the pipeline")
+
+    def close(self) -> None:
+        """End of fit: settle what the gradient hooks' logs still owe between the ranks."""
+        if self.hook_logs is not None:
+            self.hook_logs.close()
 
     def _check_use(self, due: DueGradient) -> None:
         """At the first update that applies a gradient: every trainable parameter of this stage
