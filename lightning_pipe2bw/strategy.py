@@ -431,7 +431,7 @@ class Pipe2BWStrategy(ParallelStrategy):
             self.optimizers = self.runtime.optimizers
             if self.options.repartition_every is not None:
                 self.runtime.start_block_timing()
-        agree_across_stages(self.precision_plugin, self.runtime, self.root_device)
+        agree_across_stages(self.precision_plugin, self.runtime, self.root_device, trainer)
         self._delivery.restart()
         self._steps = PipelinedSteps(
             module, self.runtime, self.precision_plugin, self.root_device, self._delivery,

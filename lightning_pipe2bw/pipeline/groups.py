@@ -69,6 +69,8 @@ class ProcessGroups:
         self._metrics: Any = None  # the last stage of every replica: where metrics live
         self._offload: dict[tuple[int, int], Any] = {}  # (src rank, dst rank) -> two-rank group
         self._ties: dict[tuple[int, ...], Any] = {}  # stages -> this replica's group of them
+        self._norms: Any = None  # 2BW's clipping norms, posted ahead (one pipeline only)
+        self._has_norms = False
 
     @classmethod
     def create(cls, topology: Topology) -> ProcessGroups:
@@ -96,6 +98,18 @@ class ProcessGroups:
         if self._values is None and dist.get_backend() != "gloo":
             self._values = dist.new_group(backend="gloo")
         return self._values
+
+    def norms(self) -> Any:
+        """A group of the one pipeline's ranks that carries nothing but 2BW's clipping norms,
+        each posted as soon as a stage's gradient is complete (``seam.agreement.NormsAhead``):
+        collectives of their own, so that no other collective can come between them in another
+        order on another rank (collective on first use: every rank asks at the same point of
+        set-up)."""
+        if self.topology.data_parallel != 1:
+            raise RuntimeError("the clipping norms' group serves one pipeline (data_parallel=1)")
+        if not self._has_norms:
+            self._norms, self._has_norms = dist.new_group(), True
+        return self._norms
 
     def metrics(self) -> Any:
         """The group of the last stage of every replica, in which torchmetrics sync (collective

@@ -89,6 +89,10 @@ class TwoBWDriver:
         # their own step (once), and delivered in the next one like every other step's
         self._ahead: StepValues | None = None
         self._first: StepValues | None = None
+        # told (batch, its gradient in ``versions.params`` order) as soon as a batch has run
+        # its last backward on this stage, long before the step that applies it (the clipping
+        # norm is posted from there: ``seam.agreement.NormsAhead``)
+        self.on_complete: Callable[[int, list[Tensor | None]], None] | None = None
 
     def _wrap(self, optimizer: Optimizer) -> tuple[WeightVersions, TwoBWOptimizer]:
         """Weight versions over the stage's parameters, and the wrapper that keeps them and
@@ -164,6 +168,8 @@ class TwoBWDriver:
             ended = self._ended.pop(batch, 0) + 1
             if ended == len(self.engine.virtual.stages):
                 self.versions.finish(batch)
+                if self.on_complete is not None:
+                    self.on_complete(batch, self.versions.grads_of(batch))
             else:
                 self._ended[batch] = ended
         if self.version_log is not None:

@@ -76,6 +76,8 @@ def fit(
         "engine_versions": strategy.engine.stats.max_weight_versions if strategy.engine else 0,
         "split_backwards": strategy.engine.stats.split_backwards if strategy.engine else 0,
         "weight_buffers": strategy.driver.weight_buffers if strategy.driver else 0,
+        # 2BW's clipping norms summed as each gradient completes (seam.agreement.NormsAhead)
+        "norms_ahead": getattr(strategy.driver, "on_complete", None) is not None,
         "microbatches": strategy.num_microbatches,
         "peak_activation_bytes": (
             strategy.engine.stats.peak_activation_bytes if strategy.engine else 0

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from helpers import workers
 from helpers.models import isclose, max_abs_diff, reference_2bw, reference_train
+from lightning.pytorch import Callback
 
 STEPS = 6
 TOL = 1e-5
@@ -119,6 +120,38 @@ def test_gradient_clipping_over_all_stages(
     print(f"EXACTNESS {schedule} clip {algorithm}={value}: max|dW| = {diff:.3e}")
     assert diff <= TOL
     assert max_abs_diff(ref, unclipped) > 1e-3  # the clipping was active
+    # 2BW sums each batch's norm as its gradient completes, not at the step
+    assert [r["norms_ahead"] for r in results] == [(schedule, algorithm) == ("2bw", "norm")] * 2
+
+
+class GradientHook(Callback):
+    """Overrides a gradient hook (and changes nothing): clipping's norm is then summed at the
+    step, where such a hook could have changed a gradient."""
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize("hook", [False, True], ids=["ahead", "hooked"])
+def test_clipping_norms_posted_ahead_over_four_stages(pools: Any, hook: bool) -> None:
+    """Four stages, flushes every 3 batches and a synchronous start of 2: each stage posts a
+    batch's squared norm as soon as its gradient is complete, in a group of their own, and the
+    step takes the sum; the weights are the delayed rule's with clipping, as when the norm is
+    summed at the step (where a gradient hook is overridden)."""
+    trainer_kwargs = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}
+    results = pools(4).run(
+        workers.fit, "2bw", 4, STEPS, "sgd", trainer_kwargs=trainer_kwargs, flush_every=3,
+        sync_steps=2, delay_correction="none", callbacks=[GradientHook()] if hook else [],
+    )  # fmt: skip
+    ref = reference_2bw(
+        STEPS, 4, optimizer="sgd", clip=("norm", 0.05), sync_steps=2, correction="none"
+    )
+    unclipped = reference_2bw(STEPS, 4, optimizer="sgd", sync_steps=2, correction="none")
+    diff = max_abs_diff(results[0]["state"], ref)
+    print(f"EXACTNESS 2bw clip norm over 4 stages ({'hooked' if hook else 'ahead'}): {diff:.3e}")
+    assert diff <= TOL
+    assert max_abs_diff(ref, unclipped) > 1e-3  # the clipping was active
+    assert [r["norms_ahead"] for r in results] == [not hook] * 4
 
 
 def _peak_activation_bytes(schedule: str, m: int) -> tuple[int, int, int]:
