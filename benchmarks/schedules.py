@@ -445,7 +445,8 @@ def run_ours(
         **_timeline_split(stats.timeline, timer.t0, timer.t1),
         "messages": _messages(stats.timeline, timer.t0, timer.t1),
         "step_s": timer.step_s,
-        "param_bytes": param_bytes(model),
+        # the stage's own parameters (the module holds the whole model again after fit)
+        "param_bytes": param_bytes(strategy.engine.body),
         "num_buffers": driver.weight_buffers if driver is not None else 1,
         "peak_activation_bytes": stats.peak_activation_bytes,
         "peak_inflight": stats.peak_inflight,

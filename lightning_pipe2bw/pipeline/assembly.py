@@ -228,6 +228,10 @@ def build_runtime(
             fresh_last_stage=options.fresh_last_stage,
         )
         runtime_optimizers = [driver.optimizer]
+        if tied and _sums_ties_ahead(options, topology):
+            tied.ahead = True
+            params = driver.versions.params
+            driver.on_complete.append(lambda batch, grads: tied.post(batch, grads, params))
     else:
         driver = FlushDriver(
             engine, options.schedule, channel, evicting, early_input_grad=options.early_input_grad
@@ -245,6 +249,19 @@ def build_runtime(
         optimizers=runtime_optimizers,
         evicting=evicting,
         tied=tied,
+    )
+
+
+def _sums_ties_ahead(options: PipeOptions, topology: Topology) -> bool:
+    """Whether the gradients of parameters tied across stages are summed as each batch's
+    gradient completes, ahead of the step (``pipeline.ties``): 2BW (PipeDream updates inside the
+    pipeline) with one pipeline (replicas average at the step first), every stage's update
+    pairing the same batch (not ``fresh_last_stage``) and no blocks moving (repartitioning)."""
+    return (
+        not options.spec.updates_per_stage
+        and topology.data_parallel == 1
+        and not options.fresh_last_stage
+        and options.repartition_every is None
     )
 
 

@@ -9,10 +9,20 @@ gradients), so every copy takes the same update. Under 2BW the sum is taken on t
 that is due, the one the delayed update applies, at the same point of Lightning's loop on every
 stage, so the version rule holds for every copy alike. Gradient clipping counts the gradient
 once (on the primary's stage).
+
+Under 2BW with one pipeline the sum is started ahead of the step (:meth:`TiedCopies.post`): a
+batch's gradient is complete on a stage long before the step that applies it, so each stage
+starts the all-reduce of its copies' gradients then, without waiting, and the step takes the
+sums, by then in. Summed at the step, it would make the stages that hold a tie (the first and
+the last) meet at every step, which puts part of the bubble back. The tie's group carries
+nothing else while training, and every stage posts every batch in batch order, so the sums
+pair up as at the step, over the same tensors.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +75,24 @@ class TiedCopies:
                 )
             )
 
+        # under 2BW with one pipeline: each completed batch's sums, started ahead (post)
+        self.ahead = False
+        self._posted: deque[tuple[int, list[tuple[_Copy, Tensor, Any]]]] = deque()
+
+    def post(self, batch: int, grads: Sequence[Tensor | None], params: Sequence[Tensor]) -> None:
+        """Batch ``batch``'s gradient (of ``params``, in that order) is complete on this stage:
+        start summing its copies' gradients over the stages that hold them (no wait)."""
+        by_param = {id(p): g for p, g in zip(params, grads, strict=True)}
+        started = []
+        for c in self.copies:
+            if not c.param.requires_grad:
+                continue
+            grad = by_param.get(id(c.param))
+            if grad is None:
+                grad = c.param.detach().new_zeros(c.param.shape)
+            started.append((c, grad, dist.all_reduce(grad, group=c.group, async_op=True)))
+        self._posted.append((batch, started))
+
     def __bool__(self) -> bool:
         return bool(self.copies)
 
@@ -75,7 +103,19 @@ class TiedCopies:
 
     def sum_gradients(self) -> None:
         """Sum the copies' gradients over the stages holding them (collective among them; a
-        copy without a gradient contributes zeros and then has the sum)."""
+        copy without a gradient contributes zeros and then has the sum). With :attr:`ahead`,
+        take the sums :meth:`post` started for the oldest batch not yet applied."""
+        if self.ahead:
+            if not self._posted:
+                raise RuntimeError(
+                    "the tied copies' gradients of the update due now were not posted ahead: "
+                    "the pipeline applied an update it did not complete"
+                )
+            _, started = self._posted.popleft()
+            for c, grad, work in started:
+                work.wait()
+                c.param.grad = grad
+            return
         for c in self.copies:
             if not c.param.requires_grad:  # frozen: no copy has a gradient to sum
                 continue

@@ -90,9 +90,10 @@ class TwoBWDriver:
         self._ahead: StepValues | None = None
         self._first: StepValues | None = None
         # told (batch, its gradient in ``versions.params`` order) as soon as a batch has run
-        # its last backward on this stage, long before the step that applies it (the clipping
-        # norm is posted from there: ``seam.agreement.NormsAhead``)
-        self.on_complete: Callable[[int, list[Tensor | None]], None] | None = None
+        # its last backward on this stage, long before the step that applies it: what is summed
+        # over the stages for that step starts there (the gradients of parameters tied across
+        # stages, ``pipeline.ties``; the clipping norm, ``seam.agreement.NormsAhead``)
+        self.on_complete: list[Callable[[int, list[Tensor | None]], None]] = []
 
     def _wrap(self, optimizer: Optimizer) -> tuple[WeightVersions, TwoBWOptimizer]:
         """Weight versions over the stage's parameters, and the wrapper that keeps them and
@@ -168,8 +169,10 @@ class TwoBWDriver:
             ended = self._ended.pop(batch, 0) + 1
             if ended == len(self.engine.virtual.stages):
                 self.versions.finish(batch)
-                if self.on_complete is not None:
-                    self.on_complete(batch, self.versions.grads_of(batch))
+                if self.on_complete:
+                    grads = self.versions.grads_of(batch)
+                    for listener in self.on_complete:
+                        listener(batch, grads)
             else:
                 self._ended[batch] = ended
         if self.version_log is not None:

@@ -223,7 +223,7 @@ def agree_across_stages(
             lambda: [p for g in optimizer.param_groups for p in g["params"]],
             driver.versions.params,
         )
-        driver.on_complete = ahead.post
+        driver.on_complete.append(ahead.post)
     make_clipping_global(plugin, device, group, num_stages, counted, ahead)
     scaler = plugin.scaler if isinstance(plugin, MixedPrecision) else None
     if scaler is not None:

@@ -76,8 +76,14 @@ def fit(
         "engine_versions": strategy.engine.stats.max_weight_versions if strategy.engine else 0,
         "split_backwards": strategy.engine.stats.split_backwards if strategy.engine else 0,
         "weight_buffers": strategy.driver.weight_buffers if strategy.driver else 0,
+        # 2BW's sums over tied copies started as each gradient completes (pipeline.ties)
+        "ties_ahead": bool(
+            strategy.runtime and strategy.runtime.tied and strategy.runtime.tied.ahead
+        ),
         # 2BW's clipping norms summed as each gradient completes (seam.agreement.NormsAhead)
-        "norms_ahead": getattr(strategy.driver, "on_complete", None) is not None,
+        "norms_ahead": any(
+            f.__qualname__ == "NormsAhead.post" for f in getattr(strategy.driver, "on_complete", [])
+        ),
         "microbatches": strategy.num_microbatches,
         "peak_activation_bytes": (
             strategy.engine.stats.peak_activation_bytes if strategy.engine else 0

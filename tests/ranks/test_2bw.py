@@ -262,3 +262,21 @@ def test_send_buffers_stay_bounded_without_a_flush(pools: Any) -> None:
     for counts in pools(2).run(_pending_sends_over_a_long_run, 30):
         assert len(counts) == 30
         assert max(counts) <= 12 and counts[-1] == counts[10], counts  # flat, not growing
+
+
+def test_tied_sums_posted_ahead_over_four_stages(pools: Any) -> None:
+    """A weight shared by blocks on the first and the last of four stages, with flushes every 3
+    batches and a synchronous start of 2: the two stages start summing a batch's copies'
+    gradients as soon as it is complete on each, and the step takes the sums; the weights are
+    the delayed rule's on one device."""
+    results = pools(4).run(
+        workers.fit, "2bw", 4, STEPS, "adamw", model="tied", flush_every=3, sync_steps=2,
+        delay_correction="none",
+    )  # fmt: skip
+    ref = reference_2bw(STEPS, 4, model_name="tied", sync_steps=2, correction="none")
+    diff = max_abs_diff(results[0]["state"], ref)
+    print(f"EXACTNESS 2bw tied weights over 4 stages, sums ahead: max|dW| = {diff:.3e}")
+    assert diff <= TOL
+    holding = [r["stage"] in (0, 3) for r in sorted(results, key=lambda r: r["stage"])]
+    assert [r["ties_ahead"] for r in sorted(results, key=lambda r: r["stage"])] == holding
+    assert holding == [True, False, False, True]
