@@ -13,7 +13,10 @@ run of the same pipeline in interleaved rounds:
   barrier (``seam.hooklogs.RelayedLogs``); what is left is Lightning's own ``self.log`` of
   about a hundred values per step on each rank, which one device pays too;
 * **grad_norm+clip**: both. A hook that may change a gradient keeps the clipping norm's sum at
-  the step (where it is the gradient the hook left), so this one still meets.
+  the step (where it is the gradient the hook left), so this one still meets;
+* **tied**: the head's weight is the token embedding's (as GPT-2 ties them), one copy on each
+  stage whose gradients are summed over the two stages for every update
+  (``pipeline.ties``), started as each batch's gradient completes.
 
 The model is the GPT-like one of ``schedules.py --model gpt`` (batch 32, AdamW) on 2 CPU ranks
 with one thread each. Per configuration: the median step (slowest rank, after the first 4
@@ -47,7 +50,7 @@ from machine import cpu_pressure_60s
 from ranks import RankPool
 
 RESULTS = Path(__file__).resolve().parent / "results"
-CONFIGS = ("plain", "clip", "grad_norm", "grad_norm+clip")
+CONFIGS = ("plain", "clip", "grad_norm", "grad_norm+clip", "tied")
 SKIP = 4  # steps left out of the timing
 
 
@@ -80,6 +83,9 @@ def run_config(schedule: str, m: int, steps: int, config: str) -> dict[str, Any]
                 self.log_dict(grad_norm(self, norm_type=2))
 
         module = GradNorms()
+    if config == "tied":
+        body = module.body
+        body[-1].head.weight = body[0].token.weight  # both (vocabulary, d)
     x, y = schedules.make_data(32, steps)
     loader = DataLoader(schedules.Batches(32, x, y), batch_size=None, shuffle=False)
     strategy = Pipe2BWStrategy(schedule=schedule, microbatches=m)
@@ -108,6 +114,11 @@ def run_config(schedule: str, m: int, steps: int, config: str) -> dict[str, Any]
         "stage": strategy.stage,
         "step_s": [b - a for a, b in zip(starts[SKIP:], ends[SKIP:], strict=True)],
         "idle": 1 - compute / (t1 - t0),
+        "ties_ahead": bool(
+            strategy.runtime
+            and strategy.runtime.tied
+            and getattr(strategy.runtime.tied, "ahead", False)
+        ),
         "norms_ahead": any(
             f.__qualname__ == "NormsAhead.post" for f in getattr(strategy.driver, "on_complete", [])
         ),
@@ -164,7 +175,12 @@ def main() -> None:
                 "vs_first_range": [min(ratios), max(ratios)],
                 "idle_by_rank": idle,
                 "stage_by_rank": [mine[0]["ranks"][k]["stage"] for k in range(2)],
-                "norms_ahead": mine[0]["ranks"][0]["norms_ahead"],
+                "ahead": ", ".join(
+                    what
+                    for what, key in (("clipping norm", "norms_ahead"), ("tied", "ties_ahead"))
+                    if mine[0]["ranks"][0][key]
+                )
+                or "-",
             }
         )
     title = (
@@ -175,7 +191,7 @@ def main() -> None:
     print(
         f"| configuration | step ms | / {configs[0]} (range) | idle rank 0 (stage "
         f"{rows[0]['stage_by_rank'][0]}) | idle rank 1 (stage {rows[0]['stage_by_rank'][1]}) "
-        "| norm summed ahead |"
+        "| summed ahead |"
     )
     print("| --- | ---: | ---: | ---: | ---: | --- |")
     for row in rows:
@@ -183,7 +199,7 @@ def main() -> None:
         print(
             f"| {row['config']} | {row['step_ms']:.0f} | {row['vs_first']:.3f} ({low:.3f}-"
             f"{high:.3f}) | {row['idle_by_rank'][0]:.3f} | {row['idle_by_rank'][1]:.3f} | "
-            f"{'yes' if row['norms_ahead'] and 'clip' in row['config'] else '-'} |"
+            f"{row['ahead']} |"
         )
     after = {"load_1min": os.getloadavg()[0], "cpu_pressure_60s": cpu_pressure_60s()}
     print(f"load before {before}, after {after}")

@@ -10,8 +10,9 @@ from typing import Any
 import lightning
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 
 from lightning_pipe2bw.compat import found_inf_state, override_clipping
@@ -215,7 +216,11 @@ def agree_across_stages(
 
     ahead = None
     driver = runtime.driver
-    if posts_norms_ahead(plugin, runtime, trainer) and isinstance(driver, TwoBWDriver):
+    if (
+        posts_norms_ahead(plugin, runtime, trainer)
+        and isinstance(driver, TwoBWDriver)
+        and _optimizes_stage_only(driver)
+    ):
         optimizer = driver.optimizer
         ahead = NormsAhead(
             runtime.groups.norms(),
@@ -230,12 +235,21 @@ def agree_across_stages(
         agree_on_inf_checks(scaler, device, group, num_stages)
 
 
+def _optimizes_stage_only(driver: TwoBWDriver) -> bool:
+    """Whether every trainable parameter the optimizer holds is one of the stage's, whose
+    gradients the driver hands over as each batch completes."""
+    stage = {id(p) for p in driver.versions.params}
+    held = [p for g in driver.optimizer.param_groups for p in g["params"] if p.requires_grad]
+    return all(id(p) in stage for p in held)
+
+
 def posts_norms_ahead(plugin: Precision, runtime: StageRuntime, trainer: Trainer) -> bool:
     """Whether this fit clips by norm under 2BW where the gradient at the step is the one the
     pipeline computed, so that each batch's norm can be summed as soon as its gradient is
     complete (:class:`NormsAhead`): the same answer on every rank (the options, the Trainer's
     and the module's set-up are checked alike)."""
     options, topology = runtime.options, runtime.topology
+    module = trainer.lightning_module
     return (
         bool(trainer.gradient_clip_val)
         and trainer.gradient_clip_algorithm in (None, "norm")
@@ -248,6 +262,8 @@ def posts_norms_ahead(plugin: Precision, runtime: StageRuntime, trainer: Trainer
         and not runtime.tied
         and not isinstance(plugin, MixedPrecision)  # a scaler unscales at the step
         and not logs_in_gradient_hooks(trainer, trainer.lightning_module)  # may change grads
+        # the module's own clipping may change them before it clips, or clip at some steps only
+        and not is_overridden("configure_gradient_clipping", module, LightningModule)
     )
 
 
