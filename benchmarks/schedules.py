@@ -238,10 +238,11 @@ def fit_quietly(
     callbacks: list[Any],
     logger: Any = False,
     accelerator: str = "cpu",
+    **trainer_kwargs: Any,
 ) -> Any:
     """Fit ``model`` for ``steps`` steps of :func:`make_data` on this pool's ranks (one device
-    without a process group), with no progress bar, checkpoints, summary or validation; returns
-    the Trainer."""
+    without a process group), with no progress bar, checkpoints, summary or validation
+    (``trainer_kwargs``: more of the Trainer's arguments); returns the Trainer."""
     import torch.distributed as dist
     from lightning.pytorch import Trainer
     from torch.utils.data import DataLoader
@@ -261,6 +262,7 @@ def fit_quietly(
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
+        **trainer_kwargs,
     )
     trainer.fit(model, loader)
     return trainer

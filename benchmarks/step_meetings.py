@@ -38,7 +38,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -58,23 +57,12 @@ def run_config(schedule: str, m: int, steps: int, config: str) -> dict[str, Any]
     """On every rank: fit ``steps`` steps of the GPT under ``config``; the step times and the
     engine's compute seconds over the timed steps."""
     import torch.distributed as dist
-    from lightning.pytorch import Callback, Trainer
     from lightning.pytorch.utilities import grad_norm
-    from torch.utils.data import DataLoader
 
     from lightning_pipe2bw import Pipe2BWStrategy
 
     schedules._quiet()
-    starts: list[float] = []
-    ends: list[float] = []
-
-    class Steps(Callback):
-        def on_train_batch_start(self, *args: Any) -> None:
-            starts.append(time.perf_counter())
-
-        def on_train_batch_end(self, *args: Any) -> None:
-            ends.append(time.perf_counter())
-
+    timer = schedules._make_timer(SKIP, steps - SKIP)
     module = schedules._lightning_module()
     if "grad_norm" in config:
 
@@ -86,25 +74,12 @@ def run_config(schedule: str, m: int, steps: int, config: str) -> dict[str, Any]
     if config == "tied":
         body = module.body
         body[-1].head.weight = body[0].token.weight  # both (vocabulary, d)
-    x, y = schedules.make_data(32, steps)
-    loader = DataLoader(schedules.Batches(32, x, y), batch_size=None, shuffle=False)
     strategy = Pipe2BWStrategy(schedule=schedule, microbatches=m)
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=dist.get_world_size(),
-        strategy=strategy,
-        max_steps=steps,
-        callbacks=[Steps()],
-        enable_progress_bar=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
+    schedules.fit_quietly(
+        module, strategy, 32, steps, [timer],
         gradient_clip_val=1.0 if "clip" in config else None,
-    )
-    trainer.fit(module, loader)
-    t0, t1 = starts[SKIP], ends[-1]
+    )  # fmt: skip
+    t0, t1 = timer.t0, timer.t1
     timeline = strategy.engine.stats.timeline
     compute = sum(
         e.end - e.start for e in timeline if e.action.is_compute and t0 <= e.start and e.end <= t1
@@ -112,7 +87,7 @@ def run_config(schedule: str, m: int, steps: int, config: str) -> dict[str, Any]
     return {
         "rank": dist.get_rank(),
         "stage": strategy.stage,
-        "step_s": [b - a for a, b in zip(starts[SKIP:], ends[SKIP:], strict=True)],
+        "step_s": timer.step_s,
         "idle": 1 - compute / (t1 - t0),
         "ties_ahead": bool(
             strategy.runtime
