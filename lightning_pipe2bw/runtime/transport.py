@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-import time
+import threading
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Protocol
@@ -26,6 +27,25 @@ TAG_BASE = (
     1 << 20
 )  # a transport's tag is this plus its run number (earlier runs' messages wait apart)
 _UNREAD_NOTICES: list[tuple[dist.Work, torch.Tensor]] = []
+
+
+def _taken_within(works: list[tuple[dist.Work, torch.Tensor]], timeout_s: float) -> bool:
+    """Whether every send in ``works`` completed within ``timeout_s``.
+
+    Waited for on a thread of its own: gloo reports a send completed only once it is waited
+    for (polling ``is_completed`` would always take the whole timeout), and a wait cannot be
+    given up. A send whose receiver never takes it keeps that daemon thread blocked, which
+    holds nothing else and does not keep the process from exiting."""
+    taken = threading.Event()
+
+    def wait() -> None:
+        with contextlib.suppress(RuntimeError):  # a broken channel: not taken
+            for work, _ in works:
+                work.wait()
+            taken.set()
+
+    threading.Thread(target=wait, name="pipe2bw-notice", daemon=True).start()
+    return taken.wait(timeout_s)
 
 
 class Transport(Protocol):
@@ -290,12 +310,10 @@ class P2PTransport(HeldSends):
                 work = dist.isend(buf, dst=peer, group=self.group, tag=self.tag)
                 assert work is not None
                 works.append((work, buf))
-        deadline = time.monotonic() + timeout_s
-        while not all(w.is_completed() for w, _ in works) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        # a send must outlive its completion (gloo's channel breaks if a pending send is
-        # destroyed); a notice nobody read stays on its run's tag, which no later run uses
-        _UNREAD_NOTICES.extend((w, b) for w, b in works if not w.is_completed())
+        if not _taken_within(works, timeout_s):
+            # a send must outlive its completion (gloo's channel breaks if a pending send is
+            # destroyed); a notice nobody read stays on its run's tag, which no later run uses
+            _UNREAD_NOTICES.extend(works)
 
     def _recv_notice(self, peer: int) -> StageFailure:
         size = torch.empty(1, dtype=torch.int64, device=self.wire)

@@ -24,6 +24,7 @@ from unit.test_transport import (
     sequence_message,
 )
 
+import lightning_pipe2bw.runtime.transport as transport_module
 from lightning_pipe2bw.failures.record import FailureRecord, StageFailure
 from lightning_pipe2bw.runtime.transport import P2PTransport
 from lightning_pipe2bw.runtime.wire import flatten_payload
@@ -271,9 +272,12 @@ def _on_rank_notice(length: int) -> Any:
     if _rank() == 0:
         for step in range(3):
             tr.send(sequence_message(length, step), 1)
-        tr.notify(FailureRecord(0, 0, "0F3", "RuntimeError: boom"), [1])
+        unread = len(transport_module._UNREAD_NOTICES)
+        tr.notify(FailureRecord(0, 0, "0F3", "RuntimeError: boom"), [1], timeout_s=20.0)
         tr.wait_sends()
-        return None
+        # taken, and seen taken: kept as unread, or (gloo marks a send completed only once it
+        # is waited for) notify would wait out its whole timeout after every notice
+        return len(transport_module._UNREAD_NOTICES) - unread
     return failure_after(tr, 3)
 
 
@@ -291,8 +295,9 @@ def failure_after(tr: Any, messages: int) -> Any:
 
 @pytest.mark.parametrize("length", [3, LARGE], ids=["packed", "larger-than-a-packed-message"])
 def test_a_notice_takes_the_place_of_an_expected_message(pools: Any, length: int) -> None:
-    _, got = pools(2).run(_on_rank_notice, length, timeout=TIMEOUT)
+    unread, got = pools(2).run(_on_rank_notice, length, timeout=TIMEOUT)
     assert got == (0, "0F3", "RuntimeError: boom", 0)
+    assert unread == 0
 
 
 def _on_rank_stale_notice() -> Any:
