@@ -33,7 +33,9 @@ typecheck: setup
 # The type check runs beside tests/unit (each needs one core); tests/ranks then runs in one
 # process (its ranks share one pool and need both cores); tests/launch runs on three workers:
 # its tests mostly wait on processes that import torch and Lightning, so several at a time
-# overlap one's waiting with another's work. Every part runs; the target fails if any did.
+# overlap one's waiting with another's work, and an idle worker takes tests queued for a busy
+# one (worksteal: the slowest tests do not end the run alone). Every part runs; the target
+# fails if any did.
 # Byte code is written first, because this machine's environment sets PYTHONDONTWRITEBYTECODE
 # and every launched process would compile the package again.
 test: lint
@@ -42,7 +44,7 @@ test: lint
 	$(PY) -m pytest tests/unit || rc=$$?; \
 	wait $$typecheck || rc=$$?; \
 	$(PY) -m pytest tests/ranks || rc=$$?; \
-	$(PY) -m pytest -n 3 tests/launch || rc=$$?; exit $$rc
+	$(PY) -m pytest -n 3 --dist worksteal tests/launch || rc=$$?; exit $$rc
 
 quick: lint
 	$(PY) -m pytest -q tests/unit

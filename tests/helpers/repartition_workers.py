@@ -56,7 +56,7 @@ def fit_slow(
     **strategy_kwargs: Any,
 ) -> dict[str, Any]:
     """Fit ``SlowModel`` for ``steps`` steps, 2 per epoch; with ``ckpt_dir``, save a full
-    checkpoint every 2 steps (at the last batch of each epoch, as ``tests/helpers/jobs/resume_job.py``
+    checkpoint every 2 steps (at the last batch of each epoch, as ``tests/helpers/jobs/node_job.py``
     does); with ``resume``, continue from that checkpoint."""
     strategy = Pipe2BWStrategy(schedule=schedule, microbatches=4, **strategy_kwargs)
     callbacks = []

@@ -1,6 +1,7 @@
 """The main job's Lightning CLI (``python -m lightning_pipe2bw.recipes.gpt.cli``) run as a user
-runs it: real two-process fits (popen re-runs the command line; spawn from a config). Its options
-and config in one process: ``tests/unit/test_cli.py``."""
+runs it: a real two-process fit from a config file and the command line (popen re-runs the
+command line). Its options and config in one process: ``tests/unit/test_cli.py``; launching
+by spawn: ``tests/launch/test_hydra.py``'s sweep and ``tests/ranks/test_spawn.py``."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 import yaml
 from helpers import ROOT
 from lightning.pytorch import Callback, LightningModule, Trainer
-from unit.test_cli import QUIET_TRAINER, TINY, TINY_DATA, TINY_MODEL
+from unit.test_cli import TINY_DATA, TINY_MODEL
 
 from lightning_pipe2bw.recipes.gpt.model import GPT
 
@@ -49,27 +50,10 @@ def _run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.timeout(300)
-def test_fit_two_stages_from_the_command_line(tmp_path: Path) -> None:
-    args = [
-        "fit", *QUIET_TRAINER, *TINY,
-        "--trainer.strategy=pipe2bw",  # a registered name, with options; popen re-runs argv
-        "--trainer.strategy.schedule=1f1b",
-        "--trainer.strategy.microbatches=4",
-        "--trainer.max_steps=3",
-        "--trainer.enable_checkpointing=false",
-        "--trainer.callbacks+=launch.test_cli.StageProbe",
-    ]  # fmt: skip
-    proc = _run_cli(args, tmp_path)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    # global rank 0 runs the last stage; the body is Embeddings, Block, Block, LMHead
-    out = proc.stdout
-    assert "probe rank 0: stage 1 of 2, blocks [2, 3], schedule 1f1b, microbatches 4" in out
-    assert "probe rank 1: stage 0 of 2, blocks [0, 1], schedule 1f1b, microbatches 4" in out
-    assert "probe rank 0: 3 steps" in out and "probe rank 1: 3 steps" in out
-
-
-@pytest.mark.timeout(300)
-def test_fit_from_a_yaml_config(tmp_path: Path) -> None:
+def test_fit_from_a_yaml_config_and_the_command_line(tmp_path: Path) -> None:
+    """A config file with the strategy's class and options, options on the command line over
+    it, and the strategy's own launch (popen): rank 1 re-runs the command line, so both ranks
+    parse the same config and train the same pipeline."""
     config = {
         "seed_everything": 0,
         "trainer": {
@@ -77,7 +61,7 @@ def test_fit_from_a_yaml_config(tmp_path: Path) -> None:
             "devices": 2,
             "strategy": {
                 "class_path": "Pipe2BWStrategy",
-                "init_args": {"schedule": "gpipe", "microbatches": 2, "start_method": "spawn"},
+                "init_args": {"schedule": "1f1b", "microbatches": 2},  # popen, by default
             },
             "max_steps": 100,  # overridden on the command line
             "logger": False,
@@ -91,7 +75,8 @@ def test_fit_from_a_yaml_config(tmp_path: Path) -> None:
     }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc = _run_cli(["fit", "--config", str(path), "--trainer.max_steps=2"], tmp_path)
+    overrides = ["--trainer.max_steps=2", "--trainer.strategy.schedule=gpipe"]
+    proc = _run_cli(["fit", "--config", str(path), *overrides], tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "probe rank 0: stage 1 of 2, blocks [2, 3], schedule gpipe, microbatches 2" in out

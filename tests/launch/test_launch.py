@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import JOBS, ROOT
+from helpers import ROOT
+from helpers.launching import NODE_JOB, job_env, weights
+from helpers.models import max_abs_diff
 
 EXAMPLE = ROOT / "examples" / "train.py"
 
@@ -28,7 +30,7 @@ def _run(cmd: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_popen_launch_trains_and_writes_consolidated_checkpoint(tmp_path: Path) -> None:
-    ckpt, weights = tmp_path / "final.ckpt", tmp_path / "weights.pt"
+    ckpt, state = tmp_path / "final.ckpt", tmp_path / "weights.pt"
     cmd = [
         sys.executable,
         str(EXAMPLE),
@@ -37,7 +39,7 @@ def test_popen_launch_trains_and_writes_consolidated_checkpoint(tmp_path: Path) 
         "--ckpt",
         str(ckpt),
         "--weights",
-        str(weights),
+        str(state),
     ]
     proc = _run(cmd, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -59,52 +61,15 @@ def test_popen_launch_trains_and_writes_consolidated_checkpoint(tmp_path: Path) 
         if name.endswith("weight"):
             assert not torch.equal(value, fresh.state_dict()[name]), name
     # and the launching process's own model.state_dict() after fit is the whole trained model
-    saved = torch.load(weights, weights_only=True)
+    saved = weights(state)
     assert saved.keys() == fresh.state_dict().keys()
     for name, value in model.state_dict().items():
         assert torch.equal(saved[name], value), name
 
 
-def test_torchrun_launch(tmp_path: Path) -> None:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        f"--master_port={_free_port()}", str(EXAMPLE), "--steps", "4",
-    ]  # fmt: skip
-    proc = _run(cmd, tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "final metrics" in proc.stdout
-
-
 # ---------------------------------------------------------------------- beyond one machine
-JOB = JOBS / "node_job.py"
-
-
-def _job_env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    env.pop("TORCHELASTIC_RESTART_COUNT", None)
-    return env
-
-
-def _weights(path: Path) -> dict[str, torch.Tensor]:
-    return torch.load(path, weights_only=True)  # type: ignore[no-any-return]
-
-
-def _one_node(tmp_path: Path, devices: int, data_parallel: int) -> dict[str, torch.Tensor]:
-    """The same job started by the strategy on one node (``popen``)."""
-    out = tmp_path / f"one-node-{devices}.pt"
-    cmd = [sys.executable, str(JOB), "--weights", str(out), "--devices", str(devices)]
-    cmd += ["--data-parallel", str(data_parallel)]
-    proc = subprocess.run(
-        cmd, cwd=tmp_path, env=_job_env(), capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return _weights(out)
-
-
-@pytest.fixture(scope="module")
-def one_node_2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """The 2-rank job on one node, shared by the tests that compare with it."""
-    return _one_node(tmp_path_factory.mktemp("one-node"), 2, 1)
+# Each job below is tests/helpers/jobs/node_job.py, a 2BW fit; a test that compares its weights
+# with the same job started on one node uses the session's one reference (conftest.py).
 
 
 def _run_together(commands: list[tuple[list[str], dict[str, str]]], cwd: Path) -> list[str]:
@@ -121,37 +86,23 @@ def _run_together(commands: list[tuple[list[str], dict[str, str]]], cwd: Path) -
     return logs
 
 
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
-
-
-# one process per node is covered by the SLURM test below (two tasks on two nodes); here two
-# processes per node, as two 2-stage replicas
-@pytest.mark.parametrize(("per_node", "data_parallel"), [(2, 2)])
 def test_two_torchrun_nodes_on_one_host_train_as_one_node(
-    tmp_path: Path, per_node: int, data_parallel: int, one_node_2: dict[str, torch.Tensor]
+    tmp_path: Path, one_node_2: dict[str, torch.Tensor]
 ) -> None:
-    """Two torchrun agents as two "nodes" (``--nnodes=2``, c10d rendezvous): the pipeline's
-    stages (with data_parallel=2 and 2 processes each: two 2-stage replicas) span them, and the
-    weights equal those of the same job on one node."""
+    """Two torchrun agents as two "nodes" (``--nnodes=2``, c10d rendezvous, one process each):
+    the pipeline's two stages span them, and the weights equal those of the same job on one
+    node. (Replicas across nodes: the SLURM test below, with two processes per node.)"""
     port = _free_port()
     out = tmp_path / "two-nodes.pt"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
-        f"--nproc_per_node={per_node}", "--rdzv_backend=c10d",
-        f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes", str(JOB),
-        "--weights", str(out), "--nodes", "2", "--devices", str(per_node),
-        "--data-parallel", str(data_parallel),
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+        "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes",
+        str(NODE_JOB), "--weights", str(out), "--nodes", "2", "--devices", "1",
     ]  # fmt: skip
-    logs = _run_together([(cmd, _job_env()), (cmd, _job_env())], tmp_path)
-    world = 2 * per_node
-    assert sum(log.count(f"of {world}: done at step 6") for log in logs) == world
-    reference = one_node_2 if world == 2 else _one_node(tmp_path, world, data_parallel)
-    diff = _same(_weights(out), reference)
-    print(
-        f"LAUNCH torchrun 2 nodes x {per_node}, data_parallel={data_parallel}: max|dW| vs one node {diff:.1e}"
-    )
+    logs = _run_together([(cmd, job_env()), (cmd, job_env())], tmp_path)
+    assert sum(log.count("of 2: done at step 6") for log in logs) == 2
+    diff = max_abs_diff(weights(out), one_node_2)
+    print(f"LAUNCH torchrun 2 nodes x 1: max|dW| vs one node {diff:.1e}")
     assert diff == 0.0
 
 
@@ -164,17 +115,17 @@ def test_an_elastic_restart_resumes_from_the_last_checkpoint(
     out = tmp_path / "elastic.pt"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1",
-        "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{_free_port()}", str(JOB),
+        "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{_free_port()}", str(NODE_JOB),
         "--weights", str(out), "--ckpt-dir", str(tmp_path / "ckpt"), "--kill-at", "4",
     ]  # fmt: skip
     proc = subprocess.run(
-        cmd, cwd=tmp_path, env=_job_env(), capture_output=True, text=True, timeout=300
+        cmd, cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=300
     )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]
     assert "exitcode: -9" in log  # the first attempt lost a worker
     assert "rank 0 of 2: done at step 6" in log
-    diff = _same(_weights(out), one_node_2)
+    diff = max_abs_diff(weights(out), one_node_2)
     print(f"LAUNCH elastic restart: max|dW| vs an uninterrupted run {diff:.1e}")
     assert diff == 0.0
 
@@ -183,10 +134,10 @@ def _slurm_tasks(
     args: list[str], port: int, tmp_path: Path, per_node: int = 1, **extra: str
 ) -> list[tuple[list[str], dict[str, str]]]:
     """The commands and environments ``srun`` gives the tasks of a job on two nodes."""
-    cmd = [sys.executable, str(JOB), *args, "--nodes", "2", "--devices", str(per_node)]
+    cmd = [sys.executable, str(NODE_JOB), *args, "--nodes", "2", "--devices", str(per_node)]
     tasks = []
     for rank in range(2 * per_node):
-        env = _job_env()
+        env = job_env()
         env.update(
             SLURM_JOB_ID="4242", SLURM_JOB_NAME="pipe", SLURM_NTASKS=str(2 * per_node),
             SLURM_NNODES="2", SLURM_NTASKS_PER_NODE=str(per_node), SLURM_PROCID=str(rank),
@@ -195,20 +146,6 @@ def _slurm_tasks(
         )  # fmt: skip
         tasks.append((cmd, env))
     return tasks
-
-
-def test_a_two_task_slurm_job_trains_as_one_node(
-    tmp_path: Path, one_node_2: dict[str, torch.Tensor]
-) -> None:
-    """The environment ``srun`` gives the two tasks of a job on two nodes (one task each):
-    Lightning's SLURMEnvironment takes the ranks from it, the strategy launches nothing, and
-    the weights equal the same job on one node."""
-    out = tmp_path / "slurm.pt"
-    logs = _run_together(_slurm_tasks(["--weights", str(out)], _free_port(), tmp_path), tmp_path)
-    assert "rank 1 of 2: done at step 6" in logs[1]
-    diff = _same(_weights(out), one_node_2)
-    print(f"LAUNCH SLURM 2 tasks on 2 nodes: max|dW| vs one node {diff:.1e}")
-    assert diff == 0.0
 
 
 # one task warned (the others learn it at the step boundary they agree on), 2bw (a drain before
@@ -227,7 +164,9 @@ def test_the_slurm_requeue_warning_checkpoints_at_a_step_boundary_and_the_requeu
     ranks: int | None,
     data_parallel: int,
 ) -> None:
-    """SLURM's warning before a job's time ends (``--signal=USR1@T``: SIGUSR1, to every task
+    """A job of two tasks per node on two nodes, as ``srun`` starts it: Lightning's
+    SLURMEnvironment takes the ranks from the environment and the strategy launches nothing.
+    SLURM's warning before a job's time ends (``--signal=USR1@T``: SIGUSR1, to every task
     or, here too, to one that holds a first stage): every rank writes Lightning's HPC
     checkpoint at one step boundary, global rank 0 asks ``scontrol`` for the requeue, and the
     fit goes on. The requeued job resumes from that checkpoint and ends with the weights of the
@@ -260,6 +199,6 @@ def test_the_slurm_requeue_warning_checkpoints_at_a_step_boundary_and_the_requeu
         _slurm_tasks(args, _free_port(), tmp_path, data_parallel, PATH=path), tmp_path
     )
     assert "Restored all states from the checkpoint" in "".join(logs), logs[0][-2000:]
-    diff = _same(_weights(second), _weights(first))
+    diff = max_abs_diff(weights(second), weights(first))
     print(f"LAUNCH SLURM requeue ({schedule}): the requeued job vs the first max|dW| {diff:.1e}")
     assert diff == 0.0

@@ -1,6 +1,6 @@
 """The Hydra configs and entry point, in this process: every config composes and builds, and bad
-overrides fail clearly. Real runs (a single run with popen, a 2-run sweep with spawn) and the
-command line: ``tests/launch/test_hydra.py``."""
+overrides fail clearly. The command line in this process: ``test_train_entry.py``; real runs (a
+single run with popen, a 2-run sweep with spawn): ``tests/launch/test_hydra.py``."""
 
 from __future__ import annotations
 

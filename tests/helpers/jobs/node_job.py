@@ -2,15 +2,22 @@
 SLURM-like environment), writing the trained weights from global rank 0.
 
     python tests/helpers/jobs/node_job.py --weights W.pt [--nodes 2 --devices 1] [--data-parallel 2]
-        [--ckpt-dir D --kill-at 4] [--sigusr1-at 4 [--sigusr1-rank 0]] [--schedule 2bw]
+        [--ckpt-dir D [--kill-at 4 | --kill-all-after 4]] [--sigusr1-at 4 [--sigusr1-rank 0]]
+        [--schedule 1f1b]
+
+The schedule is ``2bw`` unless told: the one with the most state to carry over a restart (its
+second weight version and its batch count). The data has 3 batches per epoch, so the
+checkpoints fall on epoch boundaries (Lightning does not fast-forward a plain DataLoader inside
+an epoch).
 
 ``--ckpt-dir`` keeps ``last.ckpt`` (every 3 steps, the epoch's end) and the fit resumes from it
 when it is there (``ckpt_path="last"``: the one line an elastic restart needs). ``--kill-at``
 sends SIGKILL to global rank 1 in that step of the first attempt only (torchrun's
 ``TORCHELASTIC_RESTART_COUNT`` is 0), so that ``torchrun --max-restarts=1`` restarts the run.
-``--sigusr1-at`` sends SIGUSR1 to every rank in that step (SLURM's warning before the end of a
-job's time, ``--signal=USR1@T``), once, where a real one lands: anywhere, here at the start of
-the step on the first stages and inside the last stage's first micro-batch; ``--sigusr1-rank``
+``--kill-all-after`` kills every rank (SIGKILL) after that step, as a node failure ends a whole
+run. ``--sigusr1-at`` sends SIGUSR1 to every rank in that step (SLURM's warning before the end
+of a job's time, ``--signal=USR1@T``), once, where a real one lands: anywhere, here at the start
+of the step on the first stages and inside the last stage's first micro-batch; ``--sigusr1-rank``
 sends it to that rank only, at the start of the step.
 """
 
@@ -51,6 +58,22 @@ class Job(RegressionModel):
         return super().training_step(batch, batch_idx)
 
 
+class KillAll(Callback):
+    """The whole run dies at once after a step, as on a node failure: every rank kills itself.
+
+    The ranks meet in a barrier first. Without it, under 2BW the first stage can end its step
+    (and kill itself) while the last stage still receives that step's last activation from it,
+    and the last stage then stops on the lost rank (exit 1) instead of dying with the others."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.strategy.barrier()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 class Warn(Callback):
     """SIGUSR1 at the start of a step on ``rank``, or on every rank but the last stage's (a
     callback runs on every stage)."""
@@ -74,10 +97,11 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--data-parallel", type=int, default=1)
-    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--schedule", default="2bw")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--ckpt-dir", default=None)
     parser.add_argument("--kill-at", type=int, default=None)
+    parser.add_argument("--kill-all-after", type=int, default=None)
     parser.add_argument("--sigusr1-at", type=int, default=None)
     parser.add_argument("--sigusr1-rank", type=int, default=None)
     args = parser.parse_args()
@@ -85,6 +109,8 @@ def main() -> None:
     callbacks: list[Callback] = []
     if args.sigusr1_at is not None:
         callbacks.append(Warn(args.sigusr1_at, args.sigusr1_rank))
+    if args.kill_all_after is not None:
+        callbacks.append(KillAll(args.kill_all_after))
     if args.ckpt_dir is not None:
         callbacks.append(
             ModelCheckpoint(
