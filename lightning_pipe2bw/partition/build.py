@@ -113,11 +113,12 @@ def retie(body: StageBody) -> None:
 
 def _check_callable_blocks(blocks: list[nn.Module], body: str) -> None:
     """Every block is called with the previous block's output: a container without a forward
-    (``nn.ModuleList``, ``nn.ModuleDict``) cannot be one."""
+    (``nn.ModuleList``, ``nn.ModuleDict``) cannot be one. (``torch.compile``'s
+    ``OptimizedModule`` sets its forward on the instance.)"""
     bad = [
         f"{body}.{i} ({type(b).__name__})"
         for i, b in enumerate(blocks)
-        if type(b).forward is nn.Module.forward
+        if type(b).forward is nn.Module.forward and "forward" not in vars(b)
     ]
     if bad:
         raise TypeError(

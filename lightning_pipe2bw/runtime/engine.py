@@ -23,6 +23,7 @@ from lightning_pipe2bw.runtime.payload import (
     global_backward_hooks,
     grad_leaves,
     handed_over,
+    has_compiled_region,
     has_custom_function,
     loss_of,
     received_grads,
@@ -48,6 +49,8 @@ from lightning_pipe2bw.schedule import Action, ActionKind, Schedule
 __all__ = ["ActionTiming", "PipelineEngine", "StepFn", "VirtualStages", "step_loss"]
 
 _debug_log = logging.getLogger("lightning_pipe2bw.actions")
+# lines a user should see once, at Lightning's level (its logger prints INFO on every rank)
+_user_log = logging.getLogger("lightning.pytorch.pipe2bw")
 
 
 def _enable_debug_log() -> None:
@@ -589,4 +592,16 @@ class PipelineEngine:
             m._backward_hooks or m._backward_pre_hooks for m in body.modules()
         ):
             return False
-        return not has_custom_function(roots)
+        if not has_custom_function(roots):
+            return True
+        if not self.stats.whole_backward_note and has_compiled_region(roots):
+            self.stats.whole_backward_note = note = (
+                f"pipe2bw: rank {dist.get_rank() if dist.is_initialized() else 0} (stage "
+                f"{key[0]}) runs each backward whole where zero bubble's B (or 1F1B's early "
+                "inputs' gradient) is due, and leaves its W empty: its torch.compile'd blocks "
+                "compute the inputs' and the weights' gradients in one compiled call, which "
+                "frees its buffers as it goes and cannot be cut in two. The gradients are "
+                "unchanged; only the bubble that the split would have filled stays"
+            )
+            _user_log.info(note)
+        return False

@@ -22,6 +22,7 @@ __all__ = [
     "global_backward_hooks",
     "grad_leaves",
     "handed_over",
+    "has_compiled_region",
     "has_custom_function",
     "loss_of",
     "received_grads",
@@ -81,6 +82,28 @@ def global_backward_hooks() -> bool:
     from torch.nn.modules import module as nn_module
 
     return bool(nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks)
+
+
+def has_compiled_region(roots: Sequence[Tensor]) -> bool:
+    """Whether the backward graph under ``roots`` holds the backward of a ``torch.compile``d
+    region (AOTAutograd's ``CompiledFunction``: one node that computes every gradient of the
+    region in one call)."""
+    seen: set[Any] = set()
+    todo = [t.grad_fn for t in roots if t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        cls = getattr(node, "_forward_cls", None)
+        if (
+            cls is not None
+            and cls.__name__ == "CompiledFunction"
+            and cls.__module__.startswith("torch._functorch")
+        ):
+            return True
+        todo.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    return False
 
 
 def has_custom_function(roots: Sequence[Tensor]) -> bool:

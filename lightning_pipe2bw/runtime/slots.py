@@ -115,6 +115,9 @@ class EngineStats:
     # the whole backward (the call's last I)
     split_backwards: int = 0
     repeated_input_passes: int = 0
+    # why this stage's backwards ran whole where they would have been cut, when the reason is
+    # the user's (torch.compile'd blocks); said once, in the log
+    whole_backward_note: str = ""
     # the most recent actions only, so that long runs keep bounded memory
     timeline: deque[ActionTiming] = field(default_factory=lambda: deque(maxlen=20_000))
 

@@ -192,13 +192,28 @@ class TiedModel(RegressionModel):
         self.body[6].weight = self.body[1].weight
 
 
+class CompiledModel(RegressionModel):
+    """The MLP with each residual block compiled by the user (``torch.compile``, an
+    ``OptimizedModule`` in the body). The ``aot_eager`` backend: AOTAutograd's compiled forward
+    and backward (one autograd node per block, which computes every gradient of the block at
+    once), without generating kernels, which takes tens of seconds a block on a CPU here."""
+
+    def __init__(self, optimizer: str = "adamw", num_blocks: int = 8) -> None:
+        super().__init__(num_blocks, optimizer)
+        for i, block in enumerate(self.body):
+            if isinstance(block, Block):
+                self.body[i] = torch.compile(block, backend="aot_eager")
+
+
 def make_model(name: str, optimizer: str = "adamw", num_blocks: int = 8) -> RegressionModel:
-    """A test model by name: ``"regression"`` (the MLP), ``"conv"`` (:class:`ConvModel`) or
-    ``"tied"`` (:class:`TiedModel`)."""
+    """A test model by name: ``"regression"`` (the MLP), ``"conv"`` (:class:`ConvModel`),
+    ``"tied"`` (:class:`TiedModel`) or ``"compiled"`` (:class:`CompiledModel`)."""
     if name == "conv":
         return ConvModel(optimizer)
     if name == "tied":
         return TiedModel(optimizer)
+    if name == "compiled":
+        return CompiledModel(optimizer, num_blocks)
     return RegressionModel(num_blocks, optimizer)
 
 
@@ -580,6 +595,7 @@ def reference_pipedream(
     optimizer: str = "adamw",
     batch_size: int = 8,
     correction: str = "none",
+    model_name: str = "regression",
 ) -> dict[str, Tensor]:
     """Single-process PipeDream with weight stashing, stage by stage.
 
@@ -590,7 +606,7 @@ def reference_pipedream(
     with the learning rate of step t; each stage has its own optimizer state (and its own
     gradient ``correction``, as :func:`corrected_step`)."""
     p = len(balance)
-    model = RegressionModel(optimizer=optimizer)
+    model = make_model(model_name, optimizer)
     blocks = list(model.body.children())
     bounds = [sum(balance[:s]) for s in range(p + 1)]
     stage_params = [

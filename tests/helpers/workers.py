@@ -75,6 +75,7 @@ def fit(
         "versions": strategy.version_log,
         "engine_versions": strategy.engine.stats.max_weight_versions if strategy.engine else 0,
         "split_backwards": strategy.engine.stats.split_backwards if strategy.engine else 0,
+        "whole_backward_note": strategy.engine.stats.whole_backward_note if strategy.engine else "",
         "weight_buffers": strategy.driver.weight_buffers if strategy.driver else 0,
         # 2BW's sums over tied copies started as each gradient completes (pipeline.ties)
         "ties_ahead": bool(
