@@ -10,6 +10,8 @@ reference compiles all of them; same kernels on the same shapes, so the toleranc
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from helpers import workers
 from helpers.models import (
@@ -20,6 +22,8 @@ from helpers.models import (
     reference_pipedream,
     reference_train,
 )
+from lightning.pytorch import Callback
+from torch._dynamo.utils import counters
 
 STEPS, M = 4, 4
 # zero bubble's schedules cut a backward in two, 1f1b takes an inputs' gradient early
@@ -64,3 +68,41 @@ def test_compiled_blocks_under_pipedream_equal_weight_stashing(pools) -> None:
     diff = max_abs_diff(results[0]["state"], ref)
     print(f"EXACTNESS compiled blocks pipedream: max|dW| = {diff:.3e}")
     assert diff <= 1e-6
+
+
+class GraphCounts(Callback):
+    """The graphs torch.compile has made on this rank since the fit began, at the end of each
+    training epoch (a rank of the pool may have compiled before, in another test)."""
+
+    def __init__(self) -> None:
+        self.start = 0
+        self.per_epoch: list[int] = []
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.start = int(counters["stats"]["unique_graphs"])
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self.per_epoch.append(int(counters["stats"]["unique_graphs"]) - self.start)
+
+
+def _fit_counting_graphs() -> list[int]:
+    counts = GraphCounts()
+    # 60 samples in batches of 8: each epoch ends on a batch of 4 (micro-batches of 1 row, not
+    # 2), and a validation pass (no autograd) runs after each epoch
+    workers.fit(
+        "1f1b", M, 3 * 8, model="compiled", samples=60, val_batches=2, callbacks=[counts],
+        trainer_kwargs={"max_epochs": 3, "limit_val_batches": 2},
+    )  # fmt: skip
+    return counts.per_epoch
+
+
+def test_a_short_last_batch_and_validation_do_not_recompile_every_epoch(pools) -> None:
+    """A short last batch and validation give a compiled block new shapes and a forward without
+    autograd: torch.compile makes at most a graph for each (the step's shapes, the short
+    batch's, validation's), in the first epoch, and none after it (a graph per step would stop
+    only at torch.compile's cache limit, 8, and fall back to eager)."""
+    results = pools(2).run(_fit_counting_graphs)
+    for rank, per_epoch in enumerate(results):
+        print(f"COMPILE rank {rank}: graphs made by the end of each epoch {per_epoch}")
+        assert len(per_epoch) == 3, per_epoch
+        assert per_epoch[0] <= 3 and per_epoch[-1] == per_epoch[0], (rank, per_epoch)
