@@ -130,6 +130,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         delay_correction: str = "auto",
         sync_steps: int | float = 0,
         fresh_last_stage: bool = False,
+        compile_blocks: bool | Mapping[str, Any] = False,
         check_split: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -167,6 +168,25 @@ class Pipe2BWStrategy(ParallelStrategy):
             options.repartition_every, options.repartition_threshold
         )
         return strategy
+
+    # Lightning's Trainer sets the module it was given here first, then refuses a compiled
+    # LightningModule for every strategy but its three with words that do not show the way out
+    # of a pipeline; this says it first
+    @property
+    def _lightning_module(self) -> Any:
+        return self.__dict__.get("_pipe2bw_lightning_module")
+
+    @_lightning_module.setter
+    def _lightning_module(self, module: Any) -> None:
+        if getattr(module, "_compiler_ctx", None) is not None:
+            raise RuntimeError(
+                "pipe2bw: the LightningModule was compiled whole (torch.compile(model)); a "
+                "pipeline runs its body's blocks on different processes, so it cannot run one "
+                "compiled forward. Compile the blocks instead: torch.compile(block) for each "
+                "block of the body, or Pipe2BWStrategy(compile_blocks=True) (or a dict of "
+                "torch.compile's keyword arguments), and pass the module uncompiled"
+            )
+        self.__dict__["_pipe2bw_lightning_module"] = module
 
     # ------------------------------------------------------------------ options and layout
     @property

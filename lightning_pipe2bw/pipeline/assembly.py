@@ -125,6 +125,8 @@ def place_stage(
     if entries:
         raise UninitializedError(entries)
     raise_problems(memory_plan_problems(options, partition, flag))
+    if options.compile_blocks is not None:
+        body.compile_blocks(options.compile_blocks)
     log.info(
         "pipe2bw: rank %d runs stages %s/%d with blocks %s of %r",
         topology.rank, list(topology.stages_here), topology.num_virtual, body.indices, ref.path,

@@ -77,6 +77,8 @@ class PipeOptions:
     # 2BW's synchronous start: the first this many batches flushed, or this share of the fit's
     sync_steps: int | float = 0
     fresh_last_stage: bool = False  # 2BW's last stage without delay
+    # torch.compile's keyword arguments for each block of the stage ({}: its defaults; None: off)
+    compile_blocks: dict[str, Any] | None = field(default=None, hash=False)
     check_split: bool = True  # the guard against a split that computes something else
 
     @classmethod

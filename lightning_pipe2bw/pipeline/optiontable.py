@@ -340,6 +340,22 @@ def _delay_correction(value: Any) -> dict[str, Any]:
         raise BadOption("delay_correction", value, message) from None
 
 
+def _compile_blocks(value: Any) -> dict[str, Any]:
+    if value is None or value is False:
+        return {"compile_blocks": None}
+    if value is True:
+        return {"compile_blocks": {}}
+    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+        return {"compile_blocks": dict(value)}
+    raise BadOption(
+        "compile_blocks",
+        value,
+        "compile_blocks must be True, False or a dict of torch.compile keyword arguments "
+        f"(e.g. {{'mode': 'max-autotune', 'dynamic': False}}), got {value!r}",
+        kind=TypeError,
+    )
+
+
 def _listed_unless(kind: type) -> Callable[[Any], Any]:
     """A config's sequence (Hydra's ``ListConfig``) as a list; None or a ``kind`` as is."""
     return lambda value: value if value is None or isinstance(value, kind) else list(value)
@@ -348,6 +364,11 @@ def _listed_unless(kind: type) -> Callable[[Any], Any]:
 def _mapped(value: Any) -> Any:
     """A config's mapping (Hydra's ``DictConfig``) as a dict."""
     return None if value is None else dict(value.items())
+
+
+def _mapped_or_flag(value: Any) -> Any:
+    """A config's True/False, or its mapping (Hydra's ``DictConfig``) as a dict."""
+    return value if value is None or isinstance(value, bool) else dict(value.items())
 
 
 def _seconds(value: Any) -> Any:
@@ -510,6 +531,17 @@ OPTIONS: tuple[Option, ...] = (
         "land in the same step, W(t+1) = W(t) - U(grad f_t(W(t))), without a correction; the "
         "stages before it keep the one-step delay. Not with weights tied between the last "
         "stage and another ([docs/pipedream-2bw.md](docs/pipedream-2bw.md#a-fresh-last-stage))",
+    ),
+    Option(
+        "compile_blocks", False, _compile_blocks, Any, from_config=_mapped_or_flag,
+        shown_default="`False` (blocks run as given)",
+        doc="compile each of the stage's blocks after the split, in place (`nn.Module.compile`: "
+        "the state dict keeps its keys): `True`, or a dict of `torch.compile` keyword "
+        "arguments (`{\"backend\": \"aot_eager\"}`, `{\"mode\": \"max-autotune\"}`). Blocks "
+        "the model compiled itself stay as they are. A compiled block's backward is not cut "
+        "into zero bubble's B and W: it runs whole at B ([docs/user-guide.md]"
+        "(docs/user-guide.md#compiled-blocks))",
+        config_note="e.g. `strategy.compile_blocks=true` or `'strategy.compile_blocks={mode: max-autotune}'`",
     ),
     Option(
         "check_split", True, _flag("check_split"), bool,

@@ -60,6 +60,14 @@ class RemoteBlock(nn.Module):
         return f"index={self.index}, stage={self.stage}"
 
 
+def _compile_in_place(block: nn.Module, options: Mapping[str, Any]) -> None:
+    """``block.compile(**options)``, unless it is compiled already (by the model itself, an
+    ``OptimizedModule``, or in place)."""
+    if hasattr(block, "_orig_mod") or getattr(block, "_compiled_call_impl", None) is not None:
+        return
+    block.compile(**options)
+
+
 class StageBody(nn.Module):
     """This rank's share of the body.
 
@@ -127,6 +135,8 @@ class StageBody(nn.Module):
         self.microbatch: tuple[int, int] | None = None  # (stage, micro-batch)
         # each block's forward time during training, once on (live repartitioning)
         self.timer = BlockTimer()
+        # torch.compile's keyword arguments for every block, owned or arriving (compile_blocks)
+        self.compile_options: dict[str, Any] | None = None
         # after a Trainer call, when the whole body could not be handed back: why (state_dict
         # then raises, unless the strategy itself reads it inside ``partial_access``)
         self.partial_reason: str | None = None
@@ -231,10 +241,22 @@ class StageBody(nn.Module):
         """The state-dict key (within the body) of block ``index``'s tensor ``name``."""
         return name if self.owner is not None else f"{index}.{name}"
 
+    def compile_blocks(self, options: Mapping[str, Any]) -> None:
+        """Compile every owned block in place (``nn.Module.compile``, which keeps the state
+        dict's keys) with ``torch.compile``'s keyword ``options``, and each block that arrives
+        later (:meth:`put_block`: a compiled call does not travel with a pickled block). A
+        block the model compiled itself (``torch.compile(block)``) stays as it is."""
+        self.compile_options = dict(options)
+        for index in self.indices:
+            _compile_in_place(self.block(index), self.compile_options)
+
     def put_block(self, index: int, block: nn.Module) -> None:
-        """Own ``block`` as block ``index``, in block order."""
+        """Own ``block`` as block ``index``, in block order (compiled as the stage's blocks are,
+        see :meth:`compile_blocks`)."""
         if self.model is not None and getattr(block, "whole_model", self.model) is None:
             object.__setattr__(block, "whole_model", self.model)  # a model's block that travelled
+        if self.compile_options is not None:
+            _compile_in_place(block, self.compile_options)
         self.add_module(str(index), block)
         self._modules = dict(sorted(self._modules.items(), key=lambda kv: int(kv[0])))
         self.indices = sorted(int(k) for k in self._modules)

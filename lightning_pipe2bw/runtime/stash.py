@@ -132,7 +132,11 @@ class ActivationStash:
         # cycle through C++ that Python's collector cannot see, and a graph kept for a second
         # pass (a backward cut in two, SplitBackward) would never be freed. So the hook keeps
         # a detached alias (same storage and version counter); autograd reattaches the grad_fn
-        # when it unpacks it, as it does without hooks.
+        # when it unpacks it, as it does without hooks. Both hooks run as written even when
+        # autograd calls them from a compiled block (after a graph break, the rest of the
+        # block's frame runs under torch.compile's frame hook, which would otherwise compile
+        # them, and again for every new storage address it guarded on).
+        @torch.compiler.disable
         def pack(t: Tensor) -> Any:
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
@@ -161,6 +165,7 @@ class ActivationStash:
             micro.handles.append(handle)
             return handle
 
+        @torch.compiler.disable
         def unpack(saved: Any) -> Tensor:
             if isinstance(saved, Tensor):
                 return saved

@@ -205,9 +205,20 @@ class CompiledModel(RegressionModel):
                 self.body[i] = torch.compile(block, backend="aot_eager")
 
 
+def compiled_in_place(model: RegressionModel) -> RegressionModel:
+    """``model`` with every block of its body compiled in place (``nn.Module.compile``, the
+    ``aot_eager`` backend), as ``Pipe2BWStrategy(compile_blocks=...)`` compiles a stage's."""
+    for block in model.body:
+        block.compile(backend="aot_eager")
+    return model
+
+
 def make_model(name: str, optimizer: str = "adamw", num_blocks: int = 8) -> RegressionModel:
     """A test model by name: ``"regression"`` (the MLP), ``"conv"`` (:class:`ConvModel`),
-    ``"tied"`` (:class:`TiedModel`) or ``"compiled"`` (:class:`CompiledModel`)."""
+    ``"tied"`` (:class:`TiedModel`), ``"compiled"`` (:class:`CompiledModel`) or
+    ``"compiled-in-place"`` (the MLP, :func:`compiled_in_place`)."""
+    if name == "compiled-in-place":
+        return compiled_in_place(RegressionModel(num_blocks, optimizer))
     if name == "conv":
         return ConvModel(optimizer)
     if name == "tied":

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
+from torch._dynamo.utils import counters
 
 from helpers.models import RegressionModel, loader, quiet_trainer
 from lightning_pipe2bw import Pipe2BWStrategy
@@ -74,7 +75,9 @@ def fit_slow(
         enable_checkpointing=ckpt_dir is not None,
     )
     model = SlowModel(slow, delay_s, unpicklable)
+    frames = int(counters["frames"]["total"])
     trainer.fit(model, loader(16, n=32), ckpt_path=resume)
+    frames = int(counters["frames"]["total"]) - frames
     state = strategy.full_state_dict()
     return {
         "state": state if dist.get_rank() == 0 else None,
@@ -82,6 +85,12 @@ def fit_slow(
         "balance": list(strategy.partition.balance) if strategy.partition else None,
         "blocks": list(strategy.engine.body.indices),
         "repartitions": [r.describe() for r in strategy.repartitions],
+        "frames": frames,  # that torch.compile converted (compiled or skipped) in the fit
+        # each block the stage ended with runs compiled (``compile_blocks``: those that arrived too)
+        "compiled": [
+            getattr(strategy.engine.body.block(i), "_compiled_call_impl", None) is not None
+            for i in strategy.engine.body.indices
+        ],
     }
 
 

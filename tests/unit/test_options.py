@@ -461,3 +461,21 @@ def test_every_option_is_declared_once_in_the_table() -> None:
     assert [f.name for f in schema] == [o.field_name for o in OPTIONS]
     assert [f.default for f in schema] == [o.field_default for o in OPTIONS]
     assert StrategyConfig().timeout_s is None and StrategyConfig().microbatches == 4
+
+
+@pytest.mark.parametrize(
+    ("value", "kept"),
+    [(False, None), (None, None), (True, {}), ({"backend": "aot_eager"}, {"backend": "aot_eager"})],
+)
+def test_compile_blocks_takes_a_flag_or_torch_compile_arguments(value: Any, kept: Any) -> None:
+    assert PipeOptions.create(compile_blocks=value).compile_blocks == kept
+
+
+@pytest.mark.parametrize("value", ["yes", 1, {1: "aot_eager"}])
+def test_compile_blocks_of_another_kind_is_refused_naming_it(value: Any) -> None:
+    with pytest.raises(TypeError) as info:
+        PipeOptions.create(compile_blocks=value)
+    assert "compile_blocks must be True, False or a dict of torch.compile keyword arguments" in str(
+        info.value
+    )
+    assert repr(value) in str(info.value)
