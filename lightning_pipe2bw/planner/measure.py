@@ -26,6 +26,7 @@ from lightning_pipe2bw.planner.timing import (
     tree_map,
 )
 from lightning_pipe2bw.runtime.call import call_input
+from lightning_pipe2bw.runtime.stash import run_eagerly
 
 __all__ = ["MakeOptimizer", "profile_sizes", "storage_bytes"]
 
@@ -242,7 +243,7 @@ def _measure_bytes(block: nn.Module, x: Any, index: int, name: str) -> tuple[Blo
     exclude |= {storage_key(t)[0] for t in pytree.tree_leaves(inp) if isinstance(t, Tensor)}
     packed: list[weakref.ref[Tensor]] = []
 
-    @torch.compiler.disable  # run as written when a compiled block calls it (see runtime.stash)
+    @run_eagerly  # as written when a compiled block calls it (see runtime.stash)
     def pack(t: Tensor) -> Tensor:
         # a detached alias: packing a saved output itself would tie it to its own grad_fn in a
         # reference cycle, alive after its graph died; the alias lives exactly as long as the node

@@ -3,10 +3,10 @@ demand (to host memory, or to the partner stage) through ``saved_tensors_hooks``
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -14,7 +14,16 @@ from torch.utils import _pytree as pytree
 
 _ALIGN = 64  # bytes: storages packed into one buffer start at multiples of this
 
-__all__ = ["ActivationStash", "check_memory_plan"]
+__all__ = ["ActivationStash", "check_memory_plan", "run_eagerly"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def run_eagerly(fn: _F) -> _F:
+    """``fn`` kept out of ``torch.compile`` (``torch.compiler.disable``), typed: a hook autograd
+    may call from a compiled block's frame runs as written, and is never compiled."""
+    return cast(_F, torch.compiler.disable(fn))
+
 
 MemoryPolicy = Literal["keep", "recompute", "swap", "evict"]
 # what a memory plan may say about one block's saved activations
@@ -136,7 +145,7 @@ class ActivationStash:
         # autograd calls them from a compiled block (after a graph break, the rest of the
         # block's frame runs under torch.compile's frame hook, which would otherwise compile
         # them, and again for every new storage address it guarded on).
-        @torch.compiler.disable
+        @run_eagerly
         def pack(t: Tensor) -> Any:
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
@@ -165,7 +174,7 @@ class ActivationStash:
             micro.handles.append(handle)
             return handle
 
-        @torch.compiler.disable
+        @run_eagerly
         def unpack(saved: Any) -> Tensor:
             if isinstance(saved, Tensor):
                 return saved
