@@ -305,11 +305,14 @@ def _make_timer(warmup: int, steps: int) -> Any:
             self.step_start = 0.0
             self.step_s: list[float] = []
             self.t0 = self.t1 = 0.0
+            self.first = 0.0  # the first step's start: the warm-up (and any compiling) to t0
             self.busy0 = self.busy1 = 0.0
             self.loss = float("nan")
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
             self.step_start = time.perf_counter()
+            if idx == 0:
+                self.first = self.step_start
             if idx == warmup:
                 self.t0 = self.step_start
                 self.busy0 = trainer.strategy.engine.stats.busy_s
@@ -409,7 +412,8 @@ def run_ours(
     ``strategy_kwargs`` go to the strategy (e.g. ``balance_activations=True``). A schedule
     name may end in ``@gloo`` or ``@shm``: the transport (``PIPE2BW_TRANSPORT``) of that run;
     ``~late`` before it runs the flush schedules with ``early_input_grad=False`` (every gradient
-    sent after its whole backward, as before that option)."""
+    sent after its whole backward, as before that option), ``~compiled`` with
+    ``compile_blocks=True`` (torch.compile's defaults: inductor)."""
     import torch.distributed as dist
     from lightning.pytorch.loggers import CSVLogger
 
@@ -420,8 +424,12 @@ def run_ours(
     schedule, _, variant = schedule.partition("~")
     if variant == "late":
         strategy_kwargs["early_input_grad"] = False
+    elif variant == "compiled":
+        strategy_kwargs["compile_blocks"] = True
     elif variant:
-        raise ValueError(f"unknown variant ~{variant} of {schedule!r}: the one variant is ~late")
+        raise ValueError(
+            f"unknown variant ~{variant} of {schedule!r}: the variants are ~late and ~compiled"
+        )
     strategy = Pipe2BWStrategy(schedule=schedule, microbatches=m, **strategy_kwargs)
     timer = _make_timer(warmup, steps)
     monitor = StageMemoryMonitor(log_every_n_steps=1, plot=False) if memory_dir else None
@@ -442,6 +450,7 @@ def run_ours(
         "stage": strategy.stage,
         "threads": torch.get_num_threads(),
         "wall_s": timer.t1 - timer.t0,
+        "warmup_s": timer.t0 - timer.first,  # the untimed steps, compiling included
         "steps": len(timer.step_s),
         "busy_s": timer.busy1 - timer.busy0,
         **_timeline_split(stats.timeline, timer.t0, timer.t1),
@@ -868,8 +877,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--schedules",
         default=",".join(DEFAULT_SCHEDULES),
         help="ours, comma separated; a name may end in @gloo or @shm to pick the transport of "
-        "that run (PIPE2BW_TRANSPORT; default: auto, shared memory on one host), and gpipe~late "
-        "or 1f1b~late runs without early_input_grad",
+        "that run (PIPE2BW_TRANSPORT; default: auto, shared memory on one host), gpipe~late "
+        "or 1f1b~late runs without early_input_grad, and NAME~compiled with compile_blocks=True",
     )
     parser.add_argument(
         "--peer-schedules",

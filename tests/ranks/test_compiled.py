@@ -13,10 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 from helpers import repartition_workers as rw
 from helpers import workers
 from helpers.models import (
     CompiledModel,
+    dataset,
     make_loader,
     max_abs_diff,
     reference_2bw,
@@ -25,6 +27,7 @@ from helpers.models import (
 )
 from lightning.pytorch import Callback
 from torch._dynamo.utils import counters
+from torch.utils.data import DistributedSampler
 
 STEPS, M = 4, 4
 # zero bubble's schedules cut a backward in two, 1f1b takes an inputs' gradient early
@@ -148,3 +151,37 @@ def test_blocks_that_move_between_stages_arrive_compiled(pools) -> None:
     diff = max_abs_diff(moved[0]["state"], fixed[0]["state"])
     print(f"REPARTITION compiled blocks: max|dW| against no repartitioning {diff:.3e}")
     assert diff <= 1e-6
+
+
+def test_compiled_blocks_with_recompute_ties_and_replicas(pools) -> None:
+    """What users combine with compiled blocks: recomputation (the compiled forward runs again
+    in the backward), weights tied across stages (each stage's copy compiled in place, their
+    gradients summed), and two pipeline replicas (data parallel): each as one device."""
+    options = {"compile_blocks": {"backend": "aot_eager"}}
+    results = pools(2).run(workers.fit, "1f1b", M, STEPS, recompute=True, model="compiled")
+    ref, _ = reference_train(STEPS, M, model_name="compiled")
+    diff = max_abs_diff(results[0]["state"], ref)
+    print(f"EXACTNESS compiled blocks, recompute: max|dW| = {diff:.3e}")
+    assert diff == 0.0
+
+    results = pools(2).run(workers.fit, "1f1b", M, STEPS, model="tied", **options)
+    assert all(r["tied_copies"] == 1 for r in results)  # a copy on each stage
+    ref, _ = reference_train(STEPS, M, model_name="tied")  # eager: aot_eager runs the same ops
+    diff = max_abs_diff(results[0]["state"], ref)
+    print(f"EXACTNESS compile_blocks, tied across stages: max|dW| = {diff:.3e}")
+    assert diff <= 1e-6
+
+    local = 4  # two replicas' batches of 4 make the one-device batch of 8
+    data = dataset(64)
+    shards = [list(DistributedSampler(data, num_replicas=2, rank=r, seed=0)) for r in range(2)]
+    batches = []
+    for k in range(len(shards[0]) // local):
+        x, y = data[torch.tensor([i for s in shards for i in s[k * local : (k + 1) * local]])]
+        batches.append((x, y))
+    results = pools(4).run(
+        workers.fit, "1f1b", 2, STEPS, batch_size=local, data_parallel=2, model="compiled"
+    )
+    ref, _ = reference_train(STEPS, 4, data=batches, model_name="compiled")
+    diff = max_abs_diff(results[0]["state"], ref)
+    print(f"EXACTNESS compiled blocks, 2 replicas x 2 stages: max|dW| = {diff:.3e}")
+    assert diff <= 1e-5  # the replicas' gradients are averaged: another order of sums
