@@ -909,10 +909,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown schedules {sorted(unknown)}; choose from {OUR_SCHEDULES}")
     variants = {n.partition("@")[0].partition("~")[2] for n in args.schedules} - {""}
-    if variants - {"late"} or any(
-        _schedule_of(n) not in ("gpipe", "1f1b") for n in args.schedules if "~" in n
+    if variants - {"late", "compiled"} or any(
+        _schedule_of(n) not in ("gpipe", "1f1b") for n in args.schedules if "~late" in n
     ):
-        parser.error("the one variant is ~late, of gpipe and 1f1b (early_input_grad=False)")
+        parser.error(
+            "the variants are ~late, of gpipe and 1f1b (early_input_grad=False), and ~compiled, "
+            "of any schedule (compile_blocks=True)"
+        )
     transports = {n.partition("@")[2] for n in args.schedules} - {"", *TRANSPORTS}
     if transports:
         parser.error(f"unknown transports {sorted(transports)}; choose from {TRANSPORTS}")

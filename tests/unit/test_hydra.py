@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -117,6 +118,21 @@ def test_start_method_auto_is_popen_for_one_run_and_spawn_for_a_sweep() -> None:
     assert resolve_start_method("auto", multirun=False) == "popen"
     assert resolve_start_method("auto", multirun=True) == "spawn"
     assert resolve_start_method("fork", multirun=True) == "fork"
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("strategy.compile_blocks=true", {}),
+        ("strategy.compile_blocks=false", None),
+        ("strategy.compile_blocks={mode: max-autotune}", {"mode": "max-autotune"}),
+    ],
+)
+def test_the_main_job_compiles_its_blocks_from_the_command_line(
+    hydra_init: None, override: str, expected: Any
+) -> None:
+    strategy = build_strategy(to_train_config(compose_train([override])).strategy)
+    assert strategy.options.compile_blocks == expected
 
 
 @pytest.mark.parametrize(
