@@ -18,13 +18,13 @@ from lightning_pipe2bw.runtime.inplace import writable
 from lightning_pipe2bw.runtime.payload import (
     StepFn,
     batch_signature,
+    custom_functions,
     detach_all,
     filled,
     global_backward_hooks,
     grad_leaves,
     handed_over,
-    has_compiled_region,
-    has_custom_function,
+    is_compiled_function,
     loss_of,
     received_grads,
     step_loss,
@@ -592,9 +592,10 @@ class PipelineEngine:
             m._backward_hooks or m._backward_pre_hooks for m in body.modules()
         ):
             return False
-        if not has_custom_function(roots):
+        found = custom_functions(roots)
+        if not found:
             return True
-        if not self.stats.whole_backward_note and has_compiled_region(roots):
+        if not self.stats.whole_backward_note and any(map(is_compiled_function, found)):
             self.stats.whole_backward_note = note = (
                 f"pipe2bw: rank {dist.get_rank() if dist.is_initialized() else 0} (stage "
                 f"{key[0]}) runs each backward whole where zero bubble's B (or 1F1B's early "

@@ -17,13 +17,13 @@ from lightning_pipe2bw.runtime.inplace import Alias
 __all__ = [
     "StepFn",
     "batch_signature",
+    "custom_functions",
     "detach_all",
     "filled",
     "global_backward_hooks",
     "grad_leaves",
     "handed_over",
-    "has_compiled_region",
-    "has_custom_function",
+    "is_compiled_function",
     "loss_of",
     "received_grads",
     "step_loss",
@@ -84,32 +84,11 @@ def global_backward_hooks() -> bool:
     return bool(nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks)
 
 
-def has_compiled_region(roots: Sequence[Tensor]) -> bool:
-    """Whether the backward graph under ``roots`` holds the backward of a ``torch.compile``d
-    region (AOTAutograd's ``CompiledFunction``: one node that computes every gradient of the
-    region in one call)."""
-    seen: set[Any] = set()
-    todo = [t.grad_fn for t in roots if t.grad_fn is not None]
-    while todo:
-        node = todo.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        cls = getattr(node, "_forward_cls", None)
-        if (
-            cls is not None
-            and cls.__name__ == "CompiledFunction"
-            and cls.__module__.startswith("torch._functorch")
-        ):
-            return True
-        todo.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
-    return False
-
-
-def has_custom_function(roots: Sequence[Tensor]) -> bool:
-    """Whether the backward graph under ``roots`` holds a Python ``autograd.Function`` (other
-    than the engine's own alias of a received activation, whose backward only passes the
+def custom_functions(roots: Sequence[Tensor]) -> list[type]:
+    """The Python ``autograd.Function`` classes in the backward graph under ``roots``, other
+    than the engine's own alias of a received activation (whose backward only passes the
     gradient on)."""
+    found: list[type] = []
     seen: set[Any] = set()
     todo = [t.grad_fn for t in roots if t.grad_fn is not None]
     while todo:
@@ -118,9 +97,15 @@ def has_custom_function(roots: Sequence[Tensor]) -> bool:
             continue
         seen.add(node)
         if isinstance(node, BackwardCFunction) and node._forward_cls is not Alias:  # type: ignore[attr-defined]
-            return True
+            found.append(node._forward_cls)  # type: ignore[attr-defined]
         todo.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
-    return False
+    return found
+
+
+def is_compiled_function(cls: type) -> bool:
+    """Whether ``cls`` is the function of a ``torch.compile``d region (AOTAutograd's
+    ``CompiledFunction``: one node that computes every gradient of the region in one call)."""
+    return cls.__name__ == "CompiledFunction" and cls.__module__.startswith("torch._functorch")
 
 
 def handed_over(payload: Any) -> Any:
