@@ -92,6 +92,18 @@ def roberta() -> nn.Module:
     return transformers.RobertaForMaskedLM(config)
 
 
+def compiled_layers(model: nn.Module) -> nn.Module:
+    """``model`` with each layer of its layer list compiled by the user, as one compiles a
+    Hugging Face model's layers (``layers[i] = torch.compile(layers[i])``: an ``OptimizedModule``
+    in the list, its keys under ``_orig_mod``), with the ``aot_eager`` backend (see
+    ``helpers.models.CompiledModel``)."""
+    base = getattr(model, model.base_model_prefix)
+    layers = base.h if hasattr(base, "h") else base.layers
+    for i, layer in enumerate(layers):
+        layers[i] = torch.compile(layer, backend="aot_eager")
+    return model
+
+
 FAMILIES: dict[str, Callable[[], nn.Module]] = {
     "gpt2_untied": lambda: gpt2(tie=False),
     "gpt2": gpt2,
@@ -104,6 +116,9 @@ FAMILIES: dict[str, Callable[[], nn.Module]] = {
     "bert_mlm": lambda: bert("mlm"),
     "distilbert_cls": distilbert,  # called with a padding mask and class labels
     "roberta_mlm": roberta,
+    # each decoder layer compiled by the user
+    "gpt2_compiled": lambda: compiled_layers(gpt2()),
+    "llama_compiled": lambda: compiled_layers(llama()),
 }
 CLASSIFIERS = ("bert_cls", "distilbert_cls")
 

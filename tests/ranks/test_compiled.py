@@ -185,3 +185,75 @@ def test_compiled_blocks_with_recompute_ties_and_replicas(pools) -> None:
     diff = max_abs_diff(results[0]["state"], ref)
     print(f"EXACTNESS compiled blocks, 2 replicas x 2 stages: max|dW| = {diff:.3e}")
     assert diff <= 1e-5  # the replicas' gradients are averaged: another order of sums
+
+
+def _train_on_from(path: str, schedule: str) -> dict[str, Any]:
+    """Load a checkpoint's weights into the compiled model (Lightning's ``load_from_checkpoint``)
+    and train it on under ``schedule``; the weights, and the pipeline's own checkpoint."""
+    import torch.distributed as dist
+    from helpers.models import quiet_trainer
+
+    from lightning_pipe2bw import Pipe2BWStrategy
+
+    torch.set_num_threads(1)
+    model = CompiledModel.load_from_checkpoint(path, map_location="cpu", weights_only=True)
+    strategy = Pipe2BWStrategy(schedule=schedule, microbatches=M)
+    trainer = quiet_trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=STEPS)
+    trainer.fit(model, make_loader("compiled", 8))
+    back = path.replace(".ckpt", f"-{schedule}.ckpt")
+    trainer.save_checkpoint(back)  # collective: the consolidated file, written by rank 0
+    state = strategy.full_state_dict()
+    return {"state": state if dist.get_rank() == 0 else None, "path": back}
+
+
+def _resume_from(path: str) -> str:
+    """The error of resuming training (``fit(ckpt_path=path)``) from ``path`` under 1f1b."""
+    import torch.distributed as dist
+    from helpers.models import quiet_trainer
+
+    from lightning_pipe2bw import Pipe2BWStrategy
+
+    strategy = Pipe2BWStrategy(schedule="1f1b", microbatches=M)
+    trainer = quiet_trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=STEPS)
+    try:
+        trainer.fit(CompiledModel(), make_loader("compiled", 8), ckpt_path=path)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_checkpoints_of_compiled_blocks_go_from_one_device_to_the_pipeline_and_back(
+    pools, tmp_path, schedule: str
+) -> None:
+    """Lightning on one device trains the compiled model and saves it; its checkpoint's weights
+    (under the user's ``_orig_mod`` keys) load into the model the pipeline then trains on, which
+    ends where Lightning on one device ends from the same weights; the pipeline's own checkpoint
+    loads back into the compiled model on one device."""
+    from helpers.models import quiet_trainer
+
+    torch.manual_seed(0)
+    first = quiet_trainer(devices=1, max_steps=2)
+    first.fit(CompiledModel(), make_loader("compiled", 8))
+    path = tmp_path / "one-device.ckpt"
+    first.save_checkpoint(path)
+    assert "body.1._orig_mod.fc.weight" in torch.load(path, weights_only=True)["state_dict"]
+
+    results = pools(2).run(_train_on_from, str(path), schedule)
+    state = results[0]["state"]
+    if schedule == "2bw":  # the delayed rule, from the loaded weights
+        start = CompiledModel.load_from_checkpoint(path, map_location="cpu", weights_only=True)
+        ref = reference_2bw(STEPS, M, model_name="compiled", start=start.state_dict())
+    else:  # Lightning on one device, the whole batch at once
+        again = CompiledModel.load_from_checkpoint(path, map_location="cpu", weights_only=True)
+        quiet_trainer(devices=1, max_steps=STEPS).fit(again, make_loader("compiled", 8))
+        ref = again.state_dict()
+    diff = max_abs_diff(state, ref)
+    print(f"CHECKPOINT compiled blocks, one device -> {schedule}: max|dW| = {diff:.3e}")
+    assert diff <= 1e-5
+
+    back = CompiledModel.load_from_checkpoint(results[0]["path"], weights_only=True)
+    assert max_abs_diff(back.state_dict(), state) == 0.0
+    if schedule == "1f1b":  # resuming the one-device run's optimizer: refused, with the way out
+        for message in pools(2).run(_resume_from, str(path)):
+            assert "not written by pipe2bw" in message and "load only the weights" in message

@@ -17,6 +17,7 @@ from lightning_pipe2bw.recipes.gpt.cli import main
 
 TINY_MODEL = {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 32}
 TINY_DATA = {"block_size": 32, "batch_size": 8, "max_bytes": 200_000, "train_samples": 64}
+SPAWN = "--trainer.strategy.start_method=spawn"  # main(args=...) cannot re-run its command line
 QUIET_TRAINER = [
     "--trainer.accelerator=cpu",
     "--trainer.devices=2",
@@ -96,3 +97,32 @@ def test_example_config_parses(capsys: pytest.CaptureFixture[str]) -> None:
     assert config["trainer"]["max_steps"] == 7
     assert config["trainer"]["strategy"]["init_args"]["schedule"] == "2bw"
     assert config["model"]["init_args"]["n_layer"] == 4
+
+
+@pytest.mark.parametrize(
+    ("arg", "expected"),
+    [
+        ("--trainer.strategy.compile_blocks=true", {}),
+        (
+            "--trainer.strategy.compile_blocks={backend: aot_eager, dynamic: true}",
+            {"backend": "aot_eager", "dynamic": True},
+        ),
+    ],
+)
+def test_the_cli_takes_compile_blocks(arg: str, expected: dict[str, Any]) -> None:
+    """``compile_blocks`` from the command line, as a flag and as torch.compile's keyword
+    arguments, reaches the strategy of the Trainer the CLI builds."""
+    from lightning_pipe2bw.cli import import_path
+    from lightning_pipe2bw.recipes.gpt.cli import GPTCLI
+    from lightning_pipe2bw.strategy import Pipe2BWStrategy
+
+    cli = GPTCLI(
+        model_class=None,
+        datamodule_class=None,
+        trainer_defaults={"strategy": {"class_path": import_path(Pipe2BWStrategy)}},
+        args=[*QUIET_TRAINER, *TINY, "--trainer.strategy.schedule=1f1b", arg, SPAWN],
+        run=False,
+    )
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, Pipe2BWStrategy)
+    assert strategy.options.compile_blocks == expected
