@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine (Python 3.11, no GPU):
-#   make train   runs the main job: the byte-level GPT, 1F1B with Muon on 2 CPU processes
+#   make train   runs the main job: the byte-level GPT, DualPipeV with Muon on 2 CPU processes
 #   make test    runs lint, type check and the whole test suite
 #   make quick   runs lint and the one-process tests (tests/unit, under a minute): the edit loop
 # Both create .venv on first use and install the pinned CPU torch build before anything that
