@@ -183,6 +183,10 @@ class SharedMemoryTransport(HeldSends):
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._socket.bind(self._address(self.rank))
         self._socket.setblocking(False)
+        # poll, not select: select refuses a descriptor numbered 1024 or more, which a process
+        # that has run many fits (each with its process groups' sockets) reaches
+        self._poller = select.poll()
+        self._poller.register(self._socket, select.POLLIN)
         peers = sorted(set(peers))
         self._out: dict[int, Ring] = {}
         self._in: dict[int, Ring] = {}
@@ -384,7 +388,7 @@ class SharedMemoryTransport(HeldSends):
                     f"pipe2bw: timed out after {timeout_s:.1f} s waiting for a message from "
                     f"rank {src}"
                 )
-            ready, _, _ = select.select([sock], [], [], min(left, _POLL_S))
+            ready = self._poller.poll(1000 * min(left, _POLL_S))
             if not ready and not self._alive(src):
                 if ring.next() is not None:  # its last message came before it went
                     continue
