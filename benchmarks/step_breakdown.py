@@ -113,7 +113,8 @@ def run_rank(schedule: str, m: int, batch_size: int, warmup: int, steps: int) ->
     from lightning.pytorch import Callback
 
     from lightning_pipe2bw import Pipe2BWStrategy
-    from lightning_pipe2bw.runtime.versions import TwoBWOptimizer, unwrap_optimizer
+    from lightning_pipe2bw.optim.wrapper import unwrap_optimizer
+    from lightning_pipe2bw.runtime.versions import TwoBWOptimizer
 
     schedules._quiet()
     schedule, _, correction = schedule.partition("/")

@@ -46,7 +46,7 @@ from lightning.pytorch.utilities.data import _update_dataloader as update_datalo
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_pipe2bw.runtime.versions import unwrap_optimizer
+from lightning_pipe2bw.optim.wrapper import unwrap_optimizer
 
 __all__ = [
     "Launcher",

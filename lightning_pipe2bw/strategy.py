@@ -121,6 +121,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         state_dict_type: Literal["full", "sharded"] = "full",
         data_parallel: int = 1,
+        shard_optimizer: bool = False,
         recompute: bool | Sequence[bool] | None = None,
         memory_plan: Mapping[int, str] | None = None,
         balance_activations: bool | float | None = None,

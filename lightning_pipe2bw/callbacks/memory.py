@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_pipe2bw.callbacks.view import pipeline_strategy, pipeline_view
 from lightning_pipe2bw.planner.measure import storage_bytes
 
-__all__ = ["StageMemoryMonitor", "stage_memory"]
+__all__ = ["StageMemoryMonitor", "optimizer_state_bytes", "stage_memory"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,14 @@ FIELDS = (
 )
 
 
+
+def optimizer_state_bytes(trainer: Trainer) -> int:
+    """The bytes of this rank's optimizer state: every tensor the trainer's optimizers keep per
+    parameter (moments, a delay correction's buffers; this replica's share with
+    ``shard_optimizer``)."""
+    states = [t for opt in trainer.optimizers for s in opt.state.values() for t in s.values()]
+    return storage_bytes(states)
+
 def stage_memory(trainer: Trainer) -> dict[str, int]:
     """This rank's stage: parameter, weight-version, gradient and optimizer-state bytes, live and
     peak stashed activation bytes (counted by the engine through ``saved_tensors_hooks``,
@@ -48,13 +56,12 @@ def stage_memory(trainer: Trainer) -> dict[str, int]:
     params = list(module.parameters())
     driver = view.driver if view is not None else None
     buffers = driver.weight_buffers if driver is not None else 1
-    states = [t for opt in trainer.optimizers for s in opt.state.values() for t in s.values()]
     param_bytes = storage_bytes(params)
     out = {
         "params": param_bytes,
         "weight_versions": buffers * param_bytes,
         "grads": storage_bytes(p.grad for p in params),
-        "optimizer_state": storage_bytes(states),
+        "optimizer_state": optimizer_state_bytes(trainer),
         "activations": 0,
         "activations_peak": 0,
         "activations_partner": 0,

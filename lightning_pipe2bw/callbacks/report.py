@@ -18,6 +18,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_pipe2bw.callbacks.memory import optimizer_state_bytes
 from lightning_pipe2bw.callbacks.timeline import (
     Lane,
     StepWindow,
@@ -47,6 +48,7 @@ class StageReport:
     blocks: list[int]
     parameters: int
     weight_versions: int
+    optimizer_state_bytes: int
     peak_activation_bytes: int
     idle: float
     recv: float
@@ -96,6 +98,7 @@ def stage_report(
         # the stage's own (after fit the module holds the whole model again)
         parameters=sum(p.numel() for p in (body or pl_module).parameters()),
         weight_versions=stats.max_weight_versions,
+        optimizer_state_bytes=optimizer_state_bytes(trainer),
         peak_activation_bytes=stats.peak_activation_bytes,
         idle=shares.idle,
         recv=shares.recv,
@@ -137,6 +140,11 @@ def _format_blocks(blocks: Sequence[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
+def _mib(nbytes: int) -> str:
+    mib = nbytes / 2**20
+    return f"{mib:,.2f}" if mib >= 0.1 or mib == 0 else f"{mib:.2g}"
+
+
 def print_stage_table(reports: Sequence[StageReport]) -> None:
     """Print one row per stage with ``rich``."""
     from rich.console import Console
@@ -146,17 +154,18 @@ def print_stage_table(reports: Sequence[StageReport]) -> None:
     table.add_column("stage", justify="right")
     table.add_column("rank", justify="right")
     table.add_column("blocks")
-    for name in ("parameters", "weight\nversions", "peak\nactivation\n(MiB)", "idle %", "recv %"):
+    columns = ("parameters", "weight\nversions", "optimizer\nstate\n(MiB)", "peak\nactivation\n(MiB)")
+    for name in (*columns, "idle %", "recv %"):
         table.add_column(name, justify="right")
     for r in reports:
-        mib = r.peak_activation_bytes / 2**20
         table.add_row(
             str(r.stage),
             str(r.rank),
             _format_blocks(r.blocks),
             f"{r.parameters:,}",
             str(r.weight_versions),
-            f"{mib:,.2f}" if mib >= 0.1 or mib == 0 else f"{mib:.2g}",
+            _mib(r.optimizer_state_bytes),
+            _mib(r.peak_activation_bytes),
             f"{100 * r.idle:.1f}",
             f"{100 * r.recv:.1f}",
         )

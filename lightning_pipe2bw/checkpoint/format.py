@@ -134,11 +134,23 @@ class CheckpointFormat:
         """``optimizer``'s state to save: by parameter name (sharded), or every stage's in
         stage order with the layout (full; collective along the pipeline)."""
         runtime = self.runtime
-        if self.sharded:
-            return _renamed(stage_optimizer_state(runtime.root, optimizer), self._stable_names())
+        shards = runtime.shards_of(optimizer)
+        if self.sharded:  # with shard_optimizer each replica writes the entries it owns
+            state = stage_optimizer_state(runtime.root, optimizer)
+            if shards is not None:  # torch's helper makes state for every parameter if none
+                shards.drop_others(optimizer)
+            return _renamed(state, self._stable_names())
         t = runtime.topology
+        # with shard_optimizer the replicas' entries are merged first: the same state as one
+        # replica without sharding holds (collective over the replicas)
+        local = shards.merged_state_dict(optimizer) if shards is not None else None
         return gather_optimizer_state(
-            optimizer, t.stage, t.num_stages, runtime.partition.balance, runtime.groups.pipeline
+            optimizer,
+            t.stage,
+            t.num_stages,
+            runtime.partition.balance,
+            runtime.groups.pipeline,
+            local_state=local,
         )
 
     def pipeline_state(self, consolidate: bool = True) -> dict[str, Any]:
@@ -288,3 +300,6 @@ class CheckpointFormat:
                 load_stage_optimizer_state_by_name(runtime.root, optimizer, state)
             else:
                 load_stage_optimizer_state(optimizer, state, t.stage, runtime.partition.balance)
+            shards = runtime.shards_of(optimizer)
+            if shards is not None:  # the stage's whole state was read: keep this replica's
+                shards.drop_others(optimizer)

@@ -75,10 +75,12 @@ def gather_optimizer_state(
     num_stages: int,
     balance: Sequence[int],
     group: dist.ProcessGroup | None = None,
+    local_state: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Every stage's optimizer state, in stage order, with the layout it was written for
-    (collective over ``group``: the ``num_stages`` ranks of one pipeline)."""
-    local = (stage, to_cpu(optimizer.state_dict()))
+    (collective over ``group``: the ``num_stages`` ranks of one pipeline); ``local_state``: this
+    stage's, if not ``optimizer.state_dict()``."""
+    local = (stage, to_cpu(optimizer.state_dict() if local_state is None else local_state))
     gathered: list[Any] = [None] * num_stages
     if num_stages > 1:
         dist.all_gather_object(gathered, local, group=group)

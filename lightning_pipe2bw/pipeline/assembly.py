@@ -17,8 +17,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim import Optimizer
 
 from lightning_pipe2bw.failures.record import wait_limits
+from lightning_pipe2bw.optim.shard import ParameterShards, ShardedOptimizer, shard_problem
+from lightning_pipe2bw.optim.wrapper import unwrap_optimizer
 from lightning_pipe2bw.partition import BodyRef, Partition, build_stage
 from lightning_pipe2bw.partition.balance import balance_by_params
 from lightning_pipe2bw.partition.build import Init, Uninitialized, UninitializedError
@@ -37,7 +40,6 @@ from lightning_pipe2bw.runtime.engine import VirtualStages
 from lightning_pipe2bw.runtime.peer import PeerLink
 from lightning_pipe2bw.runtime.shm import create_transport
 from lightning_pipe2bw.runtime.twobw import PipeDreamDriver, TwoBWDriver
-from lightning_pipe2bw.runtime.versions import unwrap_optimizer
 from lightning_pipe2bw.schedule import (
     evict_share,
     offload_stages,
@@ -214,6 +216,12 @@ def build_runtime(
             topology.rank, stage, engine.link.partner_stage, engine.link.partner,
         )  # fmt: skip
     runtime_optimizers = list(optimizers)
+    # with shard_optimizer: which replica updates each parameter of each optimizer
+    shards = [
+        _shards(unwrap_optimizer(o), topology, groups) if training and options.shard_optimizer
+        else None
+        for o in optimizers
+    ]  # fmt: skip
     driver: Driver
     if training and options.is_async:
         driver_cls = PipeDreamDriver if options.spec.updates_per_stage else TwoBWDriver
@@ -228,6 +236,7 @@ def build_runtime(
             delay_correction=options.correction,
             sync_steps=options.synchronous_steps(total_steps),
             fresh_last_stage=options.fresh_last_stage,
+            shards=shards[0],
         )
         runtime_optimizers = [driver.optimizer]
         if tied and _sums_ties_ahead(options, topology):
@@ -238,6 +247,10 @@ def build_runtime(
         driver = FlushDriver(
             engine, options.schedule, channel, evicting, early_input_grad=options.early_input_grad
         )
+        runtime_optimizers = [
+            o if shard is None else ShardedOptimizer(o, shard)
+            for o, shard in zip(optimizers, shards, strict=True)
+        ]
     return StageRuntime(
         topology=topology,
         groups=groups,
@@ -251,7 +264,22 @@ def build_runtime(
         optimizers=runtime_optimizers,
         evicting=evicting,
         tied=tied,
+        shards={
+            id(unwrap_optimizer(o)): shard
+            for o, shard in zip(optimizers, shards, strict=True)
+            if shard is not None
+        },
     )
+
+
+def _shards(optimizer: Optimizer, topology: Topology, groups: ProcessGroups) -> ParameterShards:
+    """Which of this stage's replicas updates each trainable parameter ``optimizer`` holds
+    (``shard_optimizer``), and the problem with an optimizer that cannot be sharded."""
+    problem = shard_problem(optimizer)
+    if problem is not None:
+        raise TypeError(f"shard_optimizer=True: {problem}")
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    return ParameterShards(params, groups.stage, topology.data_parallel, topology.replica)
 
 
 def _sums_ties_ahead(options: PipeOptions, topology: Topology) -> bool:

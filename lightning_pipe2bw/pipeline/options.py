@@ -66,6 +66,7 @@ class PipeOptions:
     timeout: timedelta | None = DEFAULT_TIMEOUT
     state_dict_type: StateDictType = "full"
     data_parallel: int = 1
+    shard_optimizer: bool = False  # ZeRO-1 over each stage's replicas
     recompute: bool | tuple[bool, ...] | None = None
     # {block index: policy}; not hashed (a dict), never changed after creation
     memory_plan: dict[int, str] | None = field(default=None, hash=False)
@@ -169,9 +170,40 @@ class PipeOptions:
         problems = _correction_problems(values["schedule"], values["delay_correction"])
         problems += _sync_problems(values["schedule"], values["sync_steps"])
         problems += _fresh_problems(values["schedule"], values["fresh_last_stage"])
+        problems += _shard_problems(values)
         if problems:
             return None, problems
         return cls(**values), []
+
+
+def _shard_problems(values: Mapping[str, Any]) -> list[Problem]:
+    """Sharding the optimizer state without replicas to shard it over, or with blocks that move
+    between stages (their optimizer state would have to follow them from several replicas)."""
+    if not values["shard_optimizer"]:
+        return []
+    w = values["data_parallel"]
+    if w == 1:
+        return [
+            Problem(
+                "shard_optimizer",
+                True,
+                "shard_optimizer=True splits each stage's optimizer state over the stage's "
+                "data-parallel replicas, but data_parallel=1 gives each stage one; use "
+                "data_parallel=2 or more (devices * num_nodes a multiple of it), or leave "
+                "shard_optimizer False",
+            )
+        ]
+    if values["repartition_every"] is not None:
+        return [
+            Problem(
+                "shard_optimizer",
+                True,
+                f"shard_optimizer=True with repartition_every={values['repartition_every']}: "
+                "a block that moves to another stage carries its optimizer state, which the "
+                "replicas hold in shards; use one or the other",
+            )
+        ]
+    return []
 
 
 def _sync_problems(schedule: str, sync_steps: int | float) -> list[Problem]:

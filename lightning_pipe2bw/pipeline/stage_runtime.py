@@ -24,6 +24,7 @@ from lightning_pipe2bw.failures.record import (
     action_of,
     say,
 )
+from lightning_pipe2bw.optim.shard import ParameterShards
 from lightning_pipe2bw.partition.split import Partition
 from lightning_pipe2bw.pipeline.groups import (
     ProcessGroups,
@@ -69,6 +70,7 @@ class StageRuntime:
         optimizers: list[Any],
         evicting: frozenset[int] = frozenset(),
         tied: TiedCopies | None = None,
+        shards: Mapping[int, ParameterShards] | None = None,
     ) -> None:
         self.topology = topology
         self.groups = groups
@@ -82,6 +84,8 @@ class StageRuntime:
         self.optimizers = optimizers
         self.evicting = evicting  # the stages that evict activations this fit (BPipe)
         self.tied = tied  # this stage's copies of parameters shared with other stages
+        # shard_optimizer: which replica updates each parameter, by id of the user's optimizer
+        self.shards = dict(shards or {})
         # the body's dotted name in the user's module (it stays known once the whole body is
         # handed back at the end of the Trainer call)
         self.body_path = next(str(name) for name, m in root.named_modules() if m is body)
@@ -152,6 +156,10 @@ class StageRuntime:
         if train:
             return self.driver.deliver_values(values, settle)
         return [broadcast_from_last(values, self.topology, self.groups)]
+
+    def shards_of(self, optimizer: Any) -> ParameterShards | None:
+        """The shards of the user's ``optimizer`` (``shard_optimizer``), or None."""
+        return self.shards.get(id(optimizer))
 
     def average_gradients(self, params: Iterable[Tensor]) -> None:
         """Average the stage's due gradients with its replicas (data parallel x pipeline), and

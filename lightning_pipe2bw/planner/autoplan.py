@@ -249,6 +249,7 @@ class AutoPlanInputs:
     world_size: int
     processes_per_node: int
     loop_costs: LoopCostsFn | None = None  # see local_cluster
+    shard_optimizer: bool = False  # each replica keeps its share of the optimizer state
 
     @property
     def depth(self) -> int:
@@ -338,6 +339,7 @@ def auto_plan(
         microbatch_sizes=sizes,
         recompute=mode,
         data_parallel=inputs.data_parallel,
+        shard_optimizer=inputs.shard_optimizer,
     )
     if dist.get_rank() == 0:
         log.info("pipe2bw: %s", compare_schedules(result, profiles, cluster, sizes, mode))

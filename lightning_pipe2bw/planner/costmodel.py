@@ -178,7 +178,10 @@ class CostModel:
     * all-reduce: 2 (w - 1) / w * param bytes / bandwidth (ring; inter-node if the stage's
       replicas span nodes), plus 2 (w - 1) latencies; amortised over the m micro-batches;
     * memory: versions x params + gradients (1 x params) + optimizer state
-      (``optimizer_bytes_per_param_byte`` x params) + stashed activations + receive buffers.
+      (``optimizer_bytes_per_param_byte`` x params; divided by w with ``shard_optimizer``, each
+      replica keeping its share) + stashed activations + receive buffers. With
+      ``shard_optimizer`` a step also all-gathers the updated weights: (w - 1) / w x param
+      bytes more over the replicas' link.
       Versions: 2bw 2, gpipe and 1f1b 1, pipedream d - s. In-flight micro-batches: gpipe m,
       1f1b min(m, d - s), 2bw and pipedream d - s (no flush, so the stream stays full across
       batches). Stash without recompute: saved bytes x in-flight; with recompute: input bytes x
@@ -195,6 +198,7 @@ class CostModel:
         depth: int,
         num_microbatches: int,
         optimizer_bytes_per_param_byte: float = 2.0,
+        shard_optimizer: bool = False,
     ) -> None:
         self.schedule = check_schedule(schedule)
         spec = self.spec = schedule_spec(self.schedule)
@@ -253,8 +257,10 @@ class CostModel:
                     if len(nodes) == 1
                     else cluster.inter_node_bandwidth
                 )
-                self.ar_inv[s] = 2 * (w - 1) / w / bw
-        opt = optimizer_bytes_per_param_byte
+                # a ring all-reduce of the gradients, and the sharded state's all-gather
+                self.ar_inv[s] = (3 if shard_optimizer else 2) * (w - 1) / w / bw
+        opt = optimizer_bytes_per_param_byte / (w if shard_optimizer else 1)
+        self.shard_optimizer = shard_optimizer
         versions = [spec.weight_versions(s, d) for s in range(d)]
         self.param_factor = [v + 1 + opt for v in versions]  # weights, gradient, optimizer
         self.in_flight = [spec.stashed_microbatches(s, d, m) for s in range(d)]

@@ -135,6 +135,7 @@ def plan(
     optimizer_bytes_per_param_byte: float = 2.0,
     keep: int = 10,
     data_parallel: int | None = None,
+    shard_optimizer: bool = False,
 ) -> PlanResult:
     """Search every (w, d) with w d = N and d <= blocks, every micro-batch size b dividing the
     per-replica batch B / w (or those in ``microbatch_sizes``), m = B / (w b), and recompute
@@ -145,6 +146,8 @@ def plan(
     stops once no remaining one can enter the top ``keep``. 2BW needs m >= d; others are not
     limited. Raises ValueError when nothing fits, with the smallest memory any split needed.
     ``data_parallel`` fixes w (the strategy's ``balance="auto"`` plans for the width it was given).
+    ``shard_optimizer``: each of a stage's w replicas keeps 1/w of its optimizer state, and
+    gathers the updated weights after each step (``Pipe2BWStrategy(shard_optimizer=True)``).
 
     The schedules with two stages per rank (``interleaved-1f1b``, ``zb-v``, ``2bw-v``) are
     planned by :mod:`~lightning_pipe2bw.planner.virtualplan`: 2d stages, step time by
@@ -155,13 +158,13 @@ def plan(
         return _plan_all(
             profiles, cluster, global_batch_size, microbatch_sizes=microbatch_sizes,
             recompute=recompute, optimizer_bytes_per_param_byte=optimizer_bytes_per_param_byte,
-            keep=keep, data_parallel=data_parallel,
+            keep=keep, data_parallel=data_parallel, shard_optimizer=shard_optimizer,
         )  # fmt: skip
     if schedule in VIRTUAL_PLANNER_SCHEDULES:  # several stages per rank
         return plan_virtual(
             profiles, cluster, global_batch_size, schedule, microbatch_sizes=microbatch_sizes,
             recompute=recompute, optimizer_bytes_per_param_byte=optimizer_bytes_per_param_byte,
-            keep=keep, data_parallel=data_parallel,
+            keep=keep, data_parallel=data_parallel, shard_optimizer=shard_optimizer,
         )  # fmt: skip
     started = time.perf_counter()
     check_schedule(schedule)
@@ -174,8 +177,9 @@ def plan(
         ]
     modes = ("off", "on") if recompute == "search" else (recompute,)
     candidates, skipped = _candidates(
-        pset, cluster, schedule, batch, microbatch_sizes, modes, ratio, data_parallel
-    )
+        pset, cluster, schedule, batch, microbatch_sizes, modes, ratio, data_parallel,
+        shard_optimizer,
+    )  # fmt: skip
     found, infeasible = _search(candidates, keep, float(cluster.memory_bytes))
     if not found:
         raise ValueError(_nothing_fits(candidates, skipped, cluster, batch, schedule, recompute))
@@ -199,6 +203,7 @@ def _candidates(
     modes: Sequence[str],
     ratio: float,
     data_parallel: int | None,
+    shard_optimizer: bool = False,
 ) -> tuple[list[_Candidate], list[str]]:
     """Every configuration (w, d, b, recompute) the schedule's micro-batch rule allows, best
     throughput bound first, and why the others were skipped."""
@@ -230,7 +235,7 @@ def _candidates(
                 continue
             if b not in profiles_at:
                 profiles_at[b] = pset.at(b)
-            model = CostModel(profiles_at[b], cluster, schedule, w, d, m, ratio)
+            model = CostModel(profiles_at[b], cluster, schedule, w, d, m, ratio, shard_optimizer)
             for mode in modes:
                 t_floor, mem_floor = model.bounds(mode == "on")
                 candidates.append(_Candidate(model, mode, model.throughput(t_floor), mem_floor))

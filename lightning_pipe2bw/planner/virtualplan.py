@@ -81,12 +81,15 @@ def virtual_plan(
     memory_limit: float,
     optimizer_bytes_per_param_byte: float = 2.0,
     balance: Sequence[int] | None = None,
+    shard_optimizer: bool = False,
 ) -> Plan:
     """The plan of ``schedule`` for one configuration (see the module notes); ``balance`` (2d
     block counts) instead of the search's split."""
     w, d, m = data_parallel, depth, num_microbatches
     n = STAGES_PER_RANK * d
-    model = CostModel(profile, cluster, "1f1b", w, n, m, optimizer_bytes_per_param_byte)
+    model = CostModel(
+        profile, cluster, "1f1b", w, n, m, optimizer_bytes_per_param_byte, shard_optimizer
+    )
     if balance is None:
         found = best_partition(model, "on" if recompute else "off")
         assert found is not None  # no memory limit: every split of >= n blocks is valid
@@ -212,6 +215,7 @@ def plan_virtual(
     optimizer_bytes_per_param_byte: float,
     keep: int,
     data_parallel: int | None,
+    shard_optimizer: bool = False,
 ) -> PlanResult:
     """:func:`plan` for a schedule with two stages per rank: every (w, d, b, m, recompute) the
     schedule can run, each split and timed by :func:`virtual_plan` (no bound to prune with:
@@ -239,7 +243,10 @@ def plan_virtual(
                 continue
             for flag in modes[recompute]:
                 configurations += 1
-                candidate = virtual_plan(pset.at(b), cluster, schedule, w, d, m, flag, limit, ratio)
+                candidate = virtual_plan(
+                    pset.at(b), cluster, schedule, w, d, m, flag, limit, ratio,
+                    shard_optimizer=shard_optimizer,
+                )  # fmt: skip
                 if candidate.fits:
                     found.append(candidate)
                 else:

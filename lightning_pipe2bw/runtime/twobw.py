@@ -10,10 +10,12 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_pipe2bw.optim.delay import make_correction
+from lightning_pipe2bw.optim.shard import ParameterShards
+from lightning_pipe2bw.optim.wrapper import unwrap_optimizer
 from lightning_pipe2bw.runtime.channel import ObjectChannel
 from lightning_pipe2bw.runtime.driver import DueGradient
 from lightning_pipe2bw.runtime.engine import PipelineEngine, StepFn
-from lightning_pipe2bw.runtime.versions import TwoBWOptimizer, WeightVersions, unwrap_optimizer
+from lightning_pipe2bw.runtime.versions import TwoBWOptimizer, WeightVersions
 from lightning_pipe2bw.schedule import (
     Action,
     OneFOneBStream,
@@ -55,6 +57,7 @@ class TwoBWDriver:
         delay_correction: str = "none",
         sync_steps: int = 0,
         fresh_last_stage: bool = False,
+        shards: ParameterShards | None = None,
     ) -> None:
         """``optimizer``: the user's (wrapped here); ``channel``: carries the last stage's step
         values to the other ranks (None with one stage); ``flush_every``: drain every this many
@@ -64,7 +67,8 @@ class TwoBWDriver:
         ``sync_steps``: the first batches (of the fit) run synchronously: at the newest weights,
         drained in their own call, their updates uncorrected (see :meth:`synchronous`);
         ``fresh_last_stage``: on the last stage, every batch runs at the newest weights (see
-        :attr:`fresh`)."""
+        :attr:`fresh`); ``shards``: which replica updates each parameter, with
+        ``shard_optimizer`` (``lightning_pipe2bw.optim.shard``)."""
         self.engine = engine
         self.m = num_microbatches
         self.channel = channel
@@ -74,6 +78,7 @@ class TwoBWDriver:
         self.delay_correction = delay_correction
         self.sync_steps = sync_steps
         self.fresh_last_stage = fresh_last_stage  # the option, as the checkpoint records it
+        self.shards = shards
         # the last stage of a plain 1F1B stream has run batch t's last backward before batch
         # t+1's first forward: with fresh_last_stage its update lands at once, no delay
         self.fresh = fresh_last_stage and engine.is_last and engine.virtual.placement is None
@@ -109,12 +114,18 @@ class TwoBWDriver:
             max_versions=bound + 1 if correction.predicts else bound,
             reserved=self.reserved_versions,
         )
-        wrapper = TwoBWOptimizer(optimizer, versions, correction, corrected_from=self.sync_steps)
+        shards = self.shards
+        wrapper = TwoBWOptimizer(
+            optimizer, versions, correction, corrected_from=self.sync_steps, shards=shards
+        )
         if correction.predicts:
             # batch t's view predicts from version t-1 and the state the next update (batch
-            # t-1's, with its learning rate) starts from
+            # t-1's, with its learning rate) starts from; with sharded state each replica
+            # predicts the parameters it owns (it alone has their moments), then they gather
             def predict(batch: int, newest: list[Tensor], out: list[Tensor]) -> None:
                 correction.predict(newest, out, wrapper.hyperparameters_of(batch - 1))
+                if shards is not None:
+                    shards.gather(out, versions.params)
 
             versions.predict = predict
             # a synchronous batch runs at the newest weights: no view

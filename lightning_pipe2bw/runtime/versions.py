@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from typing import Any
@@ -11,8 +12,10 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_pipe2bw.optim.delay import DelayCorrection
+from lightning_pipe2bw.optim.shard import ParameterShards
+from lightning_pipe2bw.optim.wrapper import WrappedOptimizer
 
-__all__ = ["TwoBWOptimizer", "WeightVersions", "unwrap_optimizer"]
+__all__ = ["TwoBWOptimizer", "WeightVersions"]
 
 VIEW = -1  # the version key of a batch's leaves when it computes with its predicted weights
 
@@ -256,7 +259,7 @@ class WeightVersions:
                 self._buffer_of[newest - 1] = 1
 
 
-class TwoBWOptimizer(Optimizer):
+class TwoBWOptimizer(WrappedOptimizer):
     """Wraps the user's optimizer for the schedules without flushes (``2bw``, ``pipedream``);
     Lightning steps it once per batch, and it owns when and with which hyper-parameters each
     delayed update lands.
@@ -275,28 +278,19 @@ class TwoBWOptimizer(Optimizer):
         versions: WeightVersions,
         correction: DelayCorrection | None = None,
         corrected_from: int = 0,
+        shards: ParameterShards | None = None,
     ) -> None:
-        # no super().__init__: the wrapped optimizer owns the param groups and the state
-        self.optimizer = optimizer
+        super().__init__(optimizer)
         self.versions = versions
+        # with shard_optimizer: this replica steps (and corrects) its own parameters, then the
+        # replicas gather each other's (lightning_pipe2bw.optim.shard)
+        self.shards = shards
         # the delay correction (lightning_pipe2bw.optim.delay); None: the plain rule
         self.correction = correction
         # the first batch whose update is corrected (the ones before are synchronous)
         self.corrected_from = corrected_from
         self.due: int | None = None  # batch whose gradient the next step applies
         self._hyper: dict[int, list[dict[str, Any]]] = {}
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
 
     def _snapshot(self) -> list[dict[str, Any]]:
         return [
@@ -334,11 +328,15 @@ class TwoBWOptimizer(Optimizer):
         for group, values in zip(self.param_groups, hyper, strict=True):
             group.update(values)
         correction = self.correction if batch >= self.corrected_from else None
-        if correction is not None:
-            correction.before_step()
-        self.optimizer.step()
-        if correction is not None:
-            correction.after_step()
+        shards = self.shards
+        with shards.updating_own() if shards is not None else contextlib.nullcontext():
+            if correction is not None:
+                correction.before_step()
+            self.optimizer.step()
+            if correction is not None:
+                correction.after_step()
+        if shards is not None:
+            shards.gather()
         for group, values in zip(self.param_groups, current, strict=True):
             group.update(values)
         self.due = None
@@ -355,24 +353,4 @@ class TwoBWOptimizer(Optimizer):
             self.correction.skipped()
         self.due = None
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        self.optimizer.add_param_group(param_group)
-
-    def __repr__(self) -> str:
-        return f"TwoBWOptimizer({self.optimizer!r})"
-
-
-def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
-    """The user's optimizer inside any :class:`TwoBWOptimizer` wrappers."""
-    while isinstance(optimizer, TwoBWOptimizer):
-        optimizer = optimizer.optimizer
-    return optimizer

@@ -137,6 +137,34 @@ def test_stage_terms_follow_the_formulas() -> None:
     assert first.time_s(4) == pytest.approx(max(9 + 0.7, first.allreduce_s / 4))
 
 
+def test_sharded_optimizer_state_is_counted_per_replica() -> None:
+    """``shard_optimizer``: a stage's w replicas keep 1/w of its optimizer state each, and a
+    step also all-gathers the weights: (w - 1) / w of the stage's parameter bytes more."""
+    c = cluster(n=4, per_node=2, intra=100.0, inter=10.0, latency=0.5)
+    p = profile([1.0, 2.0, 3.0], output=[10, 20, 30], saved=[5, 6, 7], params=[100, 200, 300])
+    plain = CostModel(p, c, "1f1b", data_parallel=2, depth=2, num_microbatches=4)
+    sharded = CostModel(p, c, "1f1b", 2, 2, 4, shard_optimizer=True)
+    a, b = plain.stage(0, 0, 2, False), sharded.stage(0, 0, 2, False)
+    assert a.memory_bytes - b.memory_bytes == pytest.approx(300 * 2.0 / 2)  # half of 2 x params
+    assert b.allreduce_s == pytest.approx(3 * (1 / 2) * 300 / 10 + 2 * 0.5)
+    # one device per stage has nothing to share its state with
+    alone = CostModel(p, cluster(n=2), "1f1b", 1, 2, 4, shard_optimizer=True).stage(0, 0, 2, False)
+    assert alone.memory_bytes == CostModel(p, cluster(n=2), "1f1b", 1, 2, 4).stage(0, 0, 2, False).memory_bytes
+
+
+def test_sharded_optimizer_state_lets_a_wider_data_parallel_plan_fit() -> None:
+    """The planner counts each replica's share: a memory limit that only deeper pipelines meet
+    without sharding admits two replicas of a shallower one with it."""
+    p = profile([1.0] * 4, saved=10, params=1000, output=10, input_bytes=10)
+    # w=2, d=2 (2 blocks a stage): weights + gradient + 2 x optimizer = 4 x 2000 = 8000 bytes,
+    # 2000 x (2 + 2/2) = 6000 sharded; d=4: 4 x 1000 = 4000
+    limit = cluster(n=4, memory=7000.0)
+    plain = plan(p, limit, 8, "1f1b", keep=100)
+    sharded = plan(p, limit, 8, "1f1b", keep=100, shard_optimizer=True)
+    assert {q.data_parallel for q in (plain.best, *plain.alternatives)} == {1}
+    assert 2 in {q.data_parallel for q in (sharded.best, *sharded.alternatives)}
+
+
 def test_versions_and_in_flight_per_schedule() -> None:
     p = profile([1.0] * 4, saved=100, params=1000, output=0, input_bytes=0)
 
