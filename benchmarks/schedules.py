@@ -238,16 +238,18 @@ def fit_quietly(
     callbacks: list[Any],
     logger: Any = False,
     accelerator: str = "cpu",
+    num_batches: int | None = None,
     **trainer_kwargs: Any,
 ) -> Any:
     """Fit ``model`` for ``steps`` steps of :func:`make_data` on this pool's ranks (one device
     without a process group), with no progress bar, checkpoints, summary or validation
-    (``trainer_kwargs``: more of the Trainer's arguments); returns the Trainer."""
+    (``trainer_kwargs``: more of the Trainer's arguments); returns the Trainer. ``num_batches``:
+    the batches of data (default ``steps``; data-parallel replicas share them out)."""
     import torch.distributed as dist
     from lightning.pytorch import Trainer
     from torch.utils.data import DataLoader
 
-    x, y = make_data(batch_size, steps)
+    x, y = make_data(batch_size, steps if num_batches is None else num_batches)
     # batch_size=None: the loader hands over each batch as it is, no per-sample collation
     loader = DataLoader(Batches(batch_size, x, y), batch_size=None, shuffle=False)
     trainer = Trainer(

@@ -70,7 +70,15 @@ def run(config: str, shard: bool, replicas: int, batch: int, warmup: int, steps:
             self.optimizer = max(self.optimizer, m["optimizer_state"])
 
     peaks = Peaks()
-    schedules.fit_quietly(model, strategy, batch, warmup + steps, [timer, peaks])
+    # each replica reads its own batches: d times as many for the same steps on each
+    schedules.fit_quietly(
+        model,
+        strategy,
+        batch,
+        warmup + steps,
+        [timer, peaks],
+        num_batches=replicas * (warmup + steps),
+    )
     return {
         "rank": dist.get_rank(),
         "stage": strategy.stage,
