@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import logging
 import os
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -14,6 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_pipe2bw.failures.record import StageFailure, lost_peer, mark_action
+from lightning_pipe2bw.runtime.actionlog import ActionLog, user_log
 from lightning_pipe2bw.runtime.inplace import writable
 from lightning_pipe2bw.runtime.payload import (
     StepFn,
@@ -47,21 +46,6 @@ from lightning_pipe2bw.schedule import Action, ActionKind, Schedule
 
 # the engine's vocabulary, importable from here as before the split
 __all__ = ["ActionTiming", "PipelineEngine", "StepFn", "VirtualStages", "step_loss"]
-
-_debug_log = logging.getLogger("lightning_pipe2bw.actions")
-# lines a user should see once, at Lightning's level (its logger prints INFO on every rank)
-_user_log = logging.getLogger("lightning.pytorch.pipe2bw")
-
-
-def _enable_debug_log() -> None:
-    """With PIPE2BW_DEBUG set, the action log goes to stderr even if logging is not set up."""
-    if not _debug_log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("pipe2bw %(message)s"))
-        _debug_log.addHandler(handler)
-        _debug_log.setLevel(logging.INFO)
-        _debug_log.propagate = False
-
 
 _COMM_KINDS = (ActionKind.RECV_F, ActionKind.SEND_F, ActionKind.RECV_B, ActionKind.SEND_B)
 
@@ -123,10 +107,9 @@ class PipelineEngine:
         self.evict_share: Callable[[int], float | None] = evict_share or (lambda _: None)
         self.inflight = 0
         # PIPE2BW_DEBUG=1: log every action as it starts and ends (see docs/user-guide.md)
-        self.debug = os.environ.get("PIPE2BW_DEBUG", "") not in ("", "0")
-        if self.debug:
-            _enable_debug_log()
-        self._rank = dist.get_rank() if dist.is_initialized() else 0
+        debug = os.environ.get("PIPE2BW_DEBUG", "") not in ("", "0")
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.action_log = ActionLog(rank, stage) if debug else None
 
     @property
     def is_first(self) -> bool:
@@ -214,11 +197,8 @@ class PipelineEngine:
             self.transport.settle()
             for n, action in enumerate(actions):
                 start = time.perf_counter()
-                if self.debug:
-                    _debug_log.info(
-                        "rank %d stage %d start %s (micro-batch %d) t=%.6f",
-                        self._rank, self.stage, action, action.microbatch, start,
-                    )  # fmt: skip
+                if self.action_log is not None:
+                    self.action_log.start(action, start)
                 handler = handlers.get(action.kind)
                 if handler is None:  # pragma: no cover - the schedule validator rejects others
                     raise ValueError(f"the engine cannot run action {action}")
@@ -226,12 +206,8 @@ class PipelineEngine:
                     call, n, action, slots.setdefault((action.stage, action.microbatch), Slot())
                 )
                 end = time.perf_counter()
-                if self.debug:
-                    _debug_log.info(
-                        "rank %d stage %d end %s (micro-batch %d) t=%.6f (%.3f ms)",
-                        self._rank, self.stage, action, action.microbatch, end,
-                        (end - start) * 1e3,
-                    )  # fmt: skip
+                if self.action_log is not None:
+                    self.action_log.end(action, end, start)
                 self._sample_memory()
                 if action.is_compute:
                     stats.busy_s += end - start
@@ -604,5 +580,5 @@ class PipelineEngine:
                 "frees its buffers as it goes and cannot be cut in two. The gradients are "
                 "unchanged; only the bubble that the split would have filled stays"
             )
-            _user_log.info(note)
+            user_log.info(note)
         return False

@@ -138,6 +138,21 @@ def test_the_package_root_keeps_only_the_face() -> None:
     assert root == ["__init__.py", "cli.py", "compat.py", "config.py", "strategy.py", "train.py"]
 
 
+# the most lines a module may hold: one idea that reads in one sitting; the strategy is the seam
+# of every Lightning hook
+MAX_LINES, MAX_LINES_STRATEGY = 600, 900
+
+
+def test_no_module_is_too_long_to_read() -> None:
+    long = {}
+    for path in PACKAGE.rglob("*.py"):
+        limit = MAX_LINES_STRATEGY if path == PACKAGE / "strategy.py" else MAX_LINES
+        lines = len(path.read_text().splitlines())
+        if lines > limit:
+            long[str(path.relative_to(ROOT))] = lines
+    assert not long, f"modules over {MAX_LINES} lines (strategy.py {MAX_LINES_STRATEGY}): {long}"
+
+
 def test_no_layer_imports_a_higher_one() -> None:
     bad = []
     for i in ALL:
