@@ -26,7 +26,7 @@ from lightning_pipe2bw.partition import BodyRef, Partition, build_stage
 from lightning_pipe2bw.partition.balance import balance_by_params
 from lightning_pipe2bw.partition.build import Init, Uninitialized, UninitializedError
 from lightning_pipe2bw.pipeline.checks import memory_plan_problems, runtime_problems
-from lightning_pipe2bw.pipeline.groups import ProcessGroups
+from lightning_pipe2bw.pipeline.groups import ProcessGroups, average_over_replicas
 from lightning_pipe2bw.pipeline.options import PipeOptions
 from lightning_pipe2bw.pipeline.problems import raise_problems
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
@@ -237,6 +237,7 @@ def build_runtime(
             sync_steps=options.synchronous_steps(total_steps),
             fresh_last_stage=options.fresh_last_stage,
             shards=shards[0],
+            average=_replica_average(topology, groups),
         )
         runtime_optimizers = [driver.optimizer]
         if tied and _sums_ties_ahead(options, topology):
@@ -270,6 +271,16 @@ def build_runtime(
             if shard is not None
         },
     )
+
+
+def _replica_average(
+    topology: Topology, groups: ProcessGroups
+) -> Callable[[list[torch.Tensor]], None] | None:
+    """What averages a stage's gradients with its replicas where the driver applies an update
+    itself (PipeDream), or None with one replica."""
+    if topology.data_parallel == 1:
+        return None
+    return lambda params: average_over_replicas(params, groups.stage, topology.data_parallel)
 
 
 def _shards(optimizer: Optimizer, topology: Topology, groups: ProcessGroups) -> ParameterShards:

@@ -28,7 +28,7 @@ def run_problems(
 ) -> list[Problem]:
     """What the options cannot do in this run (a Trainer call on ``num_stages`` stages)."""
     problems: list[Problem] = []
-    name, m, w = options.schedule, options.num_microbatches(num_stages), options.data_parallel
+    m, w = options.num_microbatches(num_stages), options.data_parallel
     if fitting and not automatic_optimization:
         problems.append(
             Problem(
@@ -51,16 +51,6 @@ def run_problems(
                 f"trainer.predict with data_parallel={w} would split the data over the replicas "
                 "and return only replica 0's predictions; predict with a strategy of "
                 "data_parallel=1 (the checkpoint loads with any layout)",
-            )
-        )
-    if spec.updates_per_stage and w > 1:
-        problems.append(
-            Problem(
-                "data_parallel",
-                w,
-                f"schedule={name!r} updates each stage in the middle of the pipeline, with no "
-                "point at which replicas could average their gradients; use schedule='2bw' (or a "
-                "flush schedule) with data_parallel > 1",
             )
         )
     if accumulate_grad_batches != 1:

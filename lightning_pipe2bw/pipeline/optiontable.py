@@ -452,8 +452,8 @@ OPTIONS: tuple[Option, ...] = (
         "data_parallel", 1, _data_parallel, int,
         doc="pipeline replicas (w): `devices * num_nodes` must be a multiple of it; each "
         "replica is a pipeline of world size / w stages that reads its own shard of the data, "
-        "and every stage averages its gradients with its replicas before the update (not with "
-        "`pipedream`)",
+        "and every stage averages its gradients with its replicas before the update (`pipedream`: "
+        "where the stage updates, inside the pipeline)",
     ),
     Option(
         "shard_optimizer", False, _flag("shard_optimizer"), bool,

@@ -58,6 +58,7 @@ class TwoBWDriver:
         sync_steps: int = 0,
         fresh_last_stage: bool = False,
         shards: ParameterShards | None = None,
+        average: Callable[[list[Tensor]], None] | None = None,
     ) -> None:
         """``optimizer``: the user's (wrapped here); ``channel``: carries the last stage's step
         values to the other ranks (None with one stage); ``flush_every``: drain every this many
@@ -68,7 +69,9 @@ class TwoBWDriver:
         drained in their own call, their updates uncorrected (see :meth:`synchronous`);
         ``fresh_last_stage``: on the last stage, every batch runs at the newest weights (see
         :attr:`fresh`); ``shards``: which replica updates each parameter, with
-        ``shard_optimizer`` (``lightning_pipe2bw.optim.shard``)."""
+        ``shard_optimizer`` (``lightning_pipe2bw.optim.shard``); ``average(params)``: averages
+        the gradients in ``params``' ``.grad`` with the stage's replicas, for the updates applied
+        inside the pipeline (PipeDream; None: one replica)."""
         self.engine = engine
         self.m = num_microbatches
         self.channel = channel
@@ -79,6 +82,7 @@ class TwoBWDriver:
         self.sync_steps = sync_steps
         self.fresh_last_stage = fresh_last_stage  # the option, as the checkpoint records it
         self.shards = shards
+        self.average = average
         # the last stage of a plain 1F1B stream has run batch t's last backward before batch
         # t+1's first forward: with fresh_last_stage its update lands at once, no delay
         self.fresh = fresh_last_stage and engine.is_last and engine.virtual.placement is None
@@ -496,6 +500,10 @@ class PipeDreamDriver(TwoBWDriver):
             grads = self.take_gradient(batch)
             for param, grad in zip(self.versions.params, grads, strict=True):
                 param.grad = grad
+            if self.average is not None:
+                # the stage's replicas reach this backward at the same point of their (equal)
+                # action lists, so they meet here, each pipeline waiting on nothing of the other
+                self.average([p for p in self.versions.params if p.grad is not None])
             self.optimizer.apply(batch)
             for param in self.versions.params:
                 param.grad = None

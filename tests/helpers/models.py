@@ -607,8 +607,10 @@ def reference_pipedream(
     batch_size: int = 8,
     correction: str = "none",
     model_name: str = "regression",
+    data: Iterable[Any] | None = None,
 ) -> dict[str, Tensor]:
-    """Single-process PipeDream with weight stashing, stage by stage.
+    """Single-process PipeDream with weight stashing, stage by stage (on ``data``, batches of
+    (x, y), or the test loader's batches of ``batch_size``).
 
     Stage s (warm-up w = p - s - 1) runs micro-batch k's forward after the backward of
     micro-batch k - w - 1, so it has applied floor((k - w) / m) updates by then (none during
@@ -633,7 +635,7 @@ def reference_pipedream(
     history = [[{n: q.detach().clone() for n, q in params}] for params in stage_params]
     previous: dict[Any, Tensor] = {}  # a gradient correction's g_{t-1} and u_{t-1}
     m = microbatches
-    for t, (x, y) in enumerate(loader(batch_size)):
+    for t, (x, y) in enumerate(loader(batch_size) if data is None else data):
         if t == steps:
             break
         acc: list[dict[str, Tensor]] = [{} for _ in range(p)]

@@ -12,7 +12,13 @@ from typing import Any
 import pytest
 import torch
 from helpers import workers
-from helpers.models import dataset, max_abs_diff, reference_2bw, reference_train
+from helpers.models import (
+    dataset,
+    max_abs_diff,
+    reference_2bw,
+    reference_pipedream,
+    reference_train,
+)
 from torch.utils.data import DistributedSampler
 
 STEPS = 4  # the 64-sample data set holds 4 global batches of 16
@@ -58,10 +64,33 @@ def test_two_replicas_of_two_stages_equal_one_device(pools, schedule: str) -> No
     assert max_abs_diff(results[0]["state"], half) > 100 * TOL
 
 
-def test_pipedream_with_data_parallel_is_refused(pools) -> None:
-    results = pools(4).run(workers.fit_error, "pipedream", data_parallel=2)
-    for message in results:
-        assert "schedule='pipedream'" in message and "data_parallel" in message, message
+def test_pipedream_with_two_replicas_equals_weight_stashing_on_the_global_batch(pools) -> None:
+    """PipeDream updates each stage inside the pipeline, as soon as its last backward of a batch
+    is done; the stage's replicas reach that backward at the same point and average their
+    gradients there. Each micro-batch's weight version depends on its place in the batch, so the
+    reference's micro-batch j is every replica's micro-batch j."""
+    m = 2
+    results = pools(4).run(
+        workers.fit, "pipedream", m, STEPS, batch_size=LOCAL_BATCH, data_parallel=2
+    )
+    part = LOCAL_BATCH // m
+    batches = []
+    for x, y in _global_batches(2, LOCAL_BATCH):  # [replica 0's batch, replica 1's batch]
+        order = [
+            r * LOCAL_BATCH + j * part + i for j in range(m) for r in range(2) for i in range(part)
+        ]
+        batches.append((x[order], y[order]))
+    ref = reference_pipedream(STEPS, m, [4, 4], data=batches)
+    diff = max_abs_diff(results[0]["state"], ref)
+    print(f"EXACTNESS dp=2 x pp=2 pipedream: max|dW| = {diff:.3e}")
+    assert diff <= TOL
+    half = reference_pipedream(
+        STEPS,
+        m,
+        [4, 4],
+        data=[(x[:LOCAL_BATCH], y[:LOCAL_BATCH]) for x, y in _global_batches(2, LOCAL_BATCH)],
+    )
+    assert max_abs_diff(results[0]["state"], half) > 100 * TOL
 
 
 def _predict_with_replicas() -> str:

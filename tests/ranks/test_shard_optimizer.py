@@ -45,6 +45,7 @@ CASES = [
     ("2bw", "muon", {"delay_correction": "update_feedback"}),
     ("2bw", "adamw", {"delay_correction": "predict+error_feedback=0.5", "sync_steps": 1}),
     ("2bw-v", "adamw", {}),
+    ("pipedream", "muon", {}),  # each stage's update inside the pipeline, its replicas met there
     # clipping by the global norm (every replica holds the whole averaged gradient), and a
     # precision plugin
     ("1f1b", "muon", {"trainer_kwargs": {"gradient_clip_val": 0.05}}),
@@ -66,9 +67,7 @@ def test_sharded_state_trains_the_same_weights_with_half_the_state(
     results = pools(4).run(_fit_both, schedule, optimizer, **kwargs)
     plain, sharded = results[0]["plain"]["state"], results[0]["sharded"]["state"]
     diff = max_abs_diff(sharded, plain)
-    ratios = [
-        _state_elements(r["sharded"]) / _state_elements(r["plain"]) for r in results
-    ]
+    ratios = [_state_elements(r["sharded"]) / _state_elements(r["plain"]) for r in results]
     print(
         f"SHARD {schedule} {optimizer} {kwargs}: max|dW| against unsharded {diff:.3e}; "
         f"optimizer state per rank {[f'{x:.2f}' for x in ratios]} of unsharded"
@@ -168,7 +167,9 @@ def _fit_lbfgs() -> str:
 
     from lightning_pipe2bw import Pipe2BWStrategy
 
-    strategy = Pipe2BWStrategy(schedule="1f1b", microbatches=M, data_parallel=2, shard_optimizer=True)
+    strategy = Pipe2BWStrategy(
+        schedule="1f1b", microbatches=M, data_parallel=2, shard_optimizer=True
+    )
     trainer = quiet_trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=2)
     try:
         trainer.fit(WithLBFGS(), loader(LOCAL, n=32))
@@ -179,5 +180,7 @@ def _fit_lbfgs() -> str:
 
 def test_an_optimizer_whose_state_spans_its_parameters_is_refused(pools: Any) -> None:
     for message in pools(4).run(_fit_lbfgs):
-        assert message.startswith("shard_optimizer=True: LBFGS does not update each parameter"), message
+        assert message.startswith("shard_optimizer=True: LBFGS does not update each parameter"), (
+            message
+        )
         assert "use shard_optimizer=False with it" in message

@@ -149,7 +149,10 @@ def test_sharded_optimizer_state_is_counted_per_replica() -> None:
     assert b.allreduce_s == pytest.approx(3 * (1 / 2) * 300 / 10 + 2 * 0.5)
     # one device per stage has nothing to share its state with
     alone = CostModel(p, cluster(n=2), "1f1b", 1, 2, 4, shard_optimizer=True).stage(0, 0, 2, False)
-    assert alone.memory_bytes == CostModel(p, cluster(n=2), "1f1b", 1, 2, 4).stage(0, 0, 2, False).memory_bytes
+    assert (
+        alone.memory_bytes
+        == CostModel(p, cluster(n=2), "1f1b", 1, 2, 4).stage(0, 0, 2, False).memory_bytes
+    )
 
 
 def test_sharded_optimizer_state_lets_a_wider_data_parallel_plan_fit() -> None:

@@ -56,7 +56,10 @@ def test_an_optimizer_that_spans_its_parameters_is_refused() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"shard_optimizer": True}, "but data_parallel=1 gives each stage one; use data_parallel=2"),
+        (
+            {"shard_optimizer": True},
+            "but data_parallel=1 gives each stage one; use data_parallel=2",
+        ),
         (
             {"shard_optimizer": True, "data_parallel": 2, "repartition_every": 10},
             "shard_optimizer=True with repartition_every=10",
