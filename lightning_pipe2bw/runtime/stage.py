@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from lightning_pipe2bw.runtime.blocktimes import BlockTimer
 from lightning_pipe2bw.runtime.call import BodyInput
 from lightning_pipe2bw.runtime.recompute import Recomputation
+from lightning_pipe2bw.runtime.remote import RemoteBlock
 from lightning_pipe2bw.runtime.stash import ActivationStash
 from lightning_pipe2bw.runtime.weights import call_block, call_on, weights_by_block
 
@@ -23,41 +24,6 @@ __all__ = ["StageBody", "add_block_index", "drop_block_index"]
 # Called with (stage body, the input the user's step passed to the body); returns what the body
 # call returns to the user's code, or raises to stop the step (see runtime.engine).
 BodyCall = Callable[["StageBody", Any], Any]
-
-
-class RemoteBlock(nn.Module):
-    """What indexing a :class:`StageBody` gives for a block another stage holds: a module
-    without parameters or buffers, so that parameter groups built by indexing the body
-    (``self.body[-1].parameters()``) are simply empty on the stages that do not hold the block.
-    It is not registered anywhere (no state-dict entry); calling it, or reading an attribute the
-    real block would have, raises an error naming the stage that holds it."""
-
-    def __init__(self, index: int, stage: int, here: Sequence[int], indices: list[int]) -> None:
-        super().__init__()
-        self.index, self.stage, self.here, self.here_blocks = index, stage, here, indices
-
-    def _where(self) -> str:
-        runs = f"stage {self.here[0]}" if len(self.here) == 1 else f"stages {list(self.here)}"
-        return (
-            f"block {self.index} of the pipeline body lives on stage {self.stage}; this rank runs "
-            f"{runs} and holds blocks {self.here_blocks} only"
-        )
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(f"{self._where()}, so it cannot run it here")
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            raise AttributeError(
-                f"{self._where()}: its attribute {name!r} is not here. Indexing the body gives "
-                "the stage's own blocks and, for the others, an empty module (its parameters() "
-                "are empty), which is what building optimizer parameter groups needs"
-            ) from None
-
-    def extra_repr(self) -> str:
-        return f"index={self.index}, stage={self.stage}"
 
 
 def _compile_in_place(block: nn.Module, options: Mapping[str, Any]) -> None:

@@ -22,7 +22,8 @@ def _data(n: int = 48, batch_size: int = 8) -> DataLoader[Any]:
 def test_stage_body_indexes_like_the_sequential() -> None:
     """``len``, indexing, slicing and iteration of a stage's body follow the whole body's
     indices: a block of another stage is an empty module that says where the block lives."""
-    from lightning_pipe2bw.runtime.stage import RemoteBlock, StageBody
+    from lightning_pipe2bw.runtime.remote import RemoteBlock
+    from lightning_pipe2bw.runtime.stage import StageBody
 
     blocks = [nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 3)]
     body = StageBody(((i, blocks[i]) for i in (2, 3, 4)), stage=1, num_stages=2, balance=(2, 3))
