@@ -22,15 +22,25 @@ def _state_elements(result: dict[str, Any]) -> int:
 
 
 def _fit_both(schedule: str, optimizer: str, **kwargs: Any) -> dict[str, Any]:
-    """The same fit without and with ``shard_optimizer`` on this rank (2 replicas x 2 stages)."""
-    common = dict(batch_size=LOCAL, data_parallel=2, **kwargs)
-    plain = workers.fit(schedule, M, STEPS, optimizer, **common)
-    sharded = workers.fit(schedule, M, STEPS, optimizer, shard_optimizer=True, **common)
+    """The same fit without and with ``shard_optimizer`` on this rank (2 replicas x 2 stages);
+    ``fp16=True``: fp16 autocast with a loss scaler (Lightning's plugin, on the CPU)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    fp16 = kwargs.pop("fp16", False)
+
+    def fit(**more: Any) -> dict[str, Any]:
+        if fp16:  # a plugin of its own each time: its loss scaler keeps a scale
+            more["trainer_kwargs"] = {"plugins": [MixedPrecision("16-mixed", device="cpu")]}
+        return workers.fit(
+            schedule, M, STEPS, optimizer, batch_size=LOCAL, data_parallel=2, **kwargs, **more
+        )
+
+    plain, sharded = fit(), fit(shard_optimizer=True)
     return {"plain": plain, "sharded": sharded}
 
 
-def _label(value: Any) -> str:
-    return "-".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else str(value)
+def _label(values: dict[str, Any]) -> str:
+    return "-".join(f"{k}={_label(v) if isinstance(v, dict) else v}" for k, v in values.items())
 
 
 CASES = [
@@ -43,6 +53,7 @@ CASES = [
     ("2bw", "muon", {"delay_correction": "error_feedback"}),
     ("2bw", "adamw", {"delay_correction": "predict"}),
     ("2bw", "muon", {"delay_correction": "update_feedback"}),
+    ("2bw", "adamw", {"delay_correction": "nesterov"}),
     ("2bw", "adamw", {"delay_correction": "predict+error_feedback=0.5", "sync_steps": 1}),
     ("2bw-v", "adamw", {}),
     ("pipedream", "muon", {}),  # each stage's update inside the pipeline, its replicas met there
@@ -51,13 +62,15 @@ CASES = [
     ("1f1b", "muon", {"trainer_kwargs": {"gradient_clip_val": 0.05}}),
     ("2bw", "adamw", {"trainer_kwargs": {"gradient_clip_val": 0.05}}),
     ("2bw", "adamw", {"trainer_kwargs": {"precision": "bf16-mixed"}}),
+    ("1f1b", "adamw", {"fp16": True}),
+    ("2bw", "muon", {"fp16": True}),
 ]
 
 
 @pytest.mark.parametrize(
     ("schedule", "optimizer", "kwargs"),
     [
-        pytest.param(*case, id="-".join([case[0], case[1], *map(_label, case[2].values())]))
+        pytest.param(*case, id="-".join(filter(None, [case[0], case[1], _label(case[2])])))
         for case in CASES
     ],
 )
