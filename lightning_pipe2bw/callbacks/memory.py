@@ -35,13 +35,13 @@ FIELDS = (
 )
 
 
-
 def optimizer_state_bytes(trainer: Trainer) -> int:
     """The bytes of this rank's optimizer state: every tensor the trainer's optimizers keep per
     parameter (moments, a delay correction's buffers; this replica's share with
     ``shard_optimizer``)."""
     states = [t for opt in trainer.optimizers for s in opt.state.values() for t in s.values()]
     return storage_bytes(states)
+
 
 def stage_memory(trainer: Trainer) -> dict[str, int]:
     """This rank's stage: parameter, weight-version, gradient and optimizer-state bytes, live and

@@ -87,13 +87,6 @@ class ParameterShards:
         self.owner = assign_owners([p.numel() for p in self.params], replicas)
         self._others = [p for p, r in zip(self.params, self.owner, strict=True) if r != index]
 
-    def elements(self) -> list[int]:
-        """The parameter elements each replica owns."""
-        load = [0] * self.replicas
-        for p, r in zip(self.params, self.owner, strict=True):
-            load[r] += p.numel()
-        return load
-
     @contextlib.contextmanager
     def updating_own(self) -> Iterator[None]:
         """While it runs, the parameters other replicas own have no gradient: the optimizer (and

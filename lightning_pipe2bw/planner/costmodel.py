@@ -260,7 +260,6 @@ class CostModel:
                 # a ring all-reduce of the gradients, and the sharded state's all-gather
                 self.ar_inv[s] = (3 if shard_optimizer else 2) * (w - 1) / w / bw
         opt = optimizer_bytes_per_param_byte / (w if shard_optimizer else 1)
-        self.shard_optimizer = shard_optimizer
         versions = [spec.weight_versions(s, d) for s in range(d)]
         self.param_factor = [v + 1 + opt for v in versions]  # weights, gradient, optimizer
         self.in_flight = [spec.stashed_microbatches(s, d, m) for s in range(d)]

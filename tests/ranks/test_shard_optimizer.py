@@ -55,6 +55,7 @@ CASES = [
     ("2bw", "muon", {"delay_correction": "update_feedback"}),
     ("2bw", "adamw", {"delay_correction": "nesterov"}),
     ("2bw", "adamw", {"delay_correction": "predict+error_feedback=0.5", "sync_steps": 1}),
+    ("2bw", "adamw", {"fresh_last_stage": True}),
     ("2bw-v", "adamw", {}),
     ("pipedream", "muon", {}),  # each stage's update inside the pipeline, its replicas met there
     # clipping by the global norm (every replica holds the whole averaged gradient), and a
