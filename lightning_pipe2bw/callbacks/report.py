@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import socket
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -169,7 +170,8 @@ def print_stage_table(reports: Sequence[StageReport]) -> None:
             f"{100 * r.idle:.1f}",
             f"{100 * r.recv:.1f}",
         )
-    Console().print(table)
+    # a log or a pipe gets the whole table, not rich's 80 columns
+    Console(width=None if sys.stdout.isatty() else 120).print(table)
 
 
 class PipelineReport(Callback):
