@@ -122,6 +122,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         state_dict_type: Literal["full", "sharded"] = "full",
         data_parallel: int = 1,
         shard_optimizer: bool = False,
+        fsdp: bool = False,
         recompute: bool | Sequence[bool] | None = None,
         memory_plan: Mapping[int, str] | None = None,
         balance_activations: bool | float | None = None,
@@ -428,8 +429,9 @@ class Pipe2BWStrategy(ParallelStrategy):
         balance = resolve_balance(self.options, ref, self.topology.num_virtual, self.plan)
         recompute = self.plan.best.recompute if self.plan is not None else self.options.recompute
         body, partition = place_stage(
-            module, ref, self.options, self.topology, balance, self.root_device, recompute
-        )
+            module, ref, self.options, self.topology, balance, self.root_device, recompute,
+            replicas=self.groups.stage,
+        )  # fmt: skip
         assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()

@@ -33,6 +33,7 @@ from lightning_pipe2bw.callbacks.timeline import (
     timeline_shares,
 )
 from lightning_pipe2bw.callbacks.view import pipeline_view
+from lightning_pipe2bw.pipeline.fsdp import local_elements
 
 __all__ = ["PipelineReport"]
 
@@ -97,7 +98,8 @@ def stage_report(
         host=socket.gethostname(),
         blocks=[int(i) for i in body.indices],
         # the stage's own (after fit the module holds the whole model again)
-        parameters=sum(p.numel() for p in (body or pl_module).parameters()),
+        # (with fsdp=True: the shard this rank holds)
+        parameters=local_elements((body or pl_module).parameters()),
         weight_versions=stats.max_weight_versions,
         optimizer_state_bytes=optimizer_state_bytes(trainer),
         peak_activation_bytes=stats.peak_activation_bytes,

@@ -22,6 +22,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.optim import Optimizer
 
+from lightning_pipe2bw.pipeline.fsdp import full_tensors, load_shards, shard_optimizer_state
+
 __all__ = [
     "gather_named",
     "gather_optimizer_state",
@@ -54,8 +56,9 @@ def gather_state_dict(module: nn.Module, rank: int, world_size: int) -> dict[str
 
 def gather_named(local: Mapping[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     """The union of every rank's name -> tensor dict, on CPU, on rank 0 (collective; ``{}`` on
-    other ranks). A name held by several ranks keeps the lowest rank's value."""
-    local = to_cpu(dict(local))
+    other ranks). A name held by several ranks keeps the lowest rank's value. A tensor FSDP
+    shards (``fsdp=True``) is gathered whole first (collective over its replicas)."""
+    local = to_cpu(full_tensors(dict(local)))
     if world_size == 1:
         return dict(local)
     gathered: list[Any] = [None] * world_size if rank == 0 else []
@@ -79,8 +82,10 @@ def gather_optimizer_state(
 ) -> dict[str, Any]:
     """Every stage's optimizer state, in stage order, with the layout it was written for
     (collective over ``group``: the ``num_stages`` ranks of one pipeline); ``local_state``: this
-    stage's, if not ``optimizer.state_dict()``."""
-    local = (stage, to_cpu(optimizer.state_dict() if local_state is None else local_state))
+    stage's, if not ``optimizer.state_dict()``. State FSDP shards is gathered whole first
+    (collective over the replicas), so the file is the one an unsharded run writes."""
+    state = optimizer.state_dict() if local_state is None else local_state
+    local = (stage, to_cpu(full_tensors(state)))
     gathered: list[Any] = [None] * num_stages
     if num_stages > 1:
         dist.all_gather_object(gathered, local, group=group)
@@ -95,7 +100,8 @@ def gather_optimizer_state(
 
 def load_stage_state_dict(module: nn.Module, full: Mapping[str, Any], strict: bool = True) -> None:
     """Load this stage's entries from a consolidated state dict (collective when ``strict``:
-    every rank raises the same ``KeyError`` if any stage's entries are missing)."""
+    every rank raises the same ``KeyError`` if any stage's entries are missing). Where FSDP
+    shards a tensor (``fsdp=True``) this replica takes its shard of the whole one."""
     local_keys = module.state_dict().keys()
     if strict:
         missing = _everyone_missing([k for k in local_keys if k not in full])
@@ -104,7 +110,8 @@ def load_stage_state_dict(module: nn.Module, full: Mapping[str, Any], strict: bo
                 f"the checkpoint lacks {len(missing)} entries this model needs, e.g. "
                 f"{missing[:5]}; was it written for a different model?"
             )
-    module.load_state_dict({k: full[k] for k in local_keys if k in full}, strict=strict)
+    entries = {k: full[k] for k in local_keys if k in full}
+    module.load_state_dict(load_shards(module, entries), strict=strict)
 
 
 def _everyone_missing(missing: list[str]) -> list[str]:
@@ -131,7 +138,7 @@ def load_stage_optimizer_state(
             f"but this run uses balance={list(balance)}; resume with the same balance, or save with "
             "Pipe2BWStrategy(state_dict_type='sharded'), which reloads with any partition"
         )
-    optimizer.load_state_dict(state["pipe2bw_stages"][stage])
+    optimizer.load_state_dict(shard_optimizer_state(optimizer, state["pipe2bw_stages"][stage]))
 
 
 # ----------------------------------------------------------------------------- sharded format

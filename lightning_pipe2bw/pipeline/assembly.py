@@ -26,6 +26,7 @@ from lightning_pipe2bw.partition import BodyRef, Partition, build_stage
 from lightning_pipe2bw.partition.balance import balance_by_params
 from lightning_pipe2bw.partition.build import Init, Uninitialized, UninitializedError
 from lightning_pipe2bw.pipeline.checks import memory_plan_problems, runtime_problems
+from lightning_pipe2bw.pipeline.fsdp import GradientSync, fsdp_problems, shard_blocks
 from lightning_pipe2bw.pipeline.groups import ProcessGroups, average_over_replicas
 from lightning_pipe2bw.pipeline.options import PipeOptions
 from lightning_pipe2bw.pipeline.problems import raise_problems
@@ -92,10 +93,12 @@ def place_stage(
     balance: Sequence[int] | None,
     device: torch.device,
     recompute: bool | tuple[bool, ...] | None,
+    replicas: Any = None,
 ) -> tuple[StageBody, Partition]:
     """Replace ``module``'s body by this rank's stage (see ``partition.build_stage``), running
     ``balance`` blocks per stage; ``recompute`` is one flag for every stage or one per stage
-    (the planner's choice or the option). Checks the memory plan against the partition.
+    (the planner's choice or the option). Checks the memory plan against the partition. With
+    ``fsdp``, every block is then sharded over ``replicas`` (the stage's replica group).
 
     Blocks built in ``configure_model`` are initialised with the module's ``pipeline_init``
     when it has one (see ``partition.build_stage``); a tensor that no initialiser wrote, on any
@@ -127,6 +130,11 @@ def place_stage(
     if entries:
         raise UninitializedError(entries)
     raise_problems(memory_plan_problems(options, partition, flag))
+    if options.fsdp:
+        problems = fsdp_problems(body, (), scales_loss=False)
+        if problems:
+            raise ValueError("fsdp=True: " + "; ".join(problems))
+        shard_blocks([body.block(i) for i in body.indices], replicas, device)
     if options.compile_blocks is not None:
         body.compile_blocks(options.compile_blocks)
     log.info(
@@ -215,6 +223,13 @@ def build_runtime(
             "pipe2bw: rank %d (stage %d) offloads activations with stage %d (rank %d)",
             topology.rank, stage, engine.link.partner_stage, engine.link.partner,
         )  # fmt: skip
+    if options.fsdp and training:
+        problems = fsdp_problems(body, optimizers, scales_loss)
+        if problems:
+            raise ValueError("fsdp=True: " + "; ".join(problems))
+        engine.gradient_sync = GradientSync(
+            {v: [body.block(i) for i in body.segment(v)] for v in topology.stages_here}
+        )
     runtime_optimizers = list(optimizers)
     # with shard_optimizer: which replica updates each parameter of each optimizer
     shards = [

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_pipe2bw.pipeline.fsdp import is_sharded
 from lightning_pipe2bw.pipeline.topology import Topology
 
 __all__ = [
@@ -152,12 +153,13 @@ class ProcessGroups:
 def average_over_replicas(params: Iterable[Tensor], group: Any, replicas: int) -> None:
     """Average the gradients of ``params`` (those that have one) with the stage's replicas: one
     all-reduce per dtype over ``group``, on a flat buffer. Every replica holds the same
-    parameters with gradients, so the buffers line up. A no-op without data parallelism."""
+    parameters with gradients, so the buffers line up. A no-op without data parallelism.
+    Gradients FSDP shards (``fsdp=True``) were averaged by its reduce-scatter and are left out."""
     if group is None:
         return
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for p in params:
-        if p.grad is not None:
+        if p.grad is not None and not is_sharded(p.grad):
             by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
     for grads in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in grads])

@@ -67,6 +67,7 @@ class PipeOptions:
     state_dict_type: StateDictType = "full"
     data_parallel: int = 1
     shard_optimizer: bool = False  # ZeRO-1 over each stage's replicas
+    fsdp: bool = False  # FSDP2 on each block over each stage's replicas
     recompute: bool | tuple[bool, ...] | None = None
     # {block index: policy}; not hashed (a dict), never changed after creation
     memory_plan: dict[int, str] | None = field(default=None, hash=False)
@@ -144,6 +145,7 @@ class PipeOptions:
             "activation_budget": self.activation_budget,
             "repartition": (self.repartition_every, self.repartition_threshold),
             "data_parallel": self.data_parallel,
+            "fsdp": self.fsdp,
             "body": self.body,
             "state_dict_type": self.state_dict_type,
             "delay_correction": self.correction,
@@ -171,6 +173,7 @@ class PipeOptions:
         problems += _sync_problems(values["schedule"], values["sync_steps"])
         problems += _fresh_problems(values["schedule"], values["fresh_last_stage"])
         problems += _shard_problems(values)
+        problems += _fsdp_problems(values)
         if problems:
             return None, problems
         return cls(**values), []
@@ -204,6 +207,57 @@ def _shard_problems(values: Mapping[str, Any]) -> list[Problem]:
             )
         ]
     return []
+
+
+def _fsdp_problems(values: Mapping[str, Any]) -> list[Problem]:
+    """FSDP2 inside a stage without replicas to shard over, or with what keeps or moves whole
+    copies of a stage's weights (see ``pipeline/fsdp.py``)."""
+    if not values["fsdp"]:
+        return []
+    w, schedule = values["data_parallel"], values["schedule"]
+    if w == 1:
+        return [
+            Problem(
+                "fsdp",
+                True,
+                "fsdp=True shards each block over the stage's data-parallel replicas, but "
+                "data_parallel=1 gives each stage one; use data_parallel=2 or more (devices * "
+                "num_nodes a multiple of it), or leave fsdp False",
+            )
+        ]
+    flushed = names_where(lambda s: s.flushes, "or")
+    why = {
+        "schedule": (
+            None
+            if schedule_spec(schedule).flushes
+            else f"schedule={schedule!r} keeps a second version of every weight (2BW's double "
+            "buffer, PipeDream's stash), whole, which FSDP keeps in shards only; use a flushed "
+            f"schedule ({flushed})"
+        ),
+        "shard_optimizer": (
+            "shard_optimizer=True shards only the optimizer state, which fsdp=True shards "
+            "already (with the weights and gradients); use one of them"
+            if values["shard_optimizer"]
+            else None
+        ),
+        "repartition_every": (
+            f"repartition_every={values['repartition_every']} moves blocks between stages, "
+            "whose weights the replicas hold in shards; use repartition_every=None with it"
+            if values["repartition_every"] is not None
+            else None
+        ),
+        "compile_blocks": (
+            "compile_blocks with fsdp=True is not built yet (a compiled block would be sharded "
+            "after it was compiled); use one of them"
+            if values["compile_blocks"] is not None
+            else None
+        ),
+    }
+    return [
+        Problem("fsdp", True, f"fsdp=True with {message}")
+        for message in why.values()
+        if message is not None
+    ]
 
 
 def _sync_problems(schedule: str, sync_steps: int | float) -> list[Problem]:

@@ -465,6 +465,16 @@ OPTIONS: tuple[Option, ...] = (
         "([docs/memory.md](docs/memory.md#optimizer-state-sharded-over-the-replicas-zero-1))",
     ),
     Option(
+        "fsdp", False, _flag("fsdp"), bool,
+        doc="with `data_parallel > 1` and a flushed schedule: shard each block's weights, "
+        "gradients and optimizer state over the stage's replicas with torch's FSDP2 "
+        "(`fully_shard` on every block over the replica group, as torchtitan composes it). A "
+        "rank keeps 1/d of its stage; each block's weights are gathered for its forward and "
+        "backward, and its gradients reduce-scattered after the batch's last backward. "
+        "Checkpoints are the same files "
+        "([docs/memory.md](docs/memory.md#fsdp2-inside-a-stage))",
+    ),
+    Option(
         "recompute", None, _recompute, Any, from_config=_listed_unless(bool),
         shown_default="`None` (off; the planner's choice with `balance=\"auto\"`)",
         doc="recompute every block's activations in the backward (`torch.utils.checkpoint`): "

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from lightning_pipe2bw.planner.profile import BlockProfile, Profile, ProfileSet
@@ -279,7 +280,10 @@ def _leaf_bytes(tree: Any) -> int:
 
 
 def storage_key(t: Tensor) -> tuple[int, int]:
-    """(key, bytes) of the storage behind ``t``; tensors without one count alone, by id."""
+    """(key, bytes) of the storage behind ``t``; tensors without one count alone, by id. A
+    DTensor (``fsdp=True``) counts the shard this rank holds."""
+    if isinstance(t, DTensor):
+        t = t.to_local()
     try:
         storage = t.untyped_storage()
         if storage.data_ptr() != 0:

@@ -204,6 +204,8 @@ def hand_back(runtime: StageRuntime) -> str | None:
     ways to save the whole model: returns why, or None."""
     body = runtime.body
     reason = "its blocks were built in configure_model" if body.built_on_meta else None
+    if reason is None and runtime.options.fsdp:
+        reason = "its blocks are sharded over the stage's replicas (fsdp=True)"
     reason = reason or restore_body(runtime)
     body.end_call(reason)
     return reason

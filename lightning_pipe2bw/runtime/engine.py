@@ -106,6 +106,9 @@ class PipelineEngine:
         self.link = link
         self.evict_share: Callable[[int], float | None] = evict_share or (lambda _: None)
         self.inflight = 0
+        # fsdp: turns FSDP's gradient reduction on for each stage's last backward of a batch
+        # (pipeline.fsdp.GradientSync); its hooks leave no backward to cut
+        self.gradient_sync: Any = None
         # PIPE2BW_DEBUG=1: log every action as it starts and ends (see docs/user-guide.md)
         debug = os.environ.get("PIPE2BW_DEBUG", "") not in ("", "0")
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -142,6 +145,8 @@ class PipelineEngine:
         and finishes here) and return the last stage's step outputs, one per micro-batch (an
         empty list on other stages). ``schedule`` must already carry communication actions.
         ``loss_root``: see :meth:`execute`."""
+        if train and self.gradient_sync is not None:
+            self.gradient_sync.start(len(microbatches))
         results = self.execute(
             schedule.stages[self.stage],
             dict(enumerate(microbatches)),
@@ -547,6 +552,8 @@ class PipelineEngine:
         """The whole backward of micro-batch ``index`` on stage ``v`` (the weights' gradients
         accumulate into ``.grad``); with ``input_grads``, keep the gradient of the stage's
         inputs to send."""
+        if self.gradient_sync is not None:
+            self.gradient_sync.before_backward(v)
         if v == self.last_stage:
             backward(loss_of(slot.result, index) * slot.weight)
         else:
@@ -559,6 +566,8 @@ class PipelineEngine:
 
     def _can_split_backward(self, key: tuple[int, int], roots: Sequence[Tensor]) -> bool:
         body = self.body
+        if self.gradient_sync is not None:  # FSDP reduces a block's gradient in its backward
+            return False
         if body.recompute or any(p != "keep" for p in body.policy.values()):
             return False
         micro = self.stash.micro.get(key)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_pipe2bw.runtime.payload import StepFn
 from lightning_pipe2bw.runtime.stash import ActivationStash
@@ -145,8 +146,19 @@ def weight_buffers_referenced(body: nn.Module, slots: Iterable[Slot]) -> int:
     in-flight micro-batches (``slots``) compute with (identified by their first tensor's
     storage)."""
     first = next(body.parameters(), None)
-    ptrs = {first.untyped_storage().data_ptr()} if first is not None else set()
+    ptrs = {_buffer_key(first)} if first is not None else set()
     for slot in slots:
         if slot.params:
-            ptrs.add(next(iter(slot.params.values())).untyped_storage().data_ptr())
+            ptrs.add(_buffer_key(next(iter(slot.params.values()))))
     return len(ptrs)
+
+
+def _buffer_key(t: Tensor) -> int:
+    """Which buffer ``t`` lives in: its storage (a DTensor's shard's, under ``fsdp=True``; a
+    weight FSDP has gathered for a block's call, whose storage it frees and refills, by id)."""
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except RuntimeError:
+        return -id(t)

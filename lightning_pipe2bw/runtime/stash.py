@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, cast
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 _ALIGN = 64  # bytes: storages packed into one buffer start at multiples of this
@@ -132,7 +133,9 @@ class ActivationStash:
     @contextmanager
     def recording(self, microbatch: MicroKey, weights: Iterable[Tensor]) -> Iterator[None]:
         """Record what the forward of ``microbatch`` saves for its backward."""
-        skip = {t.untyped_storage().data_ptr() for t in weights}
+        # the weights' storages (a DTensor's, under fsdp=True: its shard; the weights FSDP
+        # gathers for a block's call are parameters, or views of them, when saved)
+        skip = {_local(t).untyped_storage().data_ptr() for t in weights}
         micro = self.micro.setdefault(microbatch, _Micro())
         by_ptr: dict[int, _Storage] = {}
 
@@ -149,7 +152,7 @@ class ActivationStash:
         def pack(t: Tensor) -> Any:
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
-            if ptr in skip:
+            if ptr in skip or _is_weight(t):
                 return t.detach()
             policy = self.current_policy or "keep"
             if policy == "keep" and self.evictable and self.current_policy is not None:
@@ -376,3 +379,13 @@ class ActivationStash:
 def _bytes_of(t: Tensor) -> Tensor:
     """The whole storage under ``t``, as a flat uint8 tensor sharing it."""
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+def _local(t: Tensor) -> Tensor:
+    """``t``, or the shard this rank holds of a DTensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _is_weight(t: Tensor) -> bool:
+    """A parameter, or a view of one (a linear layer saves its weight's transpose)."""
+    return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_pipe2bw.compat import found_inf_state, override_clipping
@@ -39,12 +40,23 @@ def _squares(
     counted: Callable[[torch.Tensor], bool],
     device: torch.device,
 ) -> torch.Tensor:
-    """The sum of the squared gradients of the ``counted`` params, in float64, in their order."""
+    """The sum of the squared gradients of the ``counted`` params, in float64, in their order.
+    A gradient FSDP shards over the stage's replicas (``fsdp=True``) adds its shards' squares,
+    summed over the replicas (collective over them: they clip at the same point)."""
     squares = torch.zeros((), dtype=torch.float64, device=device)
+    shards, group = torch.zeros((), dtype=torch.float64, device=device), None
     for p in params:
         grad = grad_of(p)
-        if grad is not None and counted(p):
+        if grad is None or not counted(p):
+            continue
+        if isinstance(grad, DTensor):
+            shards += grad.to_local().detach().double().pow(2).sum()
+            group = grad.device_mesh.get_group()
+        else:
             squares += grad.detach().double().pow(2).sum()
+    if group is not None:
+        dist.all_reduce(shards, group=group)
+        squares += shards
     return squares
 
 

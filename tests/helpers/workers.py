@@ -11,6 +11,7 @@ from lightning.pytorch import Callback
 
 from helpers.models import RegressionModel, loader, make_loader, make_model, quiet_trainer
 from lightning_pipe2bw import Pipe2BWStrategy
+from lightning_pipe2bw.pipeline.fsdp import is_sharded, local_elements
 
 
 class RecordLoss(Callback):
@@ -70,6 +71,12 @@ def fit(
             for t in s.values()
             if isinstance(t, torch.Tensor)
         ),
+        # what this rank held of them (fsdp=True: its shards)
+        "local_param_elements": local_elements(strategy.engine.body.parameters()),
+        "local_opt_state_elements": local_elements(
+            t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+        ),
+        "sharded_params": sum(is_sharded(p) for p in strategy.engine.body.parameters()),
         "blocks": list(strategy.engine.body.indices),
         "stage": strategy.stage,
         "versions": strategy.version_log,

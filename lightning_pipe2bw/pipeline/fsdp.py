@@ -1,0 +1,170 @@
+"""FSDP2 inside a stage (``Pipe2BWStrategy(data_parallel=d, fsdp=True)``): every block of a stage
+sharded over the stage's d replicas with torch's ``fully_shard``, as torchtitan composes pipeline
+stages with FSDP2.
+
+Each block's weights, gradients and optimizer state are DTensors sharded along their first
+dimension over the replica group (a 1-D ``DeviceMesh`` made from it). A block's weights are
+gathered before its forward and again before its backward (``reshard_after_forward``), and its
+gradient is reduce-scattered (averaged over the replicas) after the batch's last backward of
+its stage: :class:`GradientSync` turns FSDP's gradient synchronisation on for that backward only,
+so that the micro-batches' gradients add up unsharded first, as the strategy's own average over
+the replicas does without FSDP. The strategy's average then leaves those gradients alone
+(:func:`is_sharded`).
+
+What meets a stage's weights outside the blocks takes full tensors: a consolidated checkpoint
+holds the gathered weights and optimizer state (:func:`full_tensors`), the same file as without
+FSDP, and loading it slices each tensor back into this replica's shard (:func:`load_shards`).
+
+Refused, with the reason (``pipeline/options.py``): one replica per stage, the schedules that keep
+a second whole version of each weight (2BW's double buffer, PipeDream's stash), ``shard_optimizer``
+(FSDP shards that state already), blocks that move between stages; at set-up
+(:func:`fsdp_problems`): parameters shared between blocks, Muon (it orthogonalises each matrix
+whole, which FSDP holds in row shards), fp16 with a loss scaler (use bf16).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim import Optimizer
+
+__all__ = [
+    "GradientSync",
+    "fsdp_problems",
+    "full_tensors",
+    "is_sharded",
+    "load_shards",
+    "local_elements",
+    "shard_blocks",
+    "shard_optimizer_state",
+]
+
+
+def is_sharded(tensor: Any) -> bool:
+    """Whether ``tensor`` is a DTensor (a weight, gradient or state entry FSDP shards)."""
+    return isinstance(tensor, DTensor)
+
+
+def local_elements(tensors: Iterable[Tensor]) -> int:
+    """The elements this rank holds of ``tensors`` (a DTensor's local shard only)."""
+    return sum(t.to_local().numel() if isinstance(t, DTensor) else t.numel() for t in tensors)
+
+
+def shard_blocks(
+    blocks: Sequence[nn.Module], group: dist.ProcessGroup, device: torch.device
+) -> list[FSDPModule]:
+    """``fully_shard`` each of ``blocks`` that has parameters over ``group`` (the stage's
+    replicas, in replica order), in place; the blocks now sharded."""
+    mesh = DeviceMesh.from_group(group, device.type)
+    sharded: list[FSDPModule] = []
+    for block in blocks:
+        if any(True for _ in block.parameters()):
+            sharded.append(fully_shard(block, mesh=mesh))
+    return sharded
+
+
+class GradientSync:
+    """Turns FSDP's gradient reduction on for the batch's last backward of each stage only.
+
+    Every micro-batch's backward runs whole once on each stage (FSDP's hooks leave nothing for
+    zero bubble's cut: the engine runs its backwards whole), so the engine calls
+    :meth:`before_backward` once per micro-batch and stage; the ``m``-th call of a batch is the
+    last. Until then FSDP keeps the unsharded gradients and adds each micro-batch's into them,
+    in the order one process adds them; that backward reduce-scatters their sum."""
+
+    def __init__(self, blocks_by_stage: Mapping[int, Sequence[Any]]) -> None:
+        self.blocks_by_stage = {v: list(blocks) for v, blocks in blocks_by_stage.items()}
+        self._count: dict[int, int] = {}
+        self._microbatches = 0
+
+    def start(self, num_microbatches: int) -> None:
+        """A training batch of ``num_microbatches`` begins."""
+        self._microbatches = num_microbatches
+        self._count = dict.fromkeys(self.blocks_by_stage, 0)
+
+    def before_backward(self, stage: int) -> None:
+        """Stage ``stage`` is about to run a micro-batch's whole backward."""
+        if stage not in self._count:
+            return
+        self._count[stage] += 1
+        last = self._count[stage] == self._microbatches
+        for block in self.blocks_by_stage[stage]:
+            block.set_requires_gradient_sync(last, recurse=False)
+
+
+def fsdp_problems(body: Any, optimizers: Sequence[Optimizer], scales_loss: bool) -> list[str]:
+    """What ``fsdp=True`` cannot shard in this run, each with the way out (empty: nothing)."""
+    from lightning_pipe2bw.optim.muon import MuonAdamW
+    from lightning_pipe2bw.optim.wrapper import unwrap_optimizer
+
+    problems = []
+    if body.ties:
+        names = "; ".join(tie.describe() for tie in body.ties)
+        problems.append(
+            f"the body's blocks share parameters ({names}), and FSDP shards each block's own "
+            "parameters; untie them, or leave fsdp False"
+        )
+    if any(isinstance(unwrap_optimizer(o), MuonAdamW) for o in optimizers):
+        problems.append(
+            "MuonAdamW orthogonalises each weight matrix whole, and FSDP holds it in row shards "
+            "over the replicas; use AdamW (or another element-wise optimizer) with fsdp=True, or "
+            "shard_optimizer=True, which keeps each matrix whole on one replica"
+        )
+    if scales_loss:
+        problems.append(
+            "fp16 with a loss scaler unscales the gradients per device, and FSDP's are DTensor "
+            "shards; use precision='bf16-mixed', which needs no scaler"
+        )
+    return problems
+
+
+def full_tensors(obj: Any) -> Any:
+    """``obj`` with each DTensor in it replaced by the whole tensor (collective over each
+    DTensor's replicas: every replica calls it on the same structure, in the same order)."""
+    return apply_to_collection(obj, DTensor, lambda t: t.full_tensor())
+
+
+def _shard_like(target: Tensor, value: Any) -> Any:
+    """``value`` (a whole tensor) as a DTensor laid out as ``target`` is (this replica slices its
+    own shard: every replica holds the same whole tensor)."""
+    if not isinstance(target, DTensor) or not isinstance(value, Tensor) or is_sharded(value):
+        return value
+    return distribute_tensor(
+        value.to(target.device), target.device_mesh, target.placements, src_data_rank=None
+    )
+
+
+def load_shards(module: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` (whole tensors by ``module.state_dict()``'s keys) with each entry ``module``
+    holds as a DTensor made this replica's shard of it, ready for ``load_state_dict``."""
+    local = module.state_dict()
+    return {k: _shard_like(local[k], v) if k in local else v for k, v in state.items()}
+
+
+def shard_optimizer_state(optimizer: Optimizer, state: Mapping[str, Any]) -> dict[str, Any]:
+    """``optimizer.state_dict()``-shaped ``state`` holding whole tensors, with each parameter's
+    entries of a parameter's shape made this replica's shard, as the sharded parameter is."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    out = dict(state)
+    entries = {}
+    for index, values in state.get("state", {}).items():
+        param = params[index] if isinstance(index, int) and index < len(params) else None
+        if param is None or not isinstance(param, DTensor):
+            entries[index] = values
+            continue
+        entries[index] = {
+            key: _shard_like(param, value)
+            if isinstance(value, Tensor) and value.shape == param.shape
+            else value
+            for key, value in values.items()
+        }
+    out["state"] = entries
+    return out

@@ -1,0 +1,199 @@
+"""FSDP2 inside a stage (``fsdp=True``): 2 replicas x 2 stages, every block sharded over its
+stage's replicas with torch's ``fully_shard``, train the weights the same replicas train without
+it (max|dW| at most 1e-6: FSDP adds the two replicas' gradients in a reduce-scatter, where the
+strategy's average all-reduces them, so the sums may round apart in the last bit; the measured
+differences are printed), and every rank holds about half of its stage's weights and optimizer
+state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import workers
+from helpers.models import max_abs_diff
+
+STEPS, M, LOCAL = 4, 2, 4  # two replicas' batches of 4 make a batch of 8
+TOLERANCE = 1e-6
+
+
+def _fit_both(schedule: str, **kwargs: Any) -> dict[str, Any]:
+    """The same fit without and with ``fsdp`` on this rank (2 replicas x 2 stages)."""
+    m = kwargs.pop("microbatches", M)
+
+    def fit(**more: Any) -> dict[str, Any]:
+        return workers.fit(schedule, m, STEPS, batch_size=LOCAL, data_parallel=2, **kwargs, **more)
+
+    return {"plain": fit(), "fsdp": fit(fsdp=True)}
+
+
+CASES = [
+    ("1f1b", {}),
+    ("gpipe", {}),
+    ("zb-h1", {}),
+    ("interleaved-1f1b", {}),
+    ("zb-v", {}),
+    ("dualpipe-v", {"microbatches": 4}),
+    ("1f1b", {"trainer_kwargs": {"gradient_clip_val": 0.05}}),
+    ("gpipe", {"trainer_kwargs": {"precision": "bf16-mixed"}}),
+    ("1f1b", {"optimizer": "sgd", "recompute": True}),
+]
+
+
+def _label(case: tuple[str, dict[str, Any]]) -> str:
+    schedule, kwargs = case
+    parts = [schedule]
+    for key, value in kwargs.items():
+        if isinstance(value, dict):
+            parts += [f"{k}={v}" for k, v in value.items()]
+        else:
+            parts.append(f"{key}={value}")
+    return "-".join(parts)
+
+
+@pytest.mark.parametrize(("schedule", "kwargs"), CASES, ids=[_label(c) for c in CASES])
+def test_fsdp_trains_the_same_weights_with_half_of_each_stage(
+    pools: Any, schedule: str, kwargs: dict[str, Any]
+) -> None:
+    results = pools(4).run(_fit_both, schedule, **kwargs)
+    plain, sharded = results[0]["plain"]["state"], results[0]["fsdp"]["state"]
+    diff = max_abs_diff(sharded, plain)
+    weights = [r["fsdp"]["local_param_elements"] / r["plain"]["local_param_elements"] for r in results]
+    states = [
+        r["fsdp"]["local_opt_state_elements"] / r["plain"]["local_opt_state_elements"]
+        for r in results
+    ]
+    print(
+        f"FSDP {schedule} {kwargs}: max|dW| against the same replicas without it {diff:.3e}; "
+        f"weights per rank {[f'{x:.2f}' for x in weights]}, optimizer state "
+        f"{[f'{x:.2f}' for x in states]} of unsharded"
+    )
+    assert diff <= TOLERANCE
+    assert all(r["fsdp"]["sharded_params"] > 0 for r in results)
+    assert all(r["plain"]["sharded_params"] == 0 for r in results)
+    # a shard is half a tensor's rows, rounded up: about half of every rank's stage
+    assert all(0.4 <= x <= 0.65 for x in weights + states), (weights, states)
+
+
+def _tensors_equal(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` hold the same structure, with equal tensors, bit for bit."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_tensors_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_tensors_equal(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
+def test_fsdp_checkpoints_as_without_it_and_resumes_exactly(
+    pools: Any, tmp_path: Path, state_dict_type: str
+) -> None:
+    """2 replicas x 2 1F1B stages: the consolidated checkpoint written under FSDP is the file
+    the same replicas write without it (weights, optimizer states, schedulers: equal to the
+    bit); 3 steps + checkpoint + 3 equal 6 straight; and each run resumes from the other's
+    checkpoint (FSDP's from the unsharded file, the unsharded from FSDP's)."""
+    from ranks.test_checkpoint import TOL, _fit
+
+    pool = pools(4)
+    kwargs: dict[str, Any] = {"state_dict_type": state_dict_type, "data_parallel": 2}
+    straight = pool.run(_fit, "1f1b", 6, **kwargs)[0]
+    pool.run(_fit, "1f1b", 3, str(tmp_path / "plain"), **kwargs)
+    pool.run(_fit, "1f1b", 3, str(tmp_path / "fsdp"), fsdp=True, **kwargs)
+    plain, fsdp = tmp_path / "plain" / "step=3.ckpt", tmp_path / "fsdp" / "step=3.ckpt"
+    if state_dict_type == "full":
+        a, b = (torch.load(p, weights_only=True) for p in (plain, fsdp))
+        for key in ("state_dict", "optimizer_states", "pipe2bw", "lr_schedulers"):
+            assert _tensors_equal(a[key], b[key]), key
+    for resume, more in ((fsdp, {"fsdp": True}), (plain, {"fsdp": True}), (fsdp, {})):
+        resumed = pool.run(_fit, "1f1b", 6, None, str(resume), **more, **kwargs)[0]
+        diff = max_abs_diff(resumed["state"], straight["state"])
+        print(f"RESUME fsdp {state_dict_type}: from {resume.parent.name} with {more}: {diff:.3e}")
+        assert diff <= TOL
+
+
+def _fit_refused(**strategy_kwargs: Any) -> str:
+    """A fit with ``fsdp=True`` that set-up refuses: the error's text."""
+    import torch.distributed as dist
+    from helpers.models import RegressionModel, loader, make_optimizer, quiet_trainer
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_pipe2bw import Pipe2BWStrategy
+
+    optimizer = strategy_kwargs.pop("optimizer", "adamw")
+    plugins = [MixedPrecision("16-mixed", device="cpu")] if strategy_kwargs.pop("fp16", False) else []
+
+    class Model(RegressionModel):
+        def configure_optimizers(self) -> Any:
+            opt, _ = make_optimizer(self.parameters(), optimizer)
+            return opt
+
+    strategy = Pipe2BWStrategy(schedule="1f1b", microbatches=M, data_parallel=2, fsdp=True)
+    trainer = quiet_trainer(
+        devices=dist.get_world_size(), strategy=strategy, max_steps=1, plugins=plugins
+    )
+    try:
+        trainer.fit(Model(), loader(LOCAL, n=16))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"optimizer": "muon"}, "MuonAdamW orthogonalises each weight matrix whole"),
+        ({"fp16": True}, "use precision='bf16-mixed'"),
+    ],
+    ids=["muon", "fp16-scaler"],
+)
+def test_what_fsdp_cannot_shard_is_refused_on_every_rank(
+    pools: Any, kwargs: dict[str, Any], says: str
+) -> None:
+    for message in pools(4).run(_fit_refused, **kwargs):
+        assert message.startswith("fsdp=True: "), message
+        assert says in message, message
+
+
+def _after_fit() -> dict[str, Any]:
+    """A short FSDP fit; then what the module's state_dict says, and the whole model."""
+    import torch.distributed as dist
+    from helpers.models import RegressionModel, loader, quiet_trainer
+
+    from lightning_pipe2bw import Pipe2BWStrategy
+
+    strategy = Pipe2BWStrategy(schedule="1f1b", microbatches=M, data_parallel=2, fsdp=True)
+    trainer = quiet_trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=2)
+    model = RegressionModel()
+    trainer.fit(model, loader(LOCAL, n=16))
+    try:
+        model.state_dict()
+        said = "no error"
+    except RuntimeError as err:
+        said = str(err)
+    whole = strategy.full_state_dict()
+    return {"said": said, "keys": sorted(whole) if dist.get_rank() == 0 else None}
+
+
+def test_after_fit_the_module_keeps_its_shards_and_says_how_to_save_the_whole(
+    pools: Any,
+) -> None:
+    """The blocks stay sharded after fit (handing every block to every rank would undo the
+    sharding): the module's state_dict raises with the ways to save the whole model, and
+    ``full_state_dict`` gives every key of the unpartitioned model."""
+    from helpers.models import RegressionModel
+
+    results = pools(4).run(_after_fit)
+    for result in results:
+        assert "sharded over the stage's replicas (fsdp=True)" in result["said"], result["said"]
+        assert "trainer.save_checkpoint(path)" in result["said"]
+    assert results[0]["keys"] == sorted(RegressionModel().state_dict())
