@@ -197,3 +197,50 @@ def test_after_fit_the_module_keeps_its_shards_and_says_how_to_save_the_whole(
         assert "sharded over the stage's replicas (fsdp=True)" in result["said"], result["said"]
         assert "trainer.save_checkpoint(path)" in result["said"]
     assert results[0]["keys"] == sorted(RegressionModel().state_dict())
+
+
+def _fit_hf_both(family: str) -> dict[str, Any]:
+    """A Hugging Face model as it comes, 2 replicas x 2 stages, without and with FSDP (or the
+    error with FSDP)."""
+    import torch.distributed as dist
+    from helpers import hf_models
+    from helpers.models import quiet_trainer
+
+    from lightning_pipe2bw import Pipe2BWStrategy
+    from ranks.test_real_models import STEPS as HF_STEPS
+
+    def fit(**kwargs: Any) -> Any:
+        torch.set_num_threads(1)
+        module = hf_models.HFModule(family)
+        strategy = Pipe2BWStrategy(schedule="1f1b", microbatches=M, data_parallel=2, **kwargs)
+        trainer = quiet_trainer(
+            devices=dist.get_world_size(), strategy=strategy, max_steps=HF_STEPS
+        )
+        trainer.fit(module, hf_models.loader(family, 2 * HF_STEPS))
+        state = strategy.full_state_dict()  # collective
+        return state if dist.get_rank() == 0 else None
+
+    plain = fit()
+    try:
+        sharded = fit(fsdp=True)
+    except ValueError as err:
+        return {"plain": plain, "error": str(err)}
+    return {"plain": plain, "fsdp": sharded}
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2_untied"])
+def test_a_hugging_face_model_trains_the_same_under_fsdp(pools: Any, family: str) -> None:
+    results = pools(4).run(_fit_hf_both, family)
+    assert "error" not in results[0], results[0].get("error")
+    diff = max_abs_diff(results[0]["fsdp"], results[0]["plain"])
+    print(f"FSDP {family}: max|dW| against the same replicas without it {diff:.3e}")
+    assert diff <= TOLERANCE
+
+
+def test_a_weight_tied_across_blocks_is_refused_with_the_tie_named(pools: Any) -> None:
+    """GPT-2 ties its embedding to its head (the first and the last stage): FSDP shards each
+    block's own parameters, so the run stops at set-up, on every rank, naming the tie."""
+    for result in pools(4).run(_fit_hf_both, "gpt2"):
+        message = result.get("error", "no error")
+        assert message.startswith("fsdp=True: the body's blocks share parameters ("), message
+        assert "wte.weight" in message and "untie them" in message, message
