@@ -182,6 +182,8 @@ class FlushDriver:
                 self.engine.num_stages,
                 m,
                 early_input_grad=self.early_input_grad,
+                # zero bubble's cuts where they pay on this device (schedule.cuts_that_pay)
+                device_type=self.engine.transport.device.type,
             )
             if self.evicting:
                 sched = add_offload_schedule(sched, self.evicting)

@@ -32,7 +32,14 @@ from .offload import (
     offload_stages,
     stashed_microbatches,
 )
-from .passes import early_input_grads, split_backward, training_schedule
+from .passes import (
+    CUT_OVERHEAD,
+    cuts_that_pay,
+    early_input_grads,
+    merge_backward,
+    split_backward,
+    training_schedule,
+)
 from .registry import (
     REGISTRY,
     SCHEDULES,
@@ -58,6 +65,7 @@ from .virtual import (
 from .zerobubble import zb_h1
 
 __all__ = [
+    "CUT_OVERHEAD",
     "REGISTRY",
     "SCHEDULES",
     "VIRTUAL_SCHEDULES",
@@ -76,6 +84,7 @@ __all__ = [
     "add_offload",
     "add_offload_schedule",
     "check_sizes",
+    "cuts_that_pay",
     "dualpipe_v",
     "early_input_grads",
     "evict_share",
@@ -86,6 +95,7 @@ __all__ = [
     "gpipe",
     "interleaved_1f1b",
     "looped_placement",
+    "merge_backward",
     "offload_stages",
     "one_channel_per_pair",
     "one_f_one_b",

@@ -16,16 +16,40 @@ from .action import Action, ActionKind
 from .comm import add_communication
 from .generators import Schedule
 from .registry import REGISTRY, get_schedule, virtual_schedule
+from .simulate import Costs, simulate
 
-__all__ = ["early_input_grads", "split_backward", "training_schedule"]
+__all__ = [
+    "CUT_OVERHEAD",
+    "cuts_that_pay",
+    "early_input_grads",
+    "merge_backward",
+    "split_backward",
+    "training_schedule",
+]
+
+# what a cut backward costs beyond the whole one, as a share of it: I + W = (1 + this) x B. The
+# engine's two passes (``runtime.splitgrad``) on this project's CPU: 1.17-1.25 x the whole
+# backward of a GPT stage (the weights' matrix products read their inputs again from memory, and
+# the inputs' pass allocates while the graph is kept); the zero-bubble paper measures a few
+# percent on GPUs, where the cut costs an engine call per node against far more work per node.
+CUT_OVERHEAD = {"cpu": 0.2, "cuda": 0.05}
+_DEFAULT_OVERHEAD = 0.05
+_SEARCH_ACTIONS = 300_000  # what cuts_that_pay may simulate
 
 
 def training_schedule(
-    name: str, num_stages: int, num_microbatches: int, *, early_input_grad: bool = True
+    name: str,
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    early_input_grad: bool = True,
+    device_type: str | None = None,
 ) -> Schedule:
     """The action list a flush schedule's batch runs: the compute order of ``name`` (one stage
     per rank, or several: ``schedule.registry``),
-    its communication, and with ``early_input_grad`` the :func:`early_input_grads` pass.
+    its communication, with ``early_input_grad`` the :func:`early_input_grads` pass, and, for a
+    schedule that cuts backwards (zero bubble), :func:`cuts_that_pay` with the cut's cost on
+    ``device_type`` (:data:`CUT_OVERHEAD`; None: every cut is kept).
 
     The engine's driver runs this list (adding offload actions for BPipe and ordering each
     pair of ranks' messages, neither of which moves a compute action); the planner simulates
@@ -35,7 +59,11 @@ def training_schedule(
     else:
         compute = get_schedule(name, num_stages, num_microbatches)
     built = add_communication(compute)
-    return early_input_grads(built) if early_input_grad else built
+    built = early_input_grads(built) if early_input_grad else built
+    if device_type is not None and REGISTRY.get(name) is not None and REGISTRY[name].cut_backward:
+        overhead = CUT_OVERHEAD.get(device_type, _DEFAULT_OVERHEAD)
+        built = cuts_that_pay(built, Costs(input_grad=1.0 + overhead, weight_grad=1.0 + overhead))
+    return built
 
 
 def split_backward(actions: Sequence[Action], slot: int) -> list[Action]:
@@ -55,6 +83,114 @@ def split_backward(actions: Sequence[Action], slot: int) -> list[Action]:
     ):
         after += 1
     return [*actions[:slot], i, *actions[slot + 1 : after], w, *actions[after:]]
+
+
+def merge_backward(actions: Sequence[Action], slot: int) -> list[Action]:
+    """``actions`` with the cut backward whose ``I`` is at ``slot`` made whole again: ``B`` in the
+    ``I``'s place, its ``W`` gone (the inverse of :func:`split_backward`)."""
+    i = actions[slot]
+    if i.kind is not ActionKind.INPUT_GRAD:
+        raise ValueError(f"slot {slot} holds {i}, not an inputs' gradient (I) to merge")
+    w = next(
+        n
+        for n in range(slot + 1, len(actions))
+        if actions[n].kind is ActionKind.WEIGHT_GRAD
+        and (actions[n].stage, actions[n].microbatch) == (i.stage, i.microbatch)
+    )
+    b = Action(i.stage, ActionKind.BACKWARD, i.microbatch, i.version)
+    return [*actions[:slot], b, *actions[slot + 1 : w], *actions[w + 1 :]]
+
+
+def _merged(actions: Sequence[Action], keys: set[tuple[int, int]]) -> list[Action]:
+    """``actions`` with the cut backwards of ``keys`` ((stage, micro-batch)) made whole, in one
+    pass (:func:`merge_backward` for many)."""
+    out = []
+    for a in actions:
+        key = (a.stage, a.microbatch)
+        if key in keys and a.kind is ActionKind.INPUT_GRAD:
+            out.append(Action(a.stage, ActionKind.BACKWARD, a.microbatch, a.version))
+        elif not (key in keys and a.kind is ActionKind.WEIGHT_GRAD):
+            out.append(a)
+    return out
+
+
+def _accumulates_in_order(actions: Sequence[Action]) -> bool:
+    """Whether each stage's weights' gradients (its ``B``s and ``W``s) come in micro-batch order,
+    as one device accumulates them (a whole ``B`` ahead of an earlier micro-batch's deferred ``W``
+    would add the gradients in another order: not bitwise the same)."""
+    last: dict[int, int] = {}
+    for a in actions:
+        if a.kind in (ActionKind.BACKWARD, ActionKind.WEIGHT_GRAD):
+            if a.microbatch < last.get(a.stage, -1):
+                return False
+            last[a.stage] = a.microbatch
+    return True
+
+
+def cuts_that_pay(schedule: Schedule, costs: Costs) -> Schedule:
+    """``schedule`` with each cut backward made whole again where the cut does not shorten the
+    step, as :func:`~lightning_pipe2bw.schedule.simulate` runs it with ``costs`` (whose ``I`` and
+    ``W`` together cost more than a whole ``B``: the cut's own price).
+
+    A cut pays where deferring a ``W`` fills a wait: the previous stage gets its gradient sooner
+    and the ``W`` runs in time that would be idle. Where the stage has no wait to fill (at p = 2
+    ZB-H1's steady state is 1F1B's, each stage busy), the cut only costs. Rank by rank, the pass
+    keeps the cuts of the rank's last k backwards for the k that gives the shortest step (the
+    fewest cuts among equals: zero bubble's waits are at the end of the batch), then tries each
+    cut left once more on its own. The step is never longer than with every cut: that is the
+    first candidate. A merge that would add a stage's weights' gradients out of micro-batch
+    order is not made: the gradients stay bitwise those of one device."""
+    eps = 1e-9
+    best = simulate(schedule, costs).step_time
+    stages = [list(actions) for actions in schedule.stages]
+    # the search stops when it has simulated this many actions (about a second in all), keeping the
+    # best it found: a count, not a clock, so that every rank builds the same list
+    budget = [_SEARCH_ACTIONS]
+    size = sum(len(actions) for actions in stages)
+
+    def step_with(rank: int, actions: list[Action]) -> float:
+        budget[0] -= size
+        trial = schedule.with_stages([*stages[:rank], actions, *stages[rank + 1 :]])
+        return simulate(trial, costs).step_time
+
+    # how many of a rank's last cuts to keep: none, one, two, four, ... up to twice the stages
+    # (the waits the cuts fill are within the last few backwards of each stage it holds)
+    limit = 2 * schedule.num_stages
+    counts = sorted({0, *(2**j for j in range(limit.bit_length() + 1) if 2**j <= limit)})
+    for _ in range(3):  # sweeps over the ranks, until one changes nothing
+        changed = False
+        for rank in range(len(stages)):
+            cuts = [n for n, a in enumerate(stages[rank]) if a.kind is ActionKind.INPUT_GRAD]
+            chosen, chosen_time = stages[rank], best
+            for kept in (k for k in counts if k < len(cuts) and budget[0] > 0):
+                merged = {(a.stage, a.microbatch) for a in (stages[rank][n] for n in cuts)}
+                for n in cuts[len(cuts) - kept :]:
+                    merged.discard((stages[rank][n].stage, stages[rank][n].microbatch))
+                actions = _merged(stages[rank], merged)
+                if not _accumulates_in_order(actions):
+                    continue
+                t = step_with(rank, actions)
+                if t < chosen_time - eps or (t <= chosen_time + eps and len(actions) < len(chosen)):
+                    chosen, chosen_time = actions, t
+            if chosen is not stages[rank]:
+                stages[rank], best, changed = chosen, chosen_time, True
+        if not changed:
+            break
+    for rank in range(len(stages)):  # each cut left, on its own (one simulation each)
+        if sum(a.kind is ActionKind.INPUT_GRAD for a in stages[rank]) > limit:
+            continue
+        slot = 0
+        while slot < len(stages[rank]):
+            if stages[rank][slot].kind is ActionKind.INPUT_GRAD and budget[0] > 0:
+                actions = merge_backward(stages[rank], slot)
+                if not _accumulates_in_order(actions):
+                    slot += 1
+                    continue
+                t = step_with(rank, actions)
+                if t <= best + eps:
+                    stages[rank], best = actions, t
+            slot += 1
+    return schedule.with_stages(stages)
 
 
 def early_input_grads(schedule: Schedule) -> Schedule:

@@ -8,6 +8,8 @@ import pytest
 from helpers import workers
 from helpers.models import isclose, make_loader, max_abs_diff, reference_train
 
+from lightning_pipe2bw.schedule import ActionKind, training_schedule
+
 STEPS = 6
 
 
@@ -17,8 +19,9 @@ CASES = [(p, m) for p in (2, 4) for m in (p, 2 * p, 4 * p)]
 @pytest.mark.parametrize(("p", "m"), CASES, ids=[f"p{p}-m{m}" for p, m in CASES])
 def test_zb_h1_equals_single_device_bitwise(pools, p: int, m: int) -> None:
     """6 AdamW steps, batch 16: max|dW| = 0 against one device accumulating the same
-    micro-batches, and the backwards were really cut (SplitBackward) on every stage but the
-    first, which sends no gradient and leaves each whole backward to its W."""
+    micro-batches, and the backwards were really cut (SplitBackward) where the schedule cuts
+    them, on every stage but the first, which sends no gradient and leaves each whole backward
+    to its W."""
     samples = 16 * STEPS  # one epoch
     results = pools(p).run(workers.fit, "zb-h1", m, STEPS, batch_size=16, samples=samples)
     data = make_loader("regression", 16, n=samples)
@@ -28,6 +31,12 @@ def test_zb_h1_equals_single_device_bitwise(pools, p: int, m: int) -> None:
     assert diff == 0.0
     for result in results:  # the logged loss (summed over micro-batches in another order)
         assert all(isclose(a, b) for a, b in zip(result["losses"], ref_losses, strict=True))
+    # every I the schedule holds was cut, but the first stage's; the schedule keeps the cuts
+    # that pay on this device (schedule.cuts_that_pay)
+    sched = training_schedule("zb-h1", p, m, device_type="cpu")
     for result in results:
-        cut = 0 if result["stage"] == 0 else STEPS * m
-        assert result["split_backwards"] == cut, result["stage"]
+        r = result["stage"]
+        cut = 0 if r == 0 else STEPS * sum(a.kind is ActionKind.INPUT_GRAD for a in sched.stages[r])
+        assert result["split_backwards"] == cut, r
+    if p == 4:  # where zero bubble's cuts fill the cool-down's waits, they stay
+        assert any(r["split_backwards"] > STEPS for r in results)
