@@ -415,7 +415,9 @@ def run_ours(
     name may end in ``@gloo`` or ``@shm``: the transport (``PIPE2BW_TRANSPORT``) of that run;
     ``~late`` before it runs the flush schedules with ``early_input_grad=False`` (every gradient
     sent after its whole backward, as before that option), ``~compiled`` with
-    ``compile_blocks=True`` (torch.compile's defaults: inductor)."""
+    ``compile_blocks=True`` (torch.compile's defaults: inductor), ``~everycut`` a zero-bubble
+    schedule with every cut its list makes (``PIPE2BW_CUT_OVERHEAD=keep``: no
+    ``schedule.cuts_that_pay``)."""
     import torch.distributed as dist
     from lightning.pytorch.loggers import CSVLogger
 
@@ -424,19 +426,24 @@ def run_ours(
     _quiet()  # Lightning sets its loggers' levels when imported
     schedule, _, transport = schedule.partition("@")
     schedule, _, variant = schedule.partition("~")
-    if variant == "late":
+    cuts = os.environ.get("PIPE2BW_CUT_OVERHEAD", "")
+    if variant == "everycut":
+        cuts = "keep"
+    elif variant == "late":
         strategy_kwargs["early_input_grad"] = False
     elif variant == "compiled":
         strategy_kwargs["compile_blocks"] = True
     elif variant:
         raise ValueError(
-            f"unknown variant ~{variant} of {schedule!r}: the variants are ~late and ~compiled"
+            f"unknown variant ~{variant} of {schedule!r}: the variants are ~late, ~compiled and "
+            "~everycut"
         )
     strategy = Pipe2BWStrategy(schedule=schedule, microbatches=m, **strategy_kwargs)
     timer = _make_timer(warmup, steps)
     monitor = StageMemoryMonitor(log_every_n_steps=1, plot=False) if memory_dir else None
     model = _lightning_module(blocks)
-    with _env(PIPE2BW_TRANSPORT=transport or os.environ.get("PIPE2BW_TRANSPORT", "auto")):
+    transport = transport or os.environ.get("PIPE2BW_TRANSPORT", "auto")
+    with _env(PIPE2BW_TRANSPORT=transport, PIPE2BW_CUT_OVERHEAD=cuts):
         fit_quietly(
             model,
             strategy,
@@ -880,7 +887,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=",".join(DEFAULT_SCHEDULES),
         help="ours, comma separated; a name may end in @gloo or @shm to pick the transport of "
         "that run (PIPE2BW_TRANSPORT; default: auto, shared memory on one host), gpipe~late "
-        "or 1f1b~late runs without early_input_grad, and NAME~compiled with compile_blocks=True",
+        "or 1f1b~late runs without early_input_grad, NAME~compiled with compile_blocks=True, "
+        "and zb-h1~everycut (or zb-v, dualpipe-v) with every cut its list makes",
     )
     parser.add_argument(
         "--peer-schedules",
@@ -911,12 +919,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown schedules {sorted(unknown)}; choose from {OUR_SCHEDULES}")
     variants = {n.partition("@")[0].partition("~")[2] for n in args.schedules} - {""}
-    if variants - {"late", "compiled"} or any(
-        _schedule_of(n) not in ("gpipe", "1f1b") for n in args.schedules if "~late" in n
+    if (
+        variants - {"late", "compiled", "everycut"}
+        or any(_schedule_of(n) not in ("gpipe", "1f1b") for n in args.schedules if "~late" in n)
+        or any(
+            _schedule_of(n) not in ("zb-h1", "zb-v", "dualpipe-v")
+            for n in args.schedules
+            if "~everycut" in n
+        )
     ):
         parser.error(
-            "the variants are ~late, of gpipe and 1f1b (early_input_grad=False), and ~compiled, "
-            "of any schedule (compile_blocks=True)"
+            "the variants are ~late, of gpipe and 1f1b (early_input_grad=False), ~compiled, "
+            "of any schedule (compile_blocks=True), and ~everycut, of zb-h1, zb-v and dualpipe-v "
+            "(every cut the schedule lists, PIPE2BW_CUT_OVERHEAD=keep)"
         )
     transports = {n.partition("@")[2] for n in args.schedules} - {"", *TRANSPORTS}
     if transports:

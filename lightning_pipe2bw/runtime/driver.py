@@ -24,6 +24,7 @@ from lightning_pipe2bw.schedule import (
     Action,
     Schedule,
     add_offload_schedule,
+    cut_overhead,
     one_channel_per_pair,
     training_schedule,
 )
@@ -183,7 +184,7 @@ class FlushDriver:
                 m,
                 early_input_grad=self.early_input_grad,
                 # zero bubble's cuts where they pay on this device (schedule.cuts_that_pay)
-                device_type=self.engine.transport.device.type,
+                cut_overhead=cut_overhead(self.engine.transport.device.type),
             )
             if self.evicting:
                 sched = add_offload_schedule(sched, self.evicting)

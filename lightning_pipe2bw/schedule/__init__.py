@@ -34,6 +34,7 @@ from .offload import (
 )
 from .passes import (
     CUT_OVERHEAD,
+    cut_overhead,
     cuts_that_pay,
     early_input_grads,
     merge_backward,
@@ -84,6 +85,7 @@ __all__ = [
     "add_offload",
     "add_offload_schedule",
     "check_sizes",
+    "cut_overhead",
     "cuts_that_pay",
     "dualpipe_v",
     "early_input_grads",

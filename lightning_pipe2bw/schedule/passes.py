@@ -10,6 +10,7 @@ validator, the simulator, the planner and the timeline see the order that runs.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from .action import Action, ActionKind
@@ -20,6 +21,7 @@ from .simulate import Costs, simulate
 
 __all__ = [
     "CUT_OVERHEAD",
+    "cut_overhead",
     "cuts_that_pay",
     "early_input_grads",
     "merge_backward",
@@ -43,13 +45,14 @@ def training_schedule(
     num_microbatches: int,
     *,
     early_input_grad: bool = True,
-    device_type: str | None = None,
+    cut_overhead: float | None = None,
 ) -> Schedule:
     """The action list a flush schedule's batch runs: the compute order of ``name`` (one stage
     per rank, or several: ``schedule.registry``),
     its communication, with ``early_input_grad`` the :func:`early_input_grads` pass, and, for a
-    schedule that cuts backwards (zero bubble), :func:`cuts_that_pay` with the cut's cost on
-    ``device_type`` (:data:`CUT_OVERHEAD`; None: every cut is kept).
+    schedule that cuts backwards (zero bubble), :func:`cuts_that_pay` at the price
+    ``cut_overhead`` (what a cut backward costs beyond a whole one, as a share of it: see
+    :func:`cut_overhead`; None: every cut is kept).
 
     The engine's driver runs this list (adding offload actions for BPipe and ordering each
     pair of ranks' messages, neither of which moves a compute action); the planner simulates
@@ -60,10 +63,32 @@ def training_schedule(
         compute = get_schedule(name, num_stages, num_microbatches)
     built = add_communication(compute)
     built = early_input_grads(built) if early_input_grad else built
-    if device_type is not None and REGISTRY.get(name) is not None and REGISTRY[name].cut_backward:
-        overhead = CUT_OVERHEAD.get(device_type, _DEFAULT_OVERHEAD)
-        built = cuts_that_pay(built, Costs(input_grad=1.0 + overhead, weight_grad=1.0 + overhead))
+    spec = REGISTRY.get(name)
+    if cut_overhead is not None and spec is not None and spec.cut_backward:
+        price = 1.0 + cut_overhead
+        built = cuts_that_pay(built, Costs(input_grad=price, weight_grad=price))
     return built
+
+
+def cut_overhead(device_type: str) -> float | None:
+    """The price of a cut backward on ``device_type`` for :func:`cuts_that_pay`:
+    :data:`CUT_OVERHEAD`'s, or the environment's ``PIPE2BW_CUT_OVERHEAD`` (a share of a whole
+    backward, measured for a model; ``keep``: every cut is made, as the schedule lists it)."""
+    given = os.environ.get("PIPE2BW_CUT_OVERHEAD", "").strip()
+    if not given:
+        return CUT_OVERHEAD.get(device_type, _DEFAULT_OVERHEAD)
+    if given == "keep":
+        return None
+    try:
+        value = float(given)
+    except ValueError:
+        value = -1.0
+    if not value >= 0.0:
+        raise ValueError(
+            f"PIPE2BW_CUT_OVERHEAD={given!r}: give what a cut backward costs beyond a whole one, "
+            "as a share of it (a number >= 0, e.g. 0.2), or 'keep' to make every cut"
+        )
+    return value
 
 
 def split_backward(actions: Sequence[Action], slot: int) -> list[Action]:

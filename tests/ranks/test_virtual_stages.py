@@ -17,7 +17,7 @@ from helpers.models import (
     reference_train,
 )
 
-from lightning_pipe2bw.schedule import ActionKind, training_schedule
+from lightning_pipe2bw.schedule import ActionKind, cut_overhead, training_schedule
 
 STEPS = 6
 
@@ -51,7 +51,7 @@ def test_virtual_schedules_equal_single_device_bitwise(pools, name: str, p: int,
         ]
         assert result["blocks"] == expected
         if name == "zb-v":  # every I the schedule holds is cut, but stage 0's (it sends none)
-            sched = training_schedule(name, p, m, device_type="cpu")
+            sched = training_schedule(name, p, m, cut_overhead=cut_overhead("cpu"))
             cuts = [a for a in sched.stages[r] if a.kind is ActionKind.INPUT_GRAD and a.stage]
             assert result["split_backwards"] == STEPS * len(cuts), r
 

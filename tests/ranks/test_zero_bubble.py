@@ -8,7 +8,7 @@ import pytest
 from helpers import workers
 from helpers.models import isclose, make_loader, max_abs_diff, reference_train
 
-from lightning_pipe2bw.schedule import ActionKind, training_schedule
+from lightning_pipe2bw.schedule import ActionKind, cut_overhead, training_schedule
 
 STEPS = 6
 
@@ -33,7 +33,7 @@ def test_zb_h1_equals_single_device_bitwise(pools, p: int, m: int) -> None:
         assert all(isclose(a, b) for a, b in zip(result["losses"], ref_losses, strict=True))
     # every I the schedule holds was cut, but the first stage's; the schedule keeps the cuts
     # that pay on this device (schedule.cuts_that_pay)
-    sched = training_schedule("zb-h1", p, m, device_type="cpu")
+    sched = training_schedule("zb-h1", p, m, cut_overhead=cut_overhead("cpu"))
     for result in results:
         r = result["stage"]
         cut = 0 if r == 0 else STEPS * sum(a.kind is ActionKind.INPUT_GRAD for a in sched.stages[r])

@@ -10,6 +10,7 @@ import pytest
 from lightning_pipe2bw.schedule import (
     ActionKind,
     Costs,
+    cut_overhead,
     cuts_that_pay,
     merge_backward,
     simulate,
@@ -40,7 +41,7 @@ def test_at_two_stages_zb_h1_keeps_one_cut_and_runs_as_1f1b(m: int) -> None:
     too), and the step is at most 1F1B's (which cuts the last one too: ``early_input_grads``),
     shorter than with every cut."""
     every = training_schedule("zb-h1", 2, m)
-    paid = training_schedule("zb-h1", 2, m, device_type="cpu")
+    paid = training_schedule("zb-h1", 2, m, cut_overhead=cut_overhead("cpu"))
     validate(paid)
     assert _cuts(paid) == (1 if m > 2 else 2) < _cuts(every)  # m = p: the first one pays too
     one_f_one_b = simulate(training_schedule("1f1b", 2, m), CPU).step_time
@@ -64,7 +65,7 @@ def test_where_the_cuts_fill_the_cool_down_they_stay() -> None:
     """At p = 4 ZB-H1's deferred Ws fill the cool-down's waits: most cuts stay, and the step
     stays shorter than 1F1B's at the same price per cut; a free cut (I + W = B) is never
     merged where it shortens the step."""
-    paid = training_schedule("zb-h1", 4, 8, device_type="cpu")
+    paid = training_schedule("zb-h1", 4, 8, cut_overhead=cut_overhead("cpu"))
     assert _cuts(paid) > 8
     assert simulate(paid, CPU).step_time < simulate(training_schedule("1f1b", 4, 8), CPU).step_time
     free = Costs()
@@ -74,7 +75,7 @@ def test_where_the_cuts_fill_the_cool_down_they_stay() -> None:
 
 
 def test_a_schedule_without_cuts_is_left_as_it_is() -> None:
-    sched = training_schedule("1f1b", 4, 8, device_type="cpu")
+    sched = training_schedule("1f1b", 4, 8, cut_overhead=cut_overhead("cpu"))
     assert sched == training_schedule("1f1b", 4, 8)
 
 
@@ -87,10 +88,23 @@ def test_every_stage_still_adds_its_weights_gradients_in_micro_batch_order(
     micro-batch order, with every cut and after the pass."""
     if name == "dualpipe-v" and m < 2 * p:
         pytest.skip("DualPipeV needs as many micro-batches as stages")
-    for sched in (training_schedule(name, p, m), training_schedule(name, p, m, device_type="cpu")):
+    for sched in (training_schedule(name, p, m), training_schedule(name, p, m, cut_overhead=cut_overhead("cpu"))):
         for actions in sched.stages:
             order: dict[int, list[int]] = {}
             for a in actions:
                 if a.kind in (ActionKind.BACKWARD, ActionKind.WEIGHT_GRAD):
                     order.setdefault(a.stage, []).append(a.microbatch)
             assert all(seq == sorted(seq) for seq in order.values()), order
+
+
+def test_the_price_of_a_cut_can_be_given_or_every_cut_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cut_overhead("cpu") == 0.2 and cut_overhead("cuda") == 0.05
+    monkeypatch.setenv("PIPE2BW_CUT_OVERHEAD", "0.5")
+    assert cut_overhead("cuda") == 0.5
+    monkeypatch.setenv("PIPE2BW_CUT_OVERHEAD", "keep")
+    assert cut_overhead("cpu") is None
+    every = training_schedule("zb-h1", 2, 8)
+    assert training_schedule("zb-h1", 2, 8, cut_overhead=cut_overhead("cpu")) == every
+    monkeypatch.setenv("PIPE2BW_CUT_OVERHEAD", "-1")
+    with pytest.raises(ValueError, match=r"PIPE2BW_CUT_OVERHEAD='-1'.*a number >= 0"):
+        cut_overhead("cpu")
