@@ -39,6 +39,10 @@ CASES = [
     ("1f1b", {"trainer_kwargs": {"gradient_clip_val": 0.05}}),
     ("gpipe", {"trainer_kwargs": {"precision": "bf16-mixed"}}),
     ("1f1b", {"optimizer": "sgd", "recompute": True}),
+    # the memory plan's levers move saved activations, never the weights FSDP gathers
+    ("1f1b", {"memory_plan": {1: "swap", 2: "recompute", 3: "evict"}}),
+    ("1f1b", {"balance_activations": True}),
+    ("gpipe", {"val_batches": 2}),  # validation runs FSDP's gathers in forward only
 ]
 
 
