@@ -301,3 +301,28 @@ def test_muon_under_1f1b_on_a_gpu(pools: Any) -> None:
     diff = max_abs_diff(results[0]["state"], ref)
     print(f"CUDA EXACTNESS 1f1b muon p=2 m=4: max|dW| = {diff:.3e}")
     assert diff <= TOL
+
+
+def _fit_fsdp_on_own_gpus(fsdp: bool) -> dict[str, Any]:
+    """2 replicas x 2 stages, a GPU per rank (NCCL), with or without ``fsdp``."""
+    return workers.fit(
+        "1f1b", 2, STEPS, batch_size=4, data_parallel=2, fsdp=fsdp,
+        trainer_kwargs={"accelerator": "gpu"},
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs: a rank per GPU (NCCL)")
+def test_fsdp_on_a_gpu_per_rank_equals_the_same_replicas_without_it(pools: Any) -> None:
+    """FSDP2 inside each stage over NCCL: the weights of the same replicas without it (the CPU
+    contract, 1e-5 here: NCCL's reduce-scatter may add in another order than its all-reduce),
+    and each rank holds about half its stage."""
+    plain = pools(4).run(_fit_fsdp_on_own_gpus, False, timeout=TASK_S)
+    sharded = pools(4).run(_fit_fsdp_on_own_gpus, True, timeout=TASK_S)
+    diff = max_abs_diff(sharded[0]["state"], plain[0]["state"])
+    shares = [
+        s["local_param_elements"] / p["local_param_elements"]
+        for s, p in zip(sharded, plain, strict=True)
+    ]
+    print(f"CUDA FSDP 1f1b 2x2 on {torch.cuda.get_device_name(0)}: max|dW| = {diff:.3e}, {shares}")
+    assert diff <= TOL
+    assert all(0.4 <= x <= 0.65 for x in shares), shares
