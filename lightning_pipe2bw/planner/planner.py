@@ -109,6 +109,7 @@ def _flush_step(
         costs,
         [st.allreduce_s for st in stages],
         model.cluster.step_overhead_s,
+        device_type=model.profile.device.partition(":")[0],
     )
     return step
 

@@ -16,7 +16,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lightning_pipe2bw.planner.costmodel import CostModel, StageCost
-from lightning_pipe2bw.schedule import Costs, SimResult, simulate, training_schedule
+from lightning_pipe2bw.schedule import (
+    Costs,
+    SimResult,
+    cut_overhead,
+    simulate,
+    training_schedule,
+)
 
 __all__ = ["flush_step", "simulation_costs"]
 
@@ -78,11 +84,16 @@ def flush_step(
     costs: Costs,
     allreduce: Sequence[float],
     overhead_s: float,
+    device_type: str = "cpu",
 ) -> tuple[float, SimResult]:
-    """A flush schedule's step: the simulated run of the list the engine runs, each rank's
-    all-reduce after its last action, then ``overhead_s`` (the loop's cost per step);
+    """A flush schedule's step: the simulated run of the list the engine runs on
+    ``device_type`` (zero bubble's cuts where they pay there: ``schedule.cut_overhead``), each
+    rank's all-reduce after its last action, then ``overhead_s`` (the loop's cost per step);
     ``allreduce`` has one entry per rank."""
-    result = simulate(training_schedule(schedule, num_ranks, num_microbatches), costs)
+    runs = training_schedule(
+        schedule, num_ranks, num_microbatches, cut_overhead=cut_overhead(device_type)
+    )
+    result = simulate(runs, costs)
     ends = [row[-1][2] if row else 0.0 for row in result.timeline]
     step = max(end + ar for end, ar in zip(ends, allreduce, strict=True)) + overhead_s
     return step, result

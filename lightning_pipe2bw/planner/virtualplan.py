@@ -141,7 +141,8 @@ def _simulated_step(
     overhead = cluster.step_overhead_s
     spec = schedule_spec(schedule)
     if spec.flushes:
-        step, result = flush_step(schedule, d, m, costs, allreduce, overhead)
+        device_type = profile.device.partition(":")[0]
+        step, result = flush_step(schedule, d, m, costs, allreduce, overhead, device_type)
         return step, result.peak_activations
     # 2BW: each rank's update (and the loop's overhead) before its first forward of a batch
     updates = [

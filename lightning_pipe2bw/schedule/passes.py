@@ -10,6 +10,7 @@ validator, the simulator, the planner and the timeline see the order that runs.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 
@@ -39,6 +40,7 @@ _DEFAULT_OVERHEAD = 0.05
 _SEARCH_ACTIONS = 300_000  # what cuts_that_pay may simulate
 
 
+@functools.lru_cache(maxsize=256)  # a Schedule is immutable; the planner asks for the same often
 def training_schedule(
     name: str,
     num_stages: int,
@@ -65,8 +67,11 @@ def training_schedule(
     built = early_input_grads(built) if early_input_grad else built
     spec = REGISTRY.get(name)
     if cut_overhead is not None and spec is not None and spec.cut_backward:
-        price = 1.0 + cut_overhead
-        built = cuts_that_pay(built, Costs(input_grad=price, weight_grad=price))
+        # F = 1, B = 2, each half of a cut at its price; the first stage sends no gradient: its
+        # I does nothing and its W runs the whole backward (as the engine runs it)
+        price, rest = 1.0 + cut_overhead, built.num_stages - 1
+        costs = Costs(input_grad=(0.0,) + (price,) * rest, weight_grad=(2.0,) + (price,) * rest)
+        built = cuts_that_pay(built, costs)
     return built
 
 

@@ -11,7 +11,12 @@ from lightning_pipe2bw.planner.costmodel import Cluster, CostModel
 from lightning_pipe2bw.planner.planner import ALL_SCHEDULES, plan, predict
 from lightning_pipe2bw.planner.profile import Profile
 from lightning_pipe2bw.planner.virtualplan import VIRTUAL_PLANNER_SCHEDULES, virtual_problem
-from lightning_pipe2bw.schedule import Costs, add_communication, simulate, virtual_schedule
+from lightning_pipe2bw.schedule import (
+    Costs,
+    cut_overhead,
+    simulate,
+    training_schedule,
+)
 from unit.test_planner import cluster, profile
 
 UNIFORM = profile([1.0] * 8, b=4, output=0, saved=0, params=1000, input_bytes=0)
@@ -35,11 +40,13 @@ def test_a_virtual_plan_splits_into_2d_stages_and_reports_per_rank(schedule: str
 
 def test_the_flush_prediction_is_the_simulated_makespan() -> None:
     """Without transfers, all-reduce or overheads the predicted step is exactly the simulated
-    makespan of the schedule the engine runs, at the planned per-stage costs: a backward cut
-    in halves (the profile has no measured cut), but the first stage's, whole in its W."""
+    makespan of the schedule the engine runs (on the profile's device, the CPU: zero bubble's
+    cuts where they pay there), at the planned per-stage costs: a backward cut in halves (the
+    profile has no measured cut), but the first stage's, whole in its W."""
     best = predict(UNIFORM, cluster(2), 32, schedule="zb-v", depth=2, microbatch_size=4)
     costs = Costs(2.0, 4.0, input_grad=(0.0, 2.0, 2.0, 2.0), weight_grad=(4.0, 2.0, 2.0, 2.0))
-    made = simulate(add_communication(virtual_schedule("zb-v", 2, 8)), costs)
+    runs = training_schedule("zb-v", 2, 8, cut_overhead=cut_overhead("cpu"))
+    made = simulate(runs, costs)
     assert best.step_time == pytest.approx(made.step_time)
     assert best.balance == (2, 2, 2, 2)
 
@@ -115,7 +122,7 @@ def test_zb_v_is_timed_with_the_measured_cut_and_sends_but_not_the_v_turn() -> N
         input_grad=(lat, 3 + send, 3 + lat, 3 + send),
         weight_grad=(4, 3, 3, 3),
     )
-    made = simulate(add_communication(virtual_schedule("zb-v", 2, 8)), costs)
+    made = simulate(training_schedule("zb-v", 2, 8, cut_overhead=cut_overhead("cpu")), costs)
     assert best.step_time == pytest.approx(made.step_time)
     # the cut's cost and the messages' make the step longer than without them
     plain = predict(UNIFORM, cluster(2), 32, schedule="zb-v", depth=2, microbatch_size=4)
