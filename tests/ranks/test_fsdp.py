@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import workers
-from helpers.models import max_abs_diff
+from helpers.models import max_abs_diff, tensors_equal
 
 STEPS, M, LOCAL = 4, 2, 4  # two replicas' batches of 4 make a batch of 8
 TOLERANCE = 1e-6
@@ -81,23 +81,6 @@ def test_fsdp_trains_the_same_weights_with_half_of_each_stage(
     assert all(0.4 <= x <= 0.65 for x in weights + states), (weights, states)
 
 
-def _tensors_equal(a: Any, b: Any) -> bool:
-    """``a`` and ``b`` hold the same structure, with equal tensors, bit for bit."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a, b)
-        )
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_tensors_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_tensors_equal(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
-
-
 @pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
 def test_fsdp_checkpoints_as_without_it_and_resumes_exactly(
     pools: Any, tmp_path: Path, state_dict_type: str
@@ -117,7 +100,7 @@ def test_fsdp_checkpoints_as_without_it_and_resumes_exactly(
     if state_dict_type == "full":
         a, b = (torch.load(p, weights_only=True) for p in (plain, fsdp))
         for key in ("state_dict", "optimizer_states", "pipe2bw", "lr_schedulers"):
-            assert _tensors_equal(a[key], b[key]), key
+            assert tensors_equal(a[key], b[key]), key
     for resume, more in ((fsdp, {"fsdp": True}), (plain, {"fsdp": True}), (fsdp, {})):
         resumed = pool.run(_fit, "1f1b", 6, None, str(resume), **more, **kwargs)[0]
         diff = max_abs_diff(resumed["state"], straight["state"])

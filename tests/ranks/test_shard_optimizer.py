@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import workers
-from helpers.models import max_abs_diff
+from helpers.models import max_abs_diff, tensors_equal
 
 STEPS, M, LOCAL = 4, 2, 4  # two replicas' batches of 4 make a batch of 8
 
@@ -100,23 +100,6 @@ def test_sharded_state_trains_the_same_weights_with_half_the_state(
         assert abs(sum(shares) - 1.0) < 1e-6, (stage, shares)
 
 
-def _tensors_equal(a: Any, b: Any) -> bool:
-    """``a`` and ``b`` hold the same structure, with equal tensors, bit for bit."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a, b)
-        )
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_tensors_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_tensors_equal(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
-
-
 def _resave(ckpt: str, out: str, data_parallel: int, shard: bool) -> None:
     """Load ``ckpt`` (written after 3 steps) into 2BW stages with ``data_parallel`` replicas,
     train no further, and write the consolidated checkpoint to ``out``."""
@@ -152,7 +135,7 @@ def test_sharded_state_checkpoints_as_the_unsharded_and_resumes_exactly(
     if state_dict_type == "full":
         a, b = (torch.load(p, weights_only=True) for p in (plain, shard))
         for key in ("state_dict", "optimizer_states", "pipe2bw", "lr_schedulers"):
-            assert _tensors_equal(a[key], b[key]), key
+            assert tensors_equal(a[key], b[key]), key
     resumed = pool.run(_fit, "2bw", 6, None, str(shard), shard_optimizer=True, **kwargs)[0]
     diff = max_abs_diff(resumed["state"], straight["state"])
     print(f"RESUME sharded optimizer state, {state_dict_type}: max|dW| = {diff:.3e}")
@@ -164,8 +147,8 @@ def test_sharded_state_checkpoints_as_the_unsharded_and_resumes_exactly(
         want = torch.load(tmp_path / "plain.ckpt", weights_only=True)
         for name in ("off.ckpt", "one.ckpt"):
             got = torch.load(tmp_path / name, weights_only=True)
-            assert _tensors_equal(got["state_dict"], want["state_dict"]), name
-            assert _tensors_equal(got["optimizer_states"], want["optimizer_states"]), name
+            assert tensors_equal(got["state_dict"], want["state_dict"]), name
+            assert tensors_equal(got["optimizer_states"], want["optimizer_states"]), name
 
 
 def _fit_lbfgs() -> str:
