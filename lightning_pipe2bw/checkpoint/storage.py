@@ -102,7 +102,8 @@ def load_stage_state_dict(module: nn.Module, full: Mapping[str, Any], strict: bo
     """Load this stage's entries from a consolidated state dict (collective when ``strict``:
     every rank raises the same ``KeyError`` if any stage's entries are missing). Where FSDP
     shards a tensor (``fsdp=True``) this replica takes its shard of the whole one."""
-    local_keys = module.state_dict().keys()
+    local = module.state_dict()
+    local_keys = local.keys()
     if strict:
         missing = _everyone_missing([k for k in local_keys if k not in full])
         if missing:
@@ -111,7 +112,7 @@ def load_stage_state_dict(module: nn.Module, full: Mapping[str, Any], strict: bo
                 f"{missing[:5]}; was it written for a different model?"
             )
     entries = {k: full[k] for k in local_keys if k in full}
-    module.load_state_dict(load_shards(module, entries), strict=strict)
+    module.load_state_dict(load_shards(local, entries), strict=strict)
 
 
 def _everyone_missing(missing: list[str]) -> list[str]:

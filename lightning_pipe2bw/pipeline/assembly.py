@@ -26,7 +26,13 @@ from lightning_pipe2bw.partition import BodyRef, Partition, build_stage
 from lightning_pipe2bw.partition.balance import balance_by_params
 from lightning_pipe2bw.partition.build import Init, Uninitialized, UninitializedError
 from lightning_pipe2bw.pipeline.checks import memory_plan_problems, runtime_problems
-from lightning_pipe2bw.pipeline.fsdp import GradientSync, fsdp_problems, shard_blocks
+from lightning_pipe2bw.pipeline.fsdp import (
+    GradientSync,
+    optimizer_problems,
+    shard_blocks,
+    sharded_blocks,
+    tie_problems,
+)
 from lightning_pipe2bw.pipeline.groups import ProcessGroups, average_over_replicas
 from lightning_pipe2bw.pipeline.options import PipeOptions
 from lightning_pipe2bw.pipeline.problems import raise_problems
@@ -131,9 +137,7 @@ def place_stage(
         raise UninitializedError(entries)
     raise_problems(memory_plan_problems(options, partition, flag))
     if options.fsdp:
-        problems = fsdp_problems(body, (), scales_loss=False)
-        if problems:
-            raise ValueError("fsdp=True: " + "; ".join(problems))
+        raise_problems(tie_problems(body))
         shard_blocks([body.block(i) for i in body.indices], replicas, device)
     if options.compile_blocks is not None:
         body.compile_blocks(options.compile_blocks)
@@ -224,11 +228,12 @@ def build_runtime(
             topology.rank, stage, engine.link.partner_stage, engine.link.partner,
         )  # fmt: skip
     if options.fsdp and training:
-        problems = fsdp_problems(body, optimizers, scales_loss)
-        if problems:
-            raise ValueError("fsdp=True: " + "; ".join(problems))
+        raise_problems(optimizer_problems(optimizers, scales_loss))
         engine.gradient_sync = GradientSync(
-            {v: [body.block(i) for i in body.segment(v)] for v in topology.stages_here}
+            {
+                v: sharded_blocks(body.block(i) for i in body.segment(v))
+                for v in topology.stages_here
+            }
         )
     runtime_optimizers = list(optimizers)
     # with shard_optimizer: which replica updates each parameter of each optimizer

@@ -18,8 +18,9 @@ FSDP, and loading it slices each tensor back into this replica's shard (:func:`l
 Refused, with the reason (``pipeline/options.py``): one replica per stage, the schedules that keep
 a second whole version of each weight (2BW's double buffer, PipeDream's stash), ``shard_optimizer``
 (FSDP shards that state already), blocks that move between stages; at set-up
-(:func:`fsdp_problems`): parameters shared between blocks, Muon (it orthogonalises each matrix
-whole, which FSDP holds in row shards), fp16 with a loss scaler (use bf16).
+(:func:`tie_problems`, :func:`optimizer_problems`): parameters shared between blocks, Muon (it
+orthogonalises each matrix whole, which FSDP holds in row shards), fp16 with a loss scaler (use
+bf16).
 """
 
 from __future__ import annotations
@@ -36,15 +37,19 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
+from lightning_pipe2bw.pipeline.problems import Problem
+
 __all__ = [
     "GradientSync",
-    "fsdp_problems",
     "full_tensors",
     "is_sharded",
     "load_shards",
     "local_elements",
+    "optimizer_problems",
     "shard_blocks",
     "shard_optimizer_state",
+    "sharded_blocks",
+    "tie_problems",
 ]
 
 
@@ -60,15 +65,18 @@ def local_elements(tensors: Iterable[Tensor]) -> int:
 
 def shard_blocks(
     blocks: Sequence[nn.Module], group: dist.ProcessGroup, device: torch.device
-) -> list[FSDPModule]:
+) -> None:
     """``fully_shard`` each of ``blocks`` that has parameters over ``group`` (the stage's
-    replicas, in replica order), in place; the blocks now sharded."""
+    replicas, in replica order), in place (a block without parameters stays as it is)."""
     mesh = DeviceMesh.from_group(group, device.type)
-    sharded: list[FSDPModule] = []
     for block in blocks:
         if any(True for _ in block.parameters()):
-            sharded.append(fully_shard(block, mesh=mesh))
-    return sharded
+            fully_shard(block, mesh=mesh)
+
+
+def sharded_blocks(blocks: Iterable[nn.Module]) -> list[FSDPModule]:
+    """The blocks among ``blocks`` that :func:`shard_blocks` sharded (those with parameters)."""
+    return [b for b in blocks if isinstance(b, FSDPModule)]
 
 
 class GradientSync:
@@ -78,7 +86,8 @@ class GradientSync:
     zero bubble's cut: the engine runs its backwards whole), so the engine calls
     :meth:`before_backward` once per micro-batch and stage; the ``m``-th call of a batch is the
     last. Until then FSDP keeps the unsharded gradients and adds each micro-batch's into them,
-    in the order one process adds them; that backward reduce-scatters their sum."""
+    in the order one process adds them; that backward reduce-scatters their sum.
+    ``blocks_by_stage``: the blocks :func:`shard_blocks` sharded (see :func:`sharded_blocks`)."""
 
     def __init__(self, blocks_by_stage: Mapping[int, Sequence[Any]]) -> None:
         self.blocks_by_stage = {v: list(blocks) for v, blocks in blocks_by_stage.items()}
@@ -100,28 +109,48 @@ class GradientSync:
             block.set_requires_gradient_sync(last, recurse=False)
 
 
-def fsdp_problems(body: Any, optimizers: Sequence[Optimizer], scales_loss: bool) -> list[str]:
-    """What ``fsdp=True`` cannot shard in this run, each with the way out (empty: nothing)."""
+def tie_problems(body: Any) -> list[Problem]:
+    """Parameters that blocks of ``body`` share: FSDP shards each block's own (checked before
+    the blocks are sharded)."""
+    if not body.ties:
+        return []
+    names = "; ".join(tie.describe() for tie in body.ties)
+    return [
+        Problem(
+            "fsdp",
+            True,
+            f"fsdp=True: the body's blocks share parameters ({names}), and FSDP shards each "
+            "block's own parameters; untie them, or leave fsdp False",
+        )
+    ]
+
+
+def optimizer_problems(optimizers: Sequence[Optimizer], scales_loss: bool) -> list[Problem]:
+    """What ``fsdp=True`` cannot update: an optimizer that needs whole matrices, or gradients
+    a loss scaler unscales per device."""
     from lightning_pipe2bw.optim.muon import MuonAdamW
     from lightning_pipe2bw.optim.wrapper import unwrap_optimizer
 
     problems = []
-    if body.ties:
-        names = "; ".join(tie.describe() for tie in body.ties)
-        problems.append(
-            f"the body's blocks share parameters ({names}), and FSDP shards each block's own "
-            "parameters; untie them, or leave fsdp False"
-        )
     if any(isinstance(unwrap_optimizer(o), MuonAdamW) for o in optimizers):
         problems.append(
-            "MuonAdamW orthogonalises each weight matrix whole, and FSDP holds it in row shards "
-            "over the replicas; use AdamW (or another element-wise optimizer) with fsdp=True, or "
-            "shard_optimizer=True, which keeps each matrix whole on one replica"
+            Problem(
+                "fsdp",
+                True,
+                "fsdp=True: MuonAdamW orthogonalises each weight matrix whole, and FSDP holds it "
+                "in row shards over the replicas; use AdamW (or another element-wise optimizer) "
+                "with fsdp=True, or shard_optimizer=True, which keeps each matrix whole on one "
+                "replica",
+            )
         )
     if scales_loss:
         problems.append(
-            "fp16 with a loss scaler unscales the gradients per device, and FSDP's are DTensor "
-            "shards; use precision='bf16-mixed', which needs no scaler"
+            Problem(
+                "fsdp",
+                True,
+                "fsdp=True: fp16 with a loss scaler unscales the gradients per device, and "
+                "FSDP's are DTensor shards; use precision='bf16-mixed', which needs no scaler",
+            )
         )
     return problems
 
@@ -142,10 +171,10 @@ def _shard_like(target: Tensor, value: Any) -> Any:
     )
 
 
-def load_shards(module: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
-    """``state`` (whole tensors by ``module.state_dict()``'s keys) with each entry ``module``
-    holds as a DTensor made this replica's shard of it, ready for ``load_state_dict``."""
-    local = module.state_dict()
+def load_shards(local: Mapping[str, Any], state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` (whole tensors by state-dict key) with each entry the module's own state dict
+    ``local`` holds as a DTensor made this replica's shard of it, ready for
+    ``load_state_dict``."""
     return {k: _shard_like(local[k], v) if k in local else v for k, v in state.items()}
 
 

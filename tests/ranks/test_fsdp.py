@@ -231,3 +231,31 @@ def test_a_weight_tied_across_blocks_is_refused_with_the_tie_named(pools: Any) -
         message = result.get("error", "no error")
         assert message.startswith("fsdp=True: the body's blocks share parameters ("), message
         assert "wte.weight" in message and "untie them" in message, message
+
+
+def _fit_with_a_block_without_parameters(fsdp: bool) -> Any:
+    """The regression model with one block that has no parameters (a tanh), 2 x 2 stages."""
+    import torch.distributed as dist
+    from helpers.models import RegressionModel, loader, quiet_trainer
+
+    from lightning_pipe2bw import Pipe2BWStrategy
+
+    model = RegressionModel()
+    model.body[2] = torch.nn.Tanh()  # on stage 0: FSDP leaves it as it is
+    strategy = Pipe2BWStrategy(schedule="1f1b", microbatches=M, data_parallel=2, fsdp=fsdp)
+    trainer = quiet_trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=STEPS)
+    trainer.fit(model, loader(LOCAL, n=2 * LOCAL * STEPS))
+    state = strategy.full_state_dict()
+    return state if dist.get_rank() == 0 else None
+
+
+def _both_with_a_block_without_parameters() -> dict[str, Any]:
+    return {
+        "plain": _fit_with_a_block_without_parameters(False),
+        "fsdp": _fit_with_a_block_without_parameters(True),
+    }
+
+
+def test_a_block_without_parameters_is_left_unsharded(pools: Any) -> None:
+    results = pools(4).run(_both_with_a_block_without_parameters)
+    assert max_abs_diff(results[0]["fsdp"], results[0]["plain"]) <= TOLERANCE
