@@ -121,14 +121,7 @@ def merge_backward(actions: Sequence[Action], slot: int) -> list[Action]:
     i = actions[slot]
     if i.kind is not ActionKind.INPUT_GRAD:
         raise ValueError(f"slot {slot} holds {i}, not an inputs' gradient (I) to merge")
-    w = next(
-        n
-        for n in range(slot + 1, len(actions))
-        if actions[n].kind is ActionKind.WEIGHT_GRAD
-        and (actions[n].stage, actions[n].microbatch) == (i.stage, i.microbatch)
-    )
-    b = Action(i.stage, ActionKind.BACKWARD, i.microbatch, i.version)
-    return [*actions[:slot], b, *actions[slot + 1 : w], *actions[w + 1 :]]
+    return _merged(actions, {(i.stage, i.microbatch)})
 
 
 def _merged(actions: Sequence[Action], keys: set[tuple[int, int]]) -> list[Action]:
