@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 from lightning_pipe2bw.pipeline.problems import Problem
+from lightning_pipe2bw.runtime.stash import local_shard
 
 __all__ = [
     "GradientSync",
@@ -60,7 +61,7 @@ def is_sharded(tensor: Any) -> bool:
 
 def local_elements(tensors: Iterable[Tensor]) -> int:
     """The elements this rank holds of ``tensors`` (a DTensor's local shard only)."""
-    return sum(t.to_local().numel() if isinstance(t, DTensor) else t.numel() for t in tensors)
+    return sum(local_shard(t).numel() for t in tensors)
 
 
 def shard_blocks(

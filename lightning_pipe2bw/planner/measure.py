@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from lightning_pipe2bw.planner.profile import BlockProfile, Profile, ProfileSet
@@ -27,7 +26,7 @@ from lightning_pipe2bw.planner.timing import (
     tree_map,
 )
 from lightning_pipe2bw.runtime.call import call_input
-from lightning_pipe2bw.runtime.stash import run_eagerly
+from lightning_pipe2bw.runtime.stash import local_shard, run_eagerly
 
 __all__ = ["MakeOptimizer", "profile_sizes", "storage_bytes"]
 
@@ -282,8 +281,7 @@ def _leaf_bytes(tree: Any) -> int:
 def storage_key(t: Tensor) -> tuple[int, int]:
     """(key, bytes) of the storage behind ``t``; tensors without one count alone, by id. A
     DTensor (``fsdp=True``) counts the shard this rank holds."""
-    if isinstance(t, DTensor):
-        t = t.to_local()
+    t = local_shard(t)
     try:
         storage = t.untyped_storage()
         if storage.data_ptr() != 0:

@@ -9,10 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from lightning_pipe2bw.runtime.payload import StepFn
-from lightning_pipe2bw.runtime.stash import ActivationStash
+from lightning_pipe2bw.runtime.stash import ActivationStash, local_shard
 from lightning_pipe2bw.schedule import Action
 
 __all__ = [
@@ -156,8 +155,7 @@ def weight_buffers_referenced(body: nn.Module, slots: Iterable[Slot]) -> int:
 def _buffer_key(t: Tensor) -> int:
     """Which buffer ``t`` lives in: its storage (a DTensor's shard's, under ``fsdp=True``; a
     weight FSDP has gathered for a block's call, whose storage it frees and refills, by id)."""
-    if isinstance(t, DTensor):
-        t = t.to_local()
+    t = local_shard(t)
     try:
         return int(t.untyped_storage().data_ptr())
     except RuntimeError:

@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 
 _ALIGN = 64  # bytes: storages packed into one buffer start at multiples of this
 
-__all__ = ["ActivationStash", "check_memory_plan", "run_eagerly"]
+__all__ = ["ActivationStash", "check_memory_plan", "local_shard", "run_eagerly"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -135,7 +135,7 @@ class ActivationStash:
         """Record what the forward of ``microbatch`` saves for its backward."""
         # the weights' storages (a DTensor's, under fsdp=True: its shard; the weights FSDP
         # gathers for a block's call are parameters, or views of them, when saved)
-        skip = {_local(t).untyped_storage().data_ptr() for t in weights}
+        skip = {local_shard(t).untyped_storage().data_ptr() for t in weights}
         micro = self.micro.setdefault(microbatch, _Micro())
         by_ptr: dict[int, _Storage] = {}
 
@@ -381,8 +381,8 @@ def _bytes_of(t: Tensor) -> Tensor:
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
 
 
-def _local(t: Tensor) -> Tensor:
-    """``t``, or the shard this rank holds of a DTensor."""
+def local_shard(t: Tensor) -> Tensor:
+    """``t``, or the shard this rank holds of a DTensor (``fsdp=True``)."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
