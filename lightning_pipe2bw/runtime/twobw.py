@@ -19,7 +19,7 @@ from lightning_pipe2bw.runtime.versions import TwoBWOptimizer, WeightVersions
 from lightning_pipe2bw.schedule import (
     Action,
     OneFOneBStream,
-    PlacedStream,
+    VListStream,
     add_offload,
     with_communication,
 )
@@ -193,7 +193,7 @@ class TwoBWDriver:
         if self.version_log is not None:
             self.version_log.append(len(self.versions.live_versions()))
 
-    def _new_stream(self) -> OneFOneBStream | PlacedStream:
+    def _new_stream(self) -> OneFOneBStream | VListStream:
         seg, m = self.segment_start, self.m
 
         def version(k: int) -> int:
@@ -201,7 +201,7 @@ class TwoBWDriver:
 
         placement = self.engine.virtual.placement
         if placement is not None:  # several stages per rank (2BW on a V)
-            return PlacedStream(placement, self.engine.stage, version)
+            return VListStream(placement, self.engine.stage, m, version)
         return OneFOneBStream(self.engine.stage, self.engine.num_stages, version)
 
     def _weights_for(self, microbatch: int) -> Mapping[str, Tensor]:
@@ -223,7 +223,7 @@ class TwoBWDriver:
         backward: Callable[[Tensor], None],
     ) -> dict[int, Any]:
         p, stage = self.engine.num_stages, self.engine.stage
-        if isinstance(self.stream, PlacedStream):  # its actions include the messages
+        if isinstance(self.stream, VListStream):  # its actions include the messages
             comm = list(actions)
         else:
             comm = [c for a in actions for c in with_communication(a, p)]

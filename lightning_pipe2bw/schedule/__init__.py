@@ -52,7 +52,7 @@ from .registry import (
     virtual_schedule,
 )
 from .simulate import Costs, DeadlockError, SimResult, simulate
-from .stream import OneFOneBStream, PlacedStream
+from .stream import OneFOneBStream, VListStream
 from .validate import ScheduleError, validate
 from .virtual import (
     dualpipe_v,
@@ -76,11 +76,11 @@ __all__ = [
     "Costs",
     "DeadlockError",
     "OneFOneBStream",
-    "PlacedStream",
     "Schedule",
     "ScheduleError",
     "ScheduleSpec",
     "SimResult",
+    "VListStream",
     "add_communication",
     "add_offload",
     "add_offload_schedule",

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from .action import Action, ActionKind
 from .generators import Schedule, check_sizes, two_bw_version
-from .stream import PlacedStream
+from .stream import VListStream
 
 __all__ = [
     "dualpipe_v",
@@ -293,14 +293,14 @@ def _list_schedule(
 
 def two_bw_v(num_ranks: int, num_microbatches: int, num_batches: int = 2) -> Schedule:
     """PipeDream-2BW on a V (rank r holds stages r and 2p - 1 - r) over ``num_batches``
-    batches of m micro-batches, flushed only at the end: each rank's :class:`PlacedStream`
-    (1F1B over the 2p stages, a rank's two stages merged in the order of their ideal start
-    times, messages included), cut after each batch's forwards as the driver cuts it. Actions
-    carry the weight version of their batch (:func:`two_bw_version`). Needs m >= p, as 2BW
-    does, so that a batch's backwards are done on every rank once the next batch has been
-    admitted (the gradient the delayed update applies is complete). Every rank holds at most
-    2p + 1 stage micro-batches, half-size ones: about 1F1B's first-stage peak (p whole ones), on
-    every rank alike."""
+    batches of m micro-batches, flushed only at the end: each rank's :class:`VListStream`
+    (a list schedule of the 2p stages that a Lightning step per batch can run, messages
+    included), cut at each batch as the driver cuts it. Actions carry the weight version of
+    their batch (:func:`two_bw_version`). Needs m >= p, as 2BW does: a batch's backwards are
+    then done on every rank within the window that admits the next batch without holding the
+    pipeline back (the gradient the delayed update applies is complete). Every rank holds at
+    most 2p + 1 stage micro-batches, half-size ones: about 1F1B's first-stage peak (p whole
+    ones), on every rank alike."""
     check_sizes(num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches
     if m < p:
@@ -308,7 +308,7 @@ def two_bw_v(num_ranks: int, num_microbatches: int, num_batches: int = 2) -> Sch
     placement = v_placement(p)
     lanes = []
     for r in range(p):
-        stream = PlacedStream(placement, r, lambda k: two_bw_version(k, m))
+        stream = VListStream(placement, r, m, lambda k: two_bw_version(k, m))
         lane = [a for t in range(1, num_batches + 1) for a in stream.window(t * m)]
         lanes.append((*lane, *stream.drain()))
     return Schedule("2bw-v", 2 * p, m * num_batches, tuple(lanes), placement=placement)
