@@ -1,6 +1,7 @@
 """Lightning idioms work as on one device, on every rank of a pipeline: the step outputs a step
 appends to a list and an epoch-end hook stacks, and torchmetrics ``Metric`` objects passed to
-``self.log`` (step and epoch values, reset at epoch end).
+``self.log`` (step and epoch values, reset at epoch end); ``Trainer.validate`` and
+``Trainer.test`` report one device's metrics.
 
 A real 2-stage fit (1F1B: the weights equal one device's) on the session's gloo pool, against
 Lightning on one device in this process. Before, the stages other than the last never ran the
@@ -17,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torchmetrics
+from helpers.models import RegressionModel, loader, quiet_trainer
 from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -137,3 +139,26 @@ def test_under_2bw_the_other_ranks_log_the_last_stages_values(pools: Any) -> Non
     first, second = pools(2).run(_on_rank, "2bw", timeout=TIMEOUT)
     assert first["epoch_ends"] == second["epoch_ends"]
     assert first["metrics"] == second["metrics"]
+
+
+def _validate_and_test() -> dict[str, float]:
+    torch.set_num_threads(1)
+    model = RegressionModel()
+    trainer = quiet_trainer(
+        devices=2, strategy=Pipe2BWStrategy(microbatches=4), limit_val_batches=None
+    )
+    val = trainer.validate(model, loader(8, n=32), verbose=False)[0]["val_loss"]
+    test = trainer.test(model, loader(8, n=32), verbose=False)[0]["test_loss"]
+    return {"val": val, "test": test}
+
+
+def test_validate_and_test_metrics_equal_single_device(pools: Any) -> None:
+    """``Trainer.validate`` and ``Trainer.test`` outside fit: the loss each logs (the mean
+    over 4 batches, each merged from 4 micro-batches) is one device's, on every rank."""
+    model = RegressionModel()
+    single = quiet_trainer(devices=1, limit_val_batches=None)
+    want_val = single.validate(model, loader(8, n=32), verbose=False)[0]["val_loss"]
+    want_test = single.test(model, loader(8, n=32), verbose=False)[0]["test_loss"]
+    for r in pools(2).run(_validate_and_test, timeout=TIMEOUT):
+        assert r["val"] == pytest.approx(want_val, rel=1e-6), r
+        assert r["test"] == pytest.approx(want_test, rel=1e-6), r

@@ -1,18 +1,18 @@
 """Real ``Trainer``s that start their own processes (``pipe2bw_spawn``): the launching process
-gets the trained weights and the predictions back, and checkpoints load on one device."""
+gets the trained weights and the predictions back, and checkpoints load on one device.
+(``Trainer.validate`` and ``Trainer.test`` against one device run on the session's pool:
+``test_idioms.py``; a spawn costs two fresh interpreters, and the launcher hands results back
+alike for every Trainer call.)"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from helpers.models import RegressionModel, loader, max_abs_diff, quiet_trainer, reference_train
 from lightning.pytorch import Callback
 from torch import nn
-
-import lightning_pipe2bw
 
 
 class SaveAtEnd(Callback):
@@ -54,20 +54,3 @@ def test_spawn_fit_predict_and_checkpoint(tmp_path: Path) -> None:
     with torch.no_grad():
         want = loaded.body(x)
     torch.testing.assert_close(torch.cat(preds), want, rtol=0, atol=1e-6)
-
-
-def test_spawn_validate_and_test_metrics_equal_single_device() -> None:
-    model = RegressionModel()
-    single = quiet_trainer(devices=1, limit_val_batches=None)
-    want_val = single.validate(model, loader(8, n=32), verbose=False)[0]["val_loss"]
-    want_test = single.test(model, loader(8, n=32), verbose=False)[0]["test_loss"]
-    pipe = quiet_trainer(
-        devices=2,
-        strategy=lightning_pipe2bw.Pipe2BWStrategy(microbatches=4, start_method="spawn"),
-        limit_val_batches=None,
-    )
-    got_val = pipe.validate(model, loader(8, n=32), verbose=False)[0]["val_loss"]
-    assert got_val == pytest.approx(want_val, rel=1e-6)
-    pipe = quiet_trainer(devices=2, strategy="pipe2bw_spawn")
-    got_test = pipe.test(model, loader(8, n=32), verbose=False)[0]["test_loss"]
-    assert got_test == pytest.approx(want_test, rel=1e-6)
