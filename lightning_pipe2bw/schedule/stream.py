@@ -1,4 +1,5 @@
-"""The per-stage 1F1B action stream, consumed in windows: one source for 1F1B, 2BW and the engine."""
+"""Action streams a rank consumes in windows: a stage's 1F1B (one source for 1F1B, 2BW and the
+engine) and 2BW's on the V (a list schedule of every rank, with its messages)."""
 
 from __future__ import annotations
 
