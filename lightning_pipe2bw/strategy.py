@@ -642,6 +642,9 @@ class Pipe2BWStrategy(ParallelStrategy):
         if runtime is not None and not self._failed:
             if not isinstance(self._launcher, PipeSpawnLauncher):
                 self._hand_back(runtime)
+            # after a failure the transport stays: its notice may still be on its way, and a
+            # closed socket would tell the neighbours this process is gone instead
+            runtime.release_transport()
         super().teardown()
 
     @names_lost_ranks("the hand-back of the trained model after the Trainer call")

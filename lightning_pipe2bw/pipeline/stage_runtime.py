@@ -174,6 +174,15 @@ class StageRuntime:
         """Drain the pipeline (2BW); the gradient now due, if any."""
         return self.driver.flush(backward)
 
+    def release_transport(self) -> None:
+        """End of a Trainer call that ended well (every rank is past its last action): wait
+        for this rank's sends, then release the transport. Shared memory gives its rings back
+        (8 MiB a channel) and closes its socket; each Trainer call builds a new transport, so a
+        process that runs many calls (a notebook, a sweep) would otherwise hold every call's."""
+        transport = self.engine.transport
+        transport.wait_sends()
+        transport.close()
+
     def close(self) -> None:
         """End of fit: settle the step values owed to other ranks, close the BPipe link."""
         self.driver.close()

@@ -70,6 +70,8 @@ class Transport(Protocol):
 
     def wait_sends(self) -> None: ...
 
+    def close(self) -> None: ...
+
     @property
     def pending_bytes(self) -> int: ...
 
@@ -117,6 +119,10 @@ class HeldSends:
             work.wait()
         self._pending.clear()
         self._settled = 0
+
+    def close(self) -> None:
+        """End of a Trainer call: nothing is held but the sends' buffers, released by
+        :meth:`wait_sends` (the process group outlives the transport)."""
 
     @property
     def pending_bytes(self) -> int:

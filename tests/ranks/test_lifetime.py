@@ -54,12 +54,22 @@ def live_tensor_bytes() -> int:
 class LiveBytes(Callback):
     def __init__(self) -> None:
         self.after_step: list[int] = []
+        self.rings = 0  # the shared-memory mappings during the fit
 
     def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
         self.after_step.append(live_tensor_bytes())
+        self.rings = shared_memory_mappings()
+
+
+def shared_memory_mappings() -> int:
+    """This process's mappings of the shared-memory transport's rings (their files are unlinked
+    as soon as both ends map them, so only a mapping keeps their pages)."""
+    with open("/proc/self/maps") as maps:
+        return sum(1 for line in maps if "/dev/shm/pipe2bw-" in line)
 
 
 def _fit_and_forget(schedule: str) -> dict[str, Any]:
+    rings_before = shared_memory_mappings()
     probe = LiveBytes()
     model = Wider()
     strategy = Pipe2BWStrategy(schedule=schedule, microbatches=4)
@@ -67,13 +77,19 @@ def _fit_and_forget(schedule: str) -> dict[str, Any]:
         devices=dist.get_world_size(), strategy=strategy, max_steps=STEPS, callbacks=[probe]
     )
     trainer.fit(model, loader(64, n=64 * STEPS))
+    # given back when the fit ends, not when the collector finds the Trainer
+    rings_after_fit = shared_memory_mappings()
     refs = [weakref.ref(model), weakref.ref(strategy), weakref.ref(trainer)]
-    live = probe.after_step
+    live, rings_in_fit = probe.after_step, probe.rings
     # Lightning gives every callback the module's bound ``log``: the probe holds the model
     # (on one device too), so it goes as well
     del model, strategy, trainer, probe
     gc.collect()
-    return {"alive": [r() is not None for r in refs], "live": live}
+    return {
+        "alive": [r() is not None for r in refs],
+        "live": live,
+        "rings": (rings_before, rings_in_fit, rings_after_fit),
+    }
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
@@ -87,3 +103,7 @@ def test_training_leaves_nothing_behind(pools: Any, schedule: str) -> None:
         assert growth <= 1024, (rank, r["live"])
         # the model, the strategy and the Trainer went with the last reference to them
         assert r["alive"] == [False, False, False], rank
+        # the transport's shared-memory rings (8 MiB a channel) went at the end of the fit,
+        # while the Trainer and its strategy were still held
+        before, during, after = r["rings"]
+        assert during > before and after == before, (rank, r["rings"])
