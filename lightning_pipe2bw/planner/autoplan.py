@@ -24,7 +24,7 @@ from lightning_pipe2bw.planner.plans import PlanResult
 from lightning_pipe2bw.planner.profile import ProfileSet
 from lightning_pipe2bw.runtime.call import BodyInput
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, split_batch
-from lightning_pipe2bw.runtime.shm import SharedMemoryTransport, create_transport
+from lightning_pipe2bw.runtime.shm import create_transport
 from lightning_pipe2bw.runtime.transport import wire_device
 from lightning_pipe2bw.schedule import schedule_spec
 
@@ -163,8 +163,7 @@ def measure_latency(device: torch.device, peer: int, rounds: int = 50) -> Messag
     )
     if rank in (0, peer):
         transport.wait_sends()
-    if isinstance(transport, SharedMemoryTransport):
-        transport.close()
+    transport.close()
     send = statistics.median(sends[skip:]) if sends else 0.0
     return MessageTimes(seconds / 2, *_from_rank_0([send], device))
 
