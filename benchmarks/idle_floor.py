@@ -34,10 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -47,6 +44,7 @@ from typing import Any
 import torch
 import yaml
 from machine import cpu_pressure_60s
+from main_job import interleaved, launch
 
 from lightning_pipe2bw.recipes.gpt.model import GPT
 from lightning_pipe2bw.schedule import Schedule
@@ -59,17 +57,13 @@ KINDS = {"F": "forward", "B": "backward", "I": "input_grad", "W": "weight_grad"}
 
 def run_job(config: str, out: Path) -> dict[str, Any]:
     """One run of the main job with ``config``'s overrides (validation and checkpoints off)."""
-    cmd = [sys.executable, "-m", "lightning_pipe2bw.train", *shlex.split(config)]
-    cmd += [
-        f"hydra.run.dir={out}",
-        "trainer.enable_progress_bar=false",
+    launch(
+        config,
+        out,
         "trainer.val_check_interval=100000",
         "trainer.num_sanity_val_steps=0",
         "trainer.enable_checkpointing=false",
-    ]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{config!r} failed:\n{done.stderr[-3000:]}")
+    )
     return {
         "trace": json.loads((out / "trace.json").read_text()),
         "stages": json.loads((out / "stages.json").read_text()),
@@ -202,12 +196,9 @@ def main() -> None:
     pressure = cpu_pressure_60s()
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(ns.rounds):
-            order = ns.configs if r % 2 == 0 else ns.configs[::-1]
-            for i, config in enumerate(order):
-                print(f"round {r + 1}/{ns.rounds}: {config or '(defaults)'}", flush=True)
-                job = run_job(f"{config} trainer.max_steps={ns.steps}", Path(tmp) / f"r{r}c{i}")
-                runs.append({"config": config, "round": r, **analyse(job)})
+        for r, i, config in interleaved(ns.configs, ns.rounds):
+            job = run_job(f"{config} trainer.max_steps={ns.steps}", Path(tmp) / f"r{r}c{i}")
+            runs.append({"config": config, "round": r, **analyse(job)})
     print(
         "\n| configuration | stage | step ms | idle % (measured) | bubble % (simulated) "
         "| optimizer ms | floor % (bubble + optimizer) |"

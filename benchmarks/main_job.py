@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,14 +42,30 @@ DEFAULT_CONFIGS = (
 )
 
 
-def run(config: str, out: Path) -> dict[str, Any]:
-    """One whole run of the main job with ``config``'s overrides, its output in ``out``."""
+def launch(config: str, out: Path, *extra: str) -> None:
+    """Run the main job whole with ``config``'s overrides and ``extra`` ones, its output in
+    ``out`` (no progress bar); raise with the end of its stderr if it fails."""
     cmd = [sys.executable, "-m", "lightning_pipe2bw.train", *shlex.split(config)]
-    cmd += [f"hydra.run.dir={out}", "trainer.enable_progress_bar=false"]
-    start = time.perf_counter()
+    cmd += [f"hydra.run.dir={out}", "trainer.enable_progress_bar=false", *extra]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{config!r} failed:\n{done.stderr[-3000:]}")
+
+
+def interleaved(configs: Sequence[str], rounds: int) -> Iterator[tuple[int, int, str]]:
+    """(round, position, configuration) for every run of ``rounds`` interleaved rounds, each
+    round in the reverse order of the one before (the machine drifts); announces each run."""
+    for r in range(rounds):
+        order = configs if r % 2 == 0 else configs[::-1]
+        for i, config in enumerate(order):
+            print(f"round {r + 1}/{rounds}: {config or '(defaults)'}", flush=True)
+            yield r, i, config
+
+
+def run(config: str, out: Path) -> dict[str, Any]:
+    """One whole run of the main job with ``config``'s overrides, its output in ``out``."""
+    start = time.perf_counter()
+    launch(config, out)
     result = json.loads((out / "result.json").read_text())
     stages = json.loads((out / "stages.json").read_text())
     return {
@@ -73,13 +90,10 @@ def main() -> None:
     pressure = cpu_pressure_60s()
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(ns.rounds):
-            order = ns.configs if r % 2 == 0 else ns.configs[::-1]
-            for i, config in enumerate(order):
-                print(f"round {r + 1}/{ns.rounds}: {config}", flush=True)
-                result = run(config, Path(tmp) / f"r{r}c{i}")
-                result["round"] = r
-                runs.append(result)
+        for r, i, config in interleaved(ns.configs, ns.rounds):
+            result = run(config, Path(tmp) / f"r{r}c{i}")
+            result["round"] = r
+            runs.append(result)
     first = ns.configs[0]
     rows = []
     print()
