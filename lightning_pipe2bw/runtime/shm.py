@@ -46,7 +46,7 @@ from lightning_pipe2bw.runtime.wire import (
     wire_device,
 )
 
-__all__ = ["SharedMemoryTransport", "create_transport"]
+__all__ = ["create_transport"]
 
 log = logging.getLogger(__name__)
 
