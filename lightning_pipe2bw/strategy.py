@@ -50,7 +50,8 @@ from lightning_pipe2bw.failures.peers import PeerDirectory
 from lightning_pipe2bw.failures.record import StageFailure
 from lightning_pipe2bw.failures.signals import SignalGuard
 from lightning_pipe2bw.partition import Partition, find_body
-from lightning_pipe2bw.pipeline.assembly import build_runtime, place_stage, resolve_balance
+from lightning_pipe2bw.partition.balance import Split
+from lightning_pipe2bw.pipeline.assembly import build_runtime, place_stage, resolve_split
 from lightning_pipe2bw.pipeline.checks import run_problems
 from lightning_pipe2bw.pipeline.groups import ProcessGroups, choose_backend
 from lightning_pipe2bw.pipeline.intake import step_call
@@ -146,6 +147,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         self.groups: ProcessGroups | None = None  # made at set-up, kept for every Trainer call
         self.runtime: StageRuntime | None = None  # this rank's stage, rebuilt by every set-up
         self.plan: PlanResult | None = None  # what balance="auto" chose (saved in checkpoints)
+        self.split: Split | None = None  # the blocks per stage and the rule that chose them
         # the plan's predicted throughput against the run's (``plan_check.result`` once measured)
         self.plan_check: PlanCheck | None = None
         self._repartitioner = Repartitioner(repartition_every, self.options.repartition_threshold)
@@ -258,8 +260,9 @@ class Pipe2BWStrategy(ParallelStrategy):
     def pipeline_view(self) -> PipelineView:
         """What the callbacks read: this rank's place in the pipeline, its engine and driver."""
         return PipelineView(
-            self.stage, self.num_stages, self.replica, self.root_device, self.engine, self.driver
-        )
+            self.stage, self.num_stages, self.replica, self.root_device, self.engine, self.driver,
+            self.split,
+        )  # fmt: skip
 
     @property
     def _runtime(self) -> StageRuntime:
@@ -426,10 +429,12 @@ class Pipe2BWStrategy(ParallelStrategy):
                 module, ref, self.options, self.root_device, self.world_size,
                 self.num_processes, self.global_rank,
             )  # fmt: skip
-        balance = resolve_balance(self.options, ref, self.topology.num_virtual, self.plan)
+        self.split = resolve_split(
+            self.options, ref, self.topology, self.plan, self._step_call(trainer, shapes_only=True)
+        )
         recompute = self.plan.best.recompute if self.plan is not None else self.options.recompute
         body, partition = place_stage(
-            module, ref, self.options, self.topology, balance, self.root_device, recompute,
+            module, ref, self.options, self.topology, self.split.balance, self.root_device, recompute,
             replicas=self.groups.stage,
         )  # fmt: skip
         assert self.model is not None
@@ -470,7 +475,9 @@ class Pipe2BWStrategy(ParallelStrategy):
             share_metrics(module, self.topology.is_last, group)
         quiet_epoch_sync_advice()
 
-    def _step_call(self, trainer: Trainer) -> Callable[[nn.Module], Any] | None:
+    def _step_call(
+        self, trainer: Trainer, shapes_only: bool = False
+    ) -> Callable[[nn.Module], Any] | None:
         """The arguments the step passes to a model on the first micro-batch of this Trainer
         call's first loader (``pipeline.intake.step_call``), or None without a loader."""
         found = compat.current_dataloader(trainer)
@@ -478,7 +485,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         if found is None or module is None:
             return None
         loader, hook = found
-        return step_call(module, hook, loader, self.num_microbatches)
+        return step_call(module, hook, loader, self.num_microbatches, shapes_only=shapes_only)
 
     def _lost_rank(self, error: BaseException, where: str) -> StageFailure | None:
         """The error naming a rank found gone, for ``error`` raised in ``where``; None when the
@@ -578,10 +585,12 @@ class Pipe2BWStrategy(ParallelStrategy):
             step, self._repartitioner, runtime, self.flush, self._move_blocks, self.global_rank
         )
 
-    def _move_blocks(self, balance: Sequence[int], carry: bool = True) -> None:
+    def _move_blocks(
+        self, balance: Sequence[int], carry: bool = True, why: str = "moved by live repartitioning"
+    ) -> None:
         """Make the pipeline run ``balance`` (collective; at a flush point), carrying the
         optimizers' and schedulers' state (not before a checkpoint's state is loaded:
-        ``carry=False``); see ``repartition.migrate``."""
+        ``carry=False``); see ``repartition.migrate``. ``why``: the split's rule now."""
         module = self.lightning_module
         assert module is not None
         trainer = module.trainer
@@ -601,13 +610,14 @@ class Pipe2BWStrategy(ParallelStrategy):
         )
         if stepped is not None:
             self.optimizers = stepped
+        self.split = Split(tuple(balance), why)
 
     def _adopt_layout(self, state: Mapping[str, Any] | None) -> None:
         """Run the blocks-per-stage layout a checkpoint was written with (collective: every
         rank reads the same checkpoint)."""
         saved = checkpoint_layout(state, self.runtime, self.options.balance is not None)
         if saved is not None:
-            self._move_blocks(saved, carry=False)
+            self._move_blocks(saved, carry=False, why="the checkpoint's")
 
     # ------------------------------------------------------------------ hooks
     @override

@@ -62,6 +62,8 @@ class StageReport:
     # each one's own saved bytes (one stage: the rank's peak)
     stages: list[int] = field(default_factory=list)
     stage_peak_activation_bytes: list[int] = field(default_factory=list)
+    # how the body was cut (the same on every rank): the rule and the modelled costs
+    split: str = ""
     timeline: list[TimedAction] = field(default_factory=list, repr=False)
 
     def row(self) -> dict[str, Any]:
@@ -114,6 +116,7 @@ def stage_report(
             stats.stage_peak_bytes.get(v, stats.peak_activation_bytes)
             for v in engine.virtual.stages
         ],
+        split=view.split.describe() if view.split is not None else "",
         timeline=actions[max(len(actions) - max_actions, 0) :],
     )
 
@@ -149,11 +152,12 @@ def _mib(nbytes: int) -> str:
 
 
 def print_stage_table(reports: Sequence[StageReport]) -> None:
-    """Print one row per stage with ``rich``."""
+    """Print one row per stage with ``rich``, and under it the rule that split the body."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="pipeline stages")
+    split = next((r.split for r in reports if r.split), "")
+    table = Table(title="pipeline stages", caption=split or None, caption_justify="left")
     table.add_column("stage", justify="right")
     table.add_column("rank", justify="right")
     table.add_column("blocks")

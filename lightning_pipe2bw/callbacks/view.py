@@ -9,6 +9,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from lightning.pytorch import Trainer
 
+from lightning_pipe2bw.partition.balance import Split
 from lightning_pipe2bw.runtime.driver import Driver
 from lightning_pipe2bw.runtime.engine import PipelineEngine
 from lightning_pipe2bw.schedule.offload import ActivationBudget
@@ -19,8 +20,8 @@ __all__ = ["PipelineStrategy", "PipelineView", "pipeline_strategy", "pipeline_vi
 @dataclass(frozen=True)
 class PipelineView:
     """This rank's place in the pipeline and what runs its stage, as the strategy has them now
-    (``engine`` and ``driver``: None before set-up; live repartitioning replaces the driver, so
-    take a new view rather than keeping one)."""
+    (``engine``, ``driver`` and ``split``: None before set-up; live repartitioning replaces the
+    driver and the split, so take a new view rather than keeping one)."""
 
     stage: int
     num_stages: int
@@ -28,6 +29,7 @@ class PipelineView:
     root_device: torch.device
     engine: PipelineEngine | None
     driver: Driver | None
+    split: Split | None = None  # the blocks per stage and the rule that chose them
 
 
 @runtime_checkable

@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import accumulate
+from dataclasses import dataclass
+from itertools import accumulate, pairwise
 
 from torch import nn
 
-__all__ = ["balance_by_params"]
+__all__ = ["Split", "balance_by_weights", "parameter_counts", "stage_loads"]
 
 
-def balance_by_weights(weights: Sequence[float], num_stages: int) -> tuple[int, ...]:
+def balance_by_weights(
+    weights: Sequence[float], num_stages: int, placement: Sequence[int] | None = None
+) -> tuple[int, ...]:
     """Blocks per stage minimising the heaviest stage (the sum of its blocks' weights), every
     stage getting at least one block.
+
+    With ``placement`` (the rank of each stage, where a rank holds several: interleaved, a V),
+    what a rank runs is the sum of its stages, and the heaviest rank sets the pace: from the
+    split above, boundaries move (a run of them by one block at a time) while that makes the
+    heaviest rank lighter, or leaves it and makes the heaviest stage lighter (see
+    :func:`_even_ranks`).
 
     Exact, by dynamic programming over (stage, first block): ``O(p n^2)``, instant for the block
     counts of real bodies. Among equally heavy splits it prefers the most even one (the least sum
@@ -25,7 +34,7 @@ def balance_by_weights(weights: Sequence[float], num_stages: int) -> tuple[int, 
     if num_stages > n:
         raise ValueError(
             f"the body has {n} blocks but the pipeline has {num_stages} stages; use at most {n} "
-            "stages or split the body into more blocks"
+            "devices/stages or split the body into more blocks"
         )
     if any(w < 0 for w in weights):
         raise ValueError(f"block weights must be >= 0, got {list(weights)}")
@@ -50,10 +59,84 @@ def balance_by_weights(weights: Sequence[float], num_stages: int) -> tuple[int, 
         k = cut[s][j]
         balance.append(k - j)
         j = k
-    return tuple(balance)
+    if placement is None or len(set(placement)) == num_stages:
+        return tuple(balance)
+    return _even_ranks(prefix, tuple(balance), placement)
 
 
-def balance_by_params(blocks: Sequence[nn.Module], num_stages: int) -> tuple[int, ...]:
-    """Blocks per stage evening out the parameter count (works on the meta device too)."""
-    counts = [sum(p.numel() for p in block.parameters()) for block in blocks]
-    return balance_by_weights(counts, num_stages)
+def stage_loads(
+    weights: Sequence[float], balance: Sequence[int], placement: Sequence[int] | None = None
+) -> list[float]:
+    """The summed weights of each stage of ``balance``; with ``placement``, of each rank."""
+    bounds = [0, *accumulate(balance)]
+    loads = [float(sum(weights[a:b])) for a, b in pairwise(bounds)]
+    if placement is None:
+        return loads
+    ranks = [0.0] * (max(placement) + 1)
+    for stage, load in enumerate(loads):
+        ranks[placement[stage]] += load
+    return ranks
+
+
+def _even_ranks(
+    prefix: Sequence[float], balance: tuple[int, ...], placement: Sequence[int]
+) -> tuple[int, ...]:
+    """``balance`` improved for ranks that hold several stages: the best of the moves of a run
+    of consecutive boundaries by one block, left or right, as long as one makes (the heaviest
+    rank, the heaviest stage, the sum of squared stage loads) smaller. Moving a run shifts
+    blocks between two stages that need not be neighbours (on a V, a rank's stages lie far
+    apart) while the stages between keep their size. A local search: exact where the blocks
+    weigh alike but for the ends, which is what it is for."""
+    n_stages = len(balance)
+
+    def key(bounds: Sequence[int]) -> tuple[float, float, float]:
+        loads = [prefix[b] - prefix[a] for a, b in pairwise(bounds)]
+        ranks: dict[int, float] = {}
+        for stage, load in enumerate(loads):
+            ranks[placement[stage]] = ranks.get(placement[stage], 0.0) + load
+        return max(ranks.values()), max(loads), sum(x * x for x in loads)
+
+    bounds = [0, *accumulate(balance)]
+    best = key(bounds)
+    while True:
+        found = None
+        for first in range(1, n_stages):
+            for last in range(first, n_stages):
+                for step in (-1, 1):
+                    moved = bounds[:first] + [b + step for b in bounds[first : last + 1]]
+                    moved += bounds[last + 1 :]
+                    if any(b <= a for a, b in pairwise(moved)):
+                        continue  # a stage left without a block
+                    value = key(moved)
+                    if value < best:
+                        best, found = value, moved
+        if found is None:
+            return tuple(b - a for a, b in pairwise(bounds))
+        bounds = found
+
+
+def parameter_counts(blocks: Sequence[nn.Module]) -> list[int]:
+    """Each block's parameter count (works on the meta device too)."""
+    return [sum(p.numel() for p in block.parameters()) for block in blocks]
+
+
+@dataclass(frozen=True)
+class Split:
+    """How the body is cut: ``balance`` blocks per stage, chosen by ``rule`` (in words, for the
+    stage table), with the modelled cost of each stage, the rank's whole where it holds several
+    (``loads``: the summed block weights the rule evened out; empty where the rule has none,
+    such as a given list)."""
+
+    balance: tuple[int, ...]
+    rule: str
+    loads: tuple[float, ...] = ()
+
+    def describe(self) -> str:
+        """One line: the rule, and how far apart the ranks are in modelled cost."""
+        if not self.loads or min(self.loads) <= 0:
+            return f"split: {self.rule}"
+        shares = ", ".join(f"{load / max(self.loads):.2f}" for load in self.loads)
+        return (
+            f"split: {self.rule}; modelled cost of each stage {shares} of the heaviest "
+            f"(max/min {max(self.loads) / min(self.loads):.2f})"
+        )

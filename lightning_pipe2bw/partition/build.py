@@ -16,7 +16,7 @@ from lightning_pipe2bw.partition.split import BodyRef, Partition, make_partition
 from lightning_pipe2bw.partition.ties import find_ties, share_parameter
 from lightning_pipe2bw.runtime.stage import StageBody
 
-__all__ = ["Init", "Uninitialized", "UninitializedError", "build_stage"]
+__all__ = ["Init", "Uninitialized", "UninitializedError", "build_stage", "check_callable_blocks"]
 
 Init = Callable[[nn.Module], None]
 """A per-module initialiser, called like ``nn.Module.apply``'s function (``pipeline_init``)."""
@@ -64,7 +64,7 @@ def build_stage(
     # body built on meta only: a bound method of the body would keep every block alive)
     model_init = _nearest_model_init(_owners(module, ref.path)) if _has_meta(module) else None
     blocks = list(current.children())
-    _check_callable_blocks(blocks, ref.path)
+    check_callable_blocks(blocks, ref.path)
     partition = make_partition(len(blocks), num_stages, balance)
     owned = [i for v in held for i in partition.blocks_of(v)]
     model_body = current if isinstance(current, PipeModelBody) else None
@@ -111,7 +111,7 @@ def retie(body: StageBody) -> None:
             share_parameter(body, mine[0], mine[1:])
 
 
-def _check_callable_blocks(blocks: list[nn.Module], body: str) -> None:
+def check_callable_blocks(blocks: list[nn.Module], body: str) -> None:
     """Every block is called with the previous block's output: a container without a forward
     (``nn.ModuleList``, ``nn.ModuleDict``) cannot be one. (``torch.compile``'s
     ``OptimizedModule`` sets its forward on the instance.)"""

@@ -27,11 +27,14 @@ __all__ = ["BodyRef", "Partition", "find_body", "make_partition"]
 
 @dataclass(frozen=True)
 class BodyRef:
-    """Where the body lives: ``parent.<attr>`` is the ``nn.Sequential`` of blocks."""
+    """Where the body lives: ``parent.<attr>`` is the ``nn.Sequential`` of blocks. ``call``:
+    the body's arguments on the first micro-batch, where finding it took one (a model whose
+    structure is learnt from its forward), for the default split's FLOP count."""
 
     parent: nn.Module
     attr: str
     path: str  # dotted path from the LightningModule, for messages and state_dict keys
+    call: BodyInput | None = None
 
     @property
     def module(self) -> nn.Module:
@@ -60,7 +63,7 @@ def _resolve(
             call = call_of(body) if call_of is not None else None
             spec = pipe_model_for(body, call)
             assert spec is not None
-            return _install(parent, attr, path, spec, call if check else None, check)
+            return _install(parent, attr, path, spec, call, check)
     if not isinstance(body, (nn.Sequential, StageBody)):
         hint = (
             " (a ModuleList has no forward: nn.Sequential(*layers) holds the same layers under "
@@ -88,18 +91,18 @@ def _install(
     check: bool = True,
 ) -> BodyRef:
     """Put ``spec``'s body in place of its model at ``parent.<attr>``: the model's own modules
-    as a sequence of blocks (see ``partition.pipemodel``); with ``call`` (the step's arguments
-    on the first micro-batch), first check that the body computes what the model does. With
-    ``check``, the body proves every micro-batch of new shapes to split exactly
-    (``partition.guard``)."""
+    as a sequence of blocks (see ``partition.pipemodel``). With ``check``, first check that the
+    body computes what the model does on ``call`` (the step's arguments on the first
+    micro-batch, where there is one), and the body proves every micro-batch of new shapes to
+    split exactly (``partition.guard``)."""
     body = spec.body(check)
     try:
-        if call is not None:
+        if check and call is not None:
             check_split(spec, body, call)
     finally:
         spec.observed = None  # the whole model's output: not kept
     setattr(parent, attr, body)
-    return BodyRef(parent, attr, path)
+    return BodyRef(parent, attr, path, call)
 
 
 def check_split(spec: PipeModel, body: nn.Module, call: BodyInput) -> None:

@@ -11,6 +11,7 @@ shares), before the first collective, so no rank is left waiting.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,9 +23,20 @@ from torch.optim import Optimizer
 from lightning_pipe2bw.failures.record import wait_limits
 from lightning_pipe2bw.optim.shard import ParameterShards, ShardedOptimizer, shard_problem
 from lightning_pipe2bw.optim.wrapper import unwrap_optimizer
-from lightning_pipe2bw.partition import BodyRef, Partition, build_stage
-from lightning_pipe2bw.partition.balance import balance_by_params
-from lightning_pipe2bw.partition.build import Init, Uninitialized, UninitializedError
+from lightning_pipe2bw.partition import BodyRef, Partition, build_stage, make_partition
+from lightning_pipe2bw.partition.balance import (
+    Split,
+    balance_by_weights,
+    parameter_counts,
+    stage_loads,
+)
+from lightning_pipe2bw.partition.build import (
+    Init,
+    Uninitialized,
+    UninitializedError,
+    check_callable_blocks,
+)
+from lightning_pipe2bw.partition.cost import block_flops, multiplied_parameters
 from lightning_pipe2bw.pipeline.checks import memory_plan_problems, runtime_problems
 from lightning_pipe2bw.pipeline.fsdp import (
     GradientSync,
@@ -41,6 +53,7 @@ from lightning_pipe2bw.pipeline.ties import TiedCopies
 from lightning_pipe2bw.pipeline.topology import Topology
 from lightning_pipe2bw.planner.plans import PlanResult
 from lightning_pipe2bw.runtime import P2PTransport, PipelineEngine, StageBody
+from lightning_pipe2bw.runtime.call import BodyInput
 from lightning_pipe2bw.runtime.channel import ObjectChannel
 from lightning_pipe2bw.runtime.driver import Driver, FlushDriver
 from lightning_pipe2bw.runtime.engine import VirtualStages
@@ -53,28 +66,93 @@ from lightning_pipe2bw.schedule import (
     stashed_microbatches,
 )
 
-__all__ = ["build_runtime", "place_stage", "resolve_balance"]
+__all__ = ["build_runtime", "place_stage", "resolve_split"]
 
 log = logging.getLogger(__name__)
 
 
-def resolve_balance(
-    options: PipeOptions, ref: BodyRef, num_stages: int, plan: PlanResult | None
-) -> Sequence[int] | None:
-    """The blocks per stage (the same on every rank): the user's list, an even split (``None``,
-    ``"uniform"``), the planner's (``"auto"``, once ``plan`` exists) or one evening out the
-    blocks' parameter counts (``"params"``, and ``"auto"`` without a plan: outside fit). A body
-    an earlier Trainer call partitioned keeps its split."""
+def resolve_split(
+    options: PipeOptions,
+    ref: BodyRef,
+    topology: Topology,
+    plan: PlanResult | None,
+    call_of: Callable[[nn.Module], BodyInput | None] | None,
+) -> Split:
+    """The blocks per stage, the same on every rank, and the rule that chose them:
+
+    - the user's list, always;
+    - ``"uniform"``: even block counts;
+    - ``"auto"``: the planner's (once ``plan`` exists; outside fit, as ``"params"``);
+    - ``"params"``: the blocks' parameter counts evened out;
+    - ``"flops"``: their forward FLOPs on the first micro-batch evened out (``call_of`` runs
+      the step up to the body for it, on global rank 0, which tells the others);
+    - by default (``None``), the forward FLOPs where finding the body already ran the step
+      up to it (``ref.call``: a model whose structure is learnt from its forward), else the
+      parameters each block multiplies (``partition.cost``): neither runs anything of the
+      user's.
+
+    Where a rank holds several stages, what it runs in all is evened out
+    (``partition.balance``). A body an earlier Trainer call partitioned keeps its split."""
+    body, n, placement = ref.module, topology.num_virtual, topology.placement
     mode = options.balance_mode
-    if mode is None:
-        return options.balance
-    if isinstance(ref.module, StageBody):
-        return ref.module.balance
+    if isinstance(body, StageBody):
+        return Split(tuple(body.balance), "kept from the earlier Trainer call")
+    if mode is None and options.balance is not None:
+        return Split(tuple(options.balance), "given (balance)")
+    blocks = list(body.children())
+    check_callable_blocks(blocks, ref.path)
     if mode == "uniform":
-        return None
+        return Split(make_partition(len(blocks), n, None).balance, "even block counts (uniform)")
     if mode == "auto" and plan is not None:
-        return plan.best.balance
-    return balance_by_params(list(ref.module.children()), num_stages)
+        return Split(tuple(plan.best.balance), "the planner's (auto)")
+    if mode in ("params", "auto"):
+        weights = [float(c) for c in parameter_counts(blocks)]
+        rule = f"parameter counts ({mode})"
+    else:
+        weights, rule = _cost_weights(body, ref.call, call_of if mode == "flops" else None)
+    balance = balance_by_weights(weights, n, placement)
+    return Split(balance, rule, tuple(stage_loads(weights, balance, placement)))
+
+
+def _cost_weights(
+    body: nn.Module,
+    call: BodyInput | None,
+    call_of: Callable[[nn.Module], BodyInput | None] | None,
+) -> tuple[list[float], str]:
+    """The block weights of the cost rules and the rule in words: the forward FLOPs on
+    ``call``, or on what ``call_of`` gives (``balance="flops"``), counted on global rank 0 and
+    told to every rank; else the multiplied parameters (the same on every rank)."""
+    asked = call_of is not None
+    if call is None and not asked:
+        blocks = list(body.children())
+        return [float(c) for c in multiplied_parameters(blocks)], "parameters that multiply"
+    flops: list[float] | None = None
+    why = ""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        if call is None and call_of is not None:
+            call = call_of(body)
+        if call is None:
+            why = "the step did not reach the body on the first micro-batch at set-up"
+        else:
+            flops = block_flops(body, call)
+            why = "" if flops is not None else "its forward could not be counted"
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        told: list[Any] = [flops, why]
+        dist.broadcast_object_list(told, src=0)
+        flops, why = told
+    if flops is not None:
+        return flops, "forward FLOPs on the first micro-batch" + (" (flops)" if asked else "")
+    if asked:
+        warnings.warn(
+            f"pipe2bw: balance='flops' could not count the blocks' FLOPs ({why}); the body is "
+            "split by the parameters each block multiplies instead",
+            stacklevel=2,
+        )
+    blocks = list(body.children())
+    return (
+        [float(c) for c in multiplied_parameters(blocks)],
+        f"parameters that multiply (no FLOPs: {why})",
+    )
 
 
 def resolve_init(module: nn.Module) -> Init | None:

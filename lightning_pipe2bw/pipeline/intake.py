@@ -36,16 +36,21 @@ class _Stopped(BaseException):
 
 
 def step_call(
-    module: nn.Module, hook: str, loader: Any, microbatches: int
+    module: nn.Module, hook: str, loader: Any, microbatches: int, *, shapes_only: bool = False
 ) -> Callable[[nn.Module], BodyInput | None]:
     """A function that gives the arguments ``module.<hook>`` (the user's step) passes to a
     model on the first micro-batch of ``loader``'s first batch, or None where that cannot be had
     (no loader, a model on the meta device, a step that fails outside the loop or never calls
     the model): the intake then does without (a warning says so). The random state is put back
-    (the loader's sampler draws its seed from it)."""
+    (the loader's sampler draws its seed from it).
+
+    ``shapes_only``: the call is wanted for its shapes (the default split counts FLOPs on it):
+    a model on the meta device gets the call as the loader gives it, and a step that cannot
+    run says nothing (the split says what it did instead)."""
 
     def call_of(model: nn.Module) -> BodyInput | None:
-        if loader is None or any(p.is_meta for p in model.parameters()):
+        on_meta = any(p.is_meta for p in model.parameters())
+        if loader is None or (on_meta and not shapes_only):
             return None
         step = getattr(module, hook, None)
         if not callable(step):
@@ -58,17 +63,19 @@ def step_call(
                 n = max(1, min(microbatches, batch_size_of(batch)))
                 sample = split_batch(batch, n)[0][0]
                 device = _device_of(model)
-                if device is not None:
+                if device is not None and not on_meta:
                     sample = tree_map_only(Tensor, lambda t: t.to(device), sample)
                 step(sample, 0)
         except _Stopped as stopped:
             return stopped.call
         except Exception as err:  # the step needs the loop (a log before the call, ...)
-            _cannot(model, f"{hook} raised {type(err).__name__}: {err}")
+            if not shapes_only:
+                _cannot(model, f"{hook} raised {type(err).__name__}: {err}")
             return None
         finally:
             handle.remove()
-        _cannot(model, f"{hook} did not call it on the first micro-batch")
+        if not shapes_only:
+            _cannot(model, f"{hook} did not call it on the first micro-batch")
         return None
 
     return call_of

@@ -28,7 +28,7 @@ __all__ = [
     "StateDictType",
 ]
 
-BalanceMode = Literal["uniform", "params", "auto"]
+BalanceMode = Literal["uniform", "params", "flops", "auto"]
 BALANCE_MODES: tuple[str, ...] = get_args(BalanceMode)
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 START_METHODS: tuple[str, ...] = get_args(StartMethod)
@@ -408,11 +408,17 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "balance", None, _balance, Any, from_config=_listed_unless(str),
-        shown_default="`None` (even)",
-        doc="blocks per stage, e.g. `[3, 5]`; `None` or `\"uniform\"` splits the body evenly, "
-        "`\"params\"` evens out parameter counts, `\"auto\"` profiles the blocks and lets the "
-        "planner choose the split, the micro-batches and recomputation "
-        "([docs/planner.md](docs/planner.md))",
+        shown_default="`None` (balanced by modelled cost)",
+        doc="blocks per stage, e.g. `[3, 5]`, never overridden. `None` evens out each stage's "
+        "modelled cost (what a rank runs in all, where it holds several stages): the blocks' "
+        "forward FLOPs on the first micro-batch where finding the body ran one (a Hugging Face "
+        "model), else the parameters each block multiplies (an embedding's table is looked "
+        "up, not multiplied, so [embedding, N blocks, head] splits the N blocks evenly with "
+        "the embedding on the first stage and the head on the last). `\"flops\"` counts the "
+        "FLOPs for any body (your step runs once at set-up, up to the body), `\"params\"` "
+        "evens out parameter counts, `\"uniform\"` block counts, and `\"auto\"` profiles the "
+        "blocks and lets the planner choose the split, the micro-batches and recomputation "
+        "([docs/planner.md](docs/planner.md)). The stage table says which rule split the body",
     ),
     Option(
         "body", None, _body, str | None, shown_default="found automatically",

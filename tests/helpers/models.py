@@ -32,6 +32,19 @@ def make_body(num_blocks: int = 8) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+def default_balance(body: nn.Module, schedule: str, ranks: int) -> tuple[int, ...]:
+    """The blocks per stage that ``balance`` left out gives a plain body under ``schedule`` on
+    ``ranks`` ranks: its blocks' multiplied parameters evened out per rank
+    (``partition.cost``, ``partition.balance``)."""
+    from lightning_pipe2bw.partition.balance import balance_by_weights
+    from lightning_pipe2bw.partition.cost import multiplied_parameters
+    from lightning_pipe2bw.schedule import placement_of, schedule_spec
+
+    weights = multiplied_parameters(list(body.children()))
+    stages = ranks * schedule_spec(schedule).stages_per_rank
+    return balance_by_weights(weights, stages, placement_of(schedule, ranks))
+
+
 def lr_lambda(step: int) -> float:
     return 1.0 / (1.0 + 0.3 * step)
 

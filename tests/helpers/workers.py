@@ -78,6 +78,9 @@ def fit(
         ),
         "sharded_params": sum(is_sharded(p) for p in strategy.engine.body.parameters()),
         "blocks": list(strategy.engine.body.indices),
+        # the blocks per stage and the rule that chose them (the stage table's line)
+        "balance": list(strategy.split.balance) if strategy.split else None,
+        "split": strategy.split.describe() if strategy.split else "",
         "stage": strategy.stage,
         "versions": strategy.version_log,
         "engine_versions": strategy.engine.stats.max_weight_versions if strategy.engine else 0,

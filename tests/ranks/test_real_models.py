@@ -48,6 +48,7 @@ def _fit(family: str, schedule: str, **kwargs: Any) -> dict[str, Any]:
         "whole": whole,
         "type": type(module.model).__name__,
         "blocks": list(strategy.engine.body.indices) if strategy.engine else [],
+        "split": strategy.split.rule if strategy.split else "",
     }
 
 
@@ -88,6 +89,8 @@ def test_hf_model_as_it_comes(pools: Any, family: str, schedule: str) -> None:
     for r in results:  # after fit: the Hugging Face model again, whole, on every rank
         assert r["type"] == type(hf_models.FAMILIES[family]()).__name__
         assert max_abs_diff(r["whole"], ref) <= TOL
+        # split by the FLOPs counted on the step's call the intake learnt the model from
+        assert r["split"] == "forward FLOPs on the first micro-batch", r["split"]
 
 
 # ---------------------------------------------------------------------- a tie in a plain body

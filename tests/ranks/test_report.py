@@ -4,12 +4,14 @@ hand-built timelines: ``tests/unit/test_report.py``."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.models import RegressionModel, default_balance
 from unit.test_report import _is_png
 
 
@@ -124,9 +126,11 @@ def test_report_and_memory_monitor_with_two_stages_per_rank(
     rows = json.loads((tmp_path / "report" / "stages.json").read_text())
     assert rows == results[0]["rows"]
     assert sorted(b for r in rows for b in r["blocks"]) == list(range(8))
-    first = [0, 1, 6, 7] if schedule == "zb-v" else [0, 1, 4, 5]
-    assert rows[0]["blocks"] == first
-    assert rows[0]["stages"] == ([0, 3] if schedule == "zb-v" else [0, 2])
+    bounds = [0, *itertools.accumulate(default_balance(RegressionModel().body, schedule, 2))]
+    mine = [0, 3] if schedule == "zb-v" else [0, 2]
+    assert rows[0]["blocks"] == [b for v in mine for b in range(bounds[v], bounds[v + 1])]
+    assert all(r["split"].startswith("split: parameters that multiply;") for r in rows)
+    assert rows[0]["stages"] == mine
     assert rows[1]["stages"] == ([1, 2] if schedule == "zb-v" else [1, 3])
     for r in rows:  # per stage: each holds some, and together at least the rank's peak
         per_stage = r["stage_peak_activation_bytes"]

@@ -5,6 +5,8 @@ order one device adds it). The schedules themselves: ``tests/unit/test_virtual_s
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from helpers import workers
@@ -40,16 +42,12 @@ def test_virtual_schedules_equal_single_device_bitwise(pools, name: str, p: int,
     assert diff == 0.0
     for result in results:
         assert all(isclose(a, b) for a, b in zip(result["losses"], ref_losses, strict=True))
-    per_stage = 8 // (2 * p)
     for result in results:
         r = result["stage"]
         other = p + r if name == "interleaved-1f1b" else 2 * p - 1 - r
-        first, second = sorted((r, other))
-        expected = [
-            *range(first * per_stage, (first + 1) * per_stage),
-            *range(second * per_stage, (second + 1) * per_stage),
-        ]
-        assert result["blocks"] == expected
+        bounds = [0, *itertools.accumulate(result["balance"])]
+        expected = [b for v in sorted((r, other)) for b in range(bounds[v], bounds[v + 1])]
+        assert len(result["balance"]) == 2 * p and result["blocks"] == expected
         if name == "zb-v":  # every I the schedule holds is cut, but stage 0's (it sends none)
             sched = training_schedule(name, p, m, cut_overhead=cut_overhead("cpu"))
             cuts = [a for a in sched.stages[r] if a.kind is ActionKind.INPUT_GRAD and a.stage]
@@ -58,13 +56,14 @@ def test_virtual_schedules_equal_single_device_bitwise(pools, name: str, p: int,
 
 @pytest.mark.parametrize(("name", "copies"), [("zb-v", [0, 0]), ("interleaved-1f1b", [1, 1])])
 def test_tied_weights_on_virtual_stages(pools, name: str, copies: list[int]) -> None:
-    """Blocks 1 and 6 share a weight. The V puts their stages (0 and 3) on one rank: one copy
-    and no sum across ranks; the looped placement puts them on two ranks: a copy on each, summed.
-    Both equal one device (which holds one weight) bitwise."""
+    """Blocks 1 and 6 share a weight. Split 2 blocks a stage, the V puts their stages (0 and 3)
+    on one rank: one copy and no sum across ranks; the looped placement puts them on two ranks:
+    a copy on each, summed. Both equal one device (which holds one weight) bitwise."""
     samples = 16 * STEPS
     results = pools(2).run(
-        workers.fit, name, 4, STEPS, batch_size=16, samples=samples, model="tied"
-    )
+        workers.fit, name, 4, STEPS, batch_size=16, samples=samples, model="tied",
+        balance="uniform",
+    )  # fmt: skip
     ref, _ = reference_train(
         STEPS, 4, batch_size=16, data=make_loader("tied", 16, n=samples), model_name="tied"
     )

@@ -62,7 +62,7 @@ def test_balance_string_that_is_no_mode() -> None:
     with pytest.raises(ValueError) as info:
         Pipe2BWStrategy(balance="44")  # type: ignore[arg-type]
     message = str(info.value)
-    assert "balance='44' is not a balance mode ('uniform', 'params', 'auto')" in message
+    assert "balance='44' is not a balance mode ('uniform', 'params', 'flops', 'auto')" in message
     assert "a list of block counts per stage such as [3, 5]" in message
 
 

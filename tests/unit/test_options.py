@@ -142,7 +142,7 @@ def test_unknown_option_names_list_the_valid_ones() -> None:
         ),
         ({"start_method": "Spawn"}, ("popen", "spawn", "fork", "forkserver")),
         ({"state_dict_type": "dcp"}, ("full", "sharded")),
-        ({"balance": "even"}, ("uniform", "params", "auto")),
+        ({"balance": "even"}, ("uniform", "params", "flops", "auto")),
     ],
 )
 def test_unknown_names_carry_their_choices(raw: dict[str, Any], choices: tuple[str, ...]) -> None:
