@@ -239,17 +239,21 @@ def fit_quietly(
     logger: Any = False,
     accelerator: str = "cpu",
     num_batches: int | None = None,
+    data: tuple[Tensor, Tensor] | None = None,
     **trainer_kwargs: Any,
 ) -> Any:
-    """Fit ``model`` for ``steps`` steps of :func:`make_data` on this pool's ranks (one device
-    without a process group), with no progress bar, checkpoints, summary or validation
-    (``trainer_kwargs``: more of the Trainer's arguments); returns the Trainer. ``num_batches``:
-    the batches of data (default ``steps``; data-parallel replicas share them out)."""
+    """Fit ``model`` for ``steps`` steps of :func:`make_data` (or of ``data``, inputs and
+    targets) on this pool's ranks (one device without a process group), with no progress bar,
+    checkpoints, summary or validation (``trainer_kwargs``: more of the Trainer's arguments);
+    returns the Trainer. ``num_batches``: the batches of data (default ``steps``; data-parallel
+    replicas share them out)."""
     import torch.distributed as dist
     from lightning.pytorch import Trainer
     from torch.utils.data import DataLoader
 
-    x, y = make_data(batch_size, steps if num_batches is None else num_batches)
+    x, y = data if data is not None else make_data(
+        batch_size, steps if num_batches is None else num_batches
+    )
     # batch_size=None: the loader hands over each batch as it is, no per-sample collation
     loader = DataLoader(Batches(batch_size, x, y), batch_size=None, shuffle=False)
     trainer = Trainer(
@@ -323,7 +327,7 @@ def _make_timer(warmup: int, steps: int) -> Any:
             self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int
         ) -> None:
             now = time.perf_counter()
-            if idx >= warmup:
+            if warmup <= idx < warmup + steps:  # not the untimed step a run may end with
                 self.step_s.append(now - self.step_start)
             if idx == warmup + steps - 1:
                 self.t1 = now
