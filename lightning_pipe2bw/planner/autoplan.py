@@ -20,7 +20,7 @@ from lightning_pipe2bw.partition.split import BodyRef
 from lightning_pipe2bw.planner.costmodel import Cluster
 from lightning_pipe2bw.planner.measure import MakeOptimizer, profile_sizes
 from lightning_pipe2bw.planner.planner import plan
-from lightning_pipe2bw.planner.plans import PlanResult
+from lightning_pipe2bw.planner.plans import Plan, PlanResult
 from lightning_pipe2bw.planner.profile import ProfileSet
 from lightning_pipe2bw.runtime.call import BodyInput
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, split_batch
@@ -281,6 +281,7 @@ def auto_plan(
     batch: Any,
     inputs: AutoPlanInputs,
     optimizer: MakeOptimizer | None = None,
+    tell: Callable[[str], None] | None = None,
 ) -> PlanResult:
     """Profile the body at the smallest and the largest candidate micro-batch size, with the
     run's optimizer (``optimizer`` builds it over given parameters; None: no update times) for
@@ -292,7 +293,8 @@ def auto_plan(
 
     Every rank profiles at the same time, on its own device (moving one block there at a time),
     so that the figures include what ranks sharing a machine cost each other (cores, memory
-    bandwidth); only rank 0's are used."""
+    bandwidth); only rank 0's are used. Rank 0 then tells (``tell``, else the log) every
+    schedule's time to the target loss against the chosen one's (:func:`compare_schedules`)."""
     local_batch = batch_size_of(batch)
     sizes = _candidate_sizes(inputs, local_batch)
     box: list[Any] = [None]
@@ -341,7 +343,7 @@ def auto_plan(
         shard_optimizer=inputs.shard_optimizer,
     )
     if dist.get_rank() == 0:
-        log.info("pipe2bw: %s", compare_schedules(result, profiles, cluster, sizes, mode))
+        (tell or log.info)("pipe2bw: " + compare_schedules(result, profiles, cluster, sizes, mode))
     return result
 
 
@@ -353,18 +355,30 @@ def compare_schedules(
     recompute: str,
 ) -> str:
     """One line: the best plan of every schedule the planner knows at the same width and
-    micro-batch sizes, by predicted throughput relative to the chosen schedule's (the
-    planner's way of saying that another schedule would be faster here)."""
+    micro-batch sizes, soonest to the target loss first (predicted throughput over the step
+    multiplier, ``planner.target``), each as how much sooner than the chosen schedule it gets
+    there, with its throughput alone (the planner's way of saying that another schedule would
+    reach the loss sooner here)."""
     every = plan(
         profiles, cluster, result.global_batch_size, "all", microbatch_sizes=sizes,
         recompute=recompute, data_parallel=result.best.data_parallel, keep=10_000,
     )  # fmt: skip
-    best: dict[str, float] = {}
+    best: dict[str, Plan] = {}
     for p in every.ranked:
-        best.setdefault(p.schedule, p.throughput)
-    chosen = result.best.throughput
-    ranked = ", ".join(f"{name} {value / chosen:.2f}x" for name, value in best.items())
-    return f"predicted throughput of each schedule relative to {result.best.schedule!r}: {ranked}"
+        best.setdefault(p.schedule, p)
+    chosen = result.best.target_rate
+
+    def told(name: str, p: Plan) -> str:
+        faster = f"throughput {p.throughput / result.best.throughput:.2f}x"
+        if p.target_rate <= 0:  # its step multiplier is not measured (weight stashing)
+            return f"{name} unmeasured ({faster}, its steps to the target not measured)"
+        return f"{name} {p.target_rate / chosen:.2f}x ({faster}, {p.multiplier:g}x the steps)"
+
+    ranked = ", ".join(told(name, p) for name, p in best.items())
+    return (
+        f"time to the target loss of each schedule, how much sooner than "
+        f"{result.best.schedule!r}: {ranked}"
+    )
 
 
 def plan_from_loader(
@@ -373,6 +387,7 @@ def plan_from_loader(
     loader: Any,
     inputs: AutoPlanInputs,
     optimizer: MakeOptimizer | None = None,
+    tell: Callable[[str], None] | None = None,
 ) -> PlanResult:
     """:func:`auto_plan` with the first batch of the training ``loader`` (collective)."""
     if not isinstance(loader, DataLoader):
@@ -381,7 +396,7 @@ def plan_from_loader(
             f"DataLoader, but train_dataloader() returned a {type(loader).__name__}; give "
             "balance as a list of block counts or 'params'"
         )
-    return auto_plan(module, ref, next(iter(loader)), inputs, optimizer)
+    return auto_plan(module, ref, next(iter(loader)), inputs, optimizer, tell)
 
 
 # how the figure a plan predicts compares with what the run achieves: printed with the plan

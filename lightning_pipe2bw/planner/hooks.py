@@ -50,7 +50,9 @@ def plan_auto(
         num_processes, loop_costs=loop_costs, shard_optimizer=o.shard_optimizer,
     )  # fmt: skip
     loader = compat.training_dataloader(module.trainer)
-    plan = plan_from_loader(module, ref, loader, inputs, compat.optimizer_factory(module))
+    plan = plan_from_loader(
+        module, ref, loader, inputs, compat.optimizer_factory(module), tell=rank_zero_info
+    )
     if global_rank == 0:
         log.info("pipe2bw: balance='auto' planned\n%s", plan.explain())
         rank_zero_info(f"pipe2bw: balance='auto' chose {plan.best.summary()} ({TRUST_NOTE})")

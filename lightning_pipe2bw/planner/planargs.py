@@ -1,6 +1,6 @@
 """What both planners share: checking their arguments, the profiles they take, and how plans
-rank (by predicted throughput, then less memory, fewer recomputing stages, shallower, smaller
-micro-batches)."""
+rank (by predicted throughput toward the target loss, then less memory, fewer recomputing
+stages, shallower, smaller micro-batches)."""
 
 from __future__ import annotations
 
@@ -83,7 +83,10 @@ def check_ratio(value: object) -> float:
 
 
 def rank(p: Plan) -> tuple[float, float, int, int, int]:
-    return (-p.throughput, max(p.memory_bytes), sum(p.recompute), p.depth, p.microbatch_size)
+    """Best first: the most samples per second toward the target loss (throughput over the step
+    multiplier: throughput alone among plans of one schedule), then less memory, fewer
+    recomputing stages, shallower, smaller micro-batches."""
+    return (-p.target_rate, max(p.memory_bytes), sum(p.recompute), p.depth, p.microbatch_size)
 
 
 def even(n: int, d: int) -> tuple[int, ...]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lightning_pipe2bw.planner.costmodel import (
@@ -32,6 +32,7 @@ from lightning_pipe2bw.planner.planargs import (
 from lightning_pipe2bw.planner.plans import Plan, PlanResult
 from lightning_pipe2bw.planner.profile import Profile, ProfileSet
 from lightning_pipe2bw.planner.simcosts import flush_step, simulation_costs
+from lightning_pipe2bw.planner.target import step_multiplier
 from lightning_pipe2bw.planner.virtualplan import (
     VIRTUAL_PLANNER_SCHEDULES,
     plan_virtual,
@@ -137,6 +138,7 @@ def plan(
     keep: int = 10,
     data_parallel: int | None = None,
     shard_optimizer: bool = False,
+    step_multipliers: Mapping[str, float] | None = None,
 ) -> PlanResult:
     """Search every (w, d) with w d = N and d <= blocks, every micro-batch size b dividing the
     per-replica batch B / w (or those in ``microbatch_sizes``), m = B / (w b), and recompute
@@ -153,13 +155,17 @@ def plan(
     The schedules with two stages per rank (``interleaved-1f1b``, ``zb-v``, ``2bw-v``) are
     planned by :mod:`~lightning_pipe2bw.planner.virtualplan`: 2d stages, step time by
     simulating the schedule. ``schedule="all"`` plans every schedule of :data:`ALL_SCHEDULES`
-    and ranks all their plans together, by predicted throughput.
+    and ranks all their plans together by predicted time to the target loss: throughput over
+    each schedule's step multiplier (the steps its update rule needs to reach the flushed
+    schedules' loss, over theirs: ``planner.target``, measured; ``step_multipliers`` by
+    schedule name for your own).
     """
     if schedule == "all":
         return _plan_all(
             profiles, cluster, global_batch_size, microbatch_sizes=microbatch_sizes,
             recompute=recompute, optimizer_bytes_per_param_byte=optimizer_bytes_per_param_byte,
             keep=keep, data_parallel=data_parallel, shard_optimizer=shard_optimizer,
+            step_multipliers=step_multipliers,
         )  # fmt: skip
     if schedule in VIRTUAL_PLANNER_SCHEDULES:  # several stages per rank
         return plan_virtual(
@@ -279,9 +285,10 @@ def _plan_all(
     global_batch_size: int,
     *,
     keep: int,
+    step_multipliers: Mapping[str, float] | None = None,
     **options: Any,
 ) -> PlanResult:
-    """Every schedule's plans, ranked together (see :func:`plan`)."""
+    """Every schedule's plans, ranked together by time to the target (see :func:`plan`)."""
     started = time.perf_counter()
     found: list[Plan] = []
     reasons: list[str] = []
@@ -292,7 +299,8 @@ def _plan_all(
         except ValueError as err:
             reasons.append(f"{name}: {err}")
             continue
-        found.extend((result.best, *result.alternatives))
+        multiplier = step_multiplier(name, step_multipliers)
+        found.extend(replace(p, step_multiplier=multiplier) for p in result.ranked)
         configurations += result.configurations
         infeasible += result.infeasible
     if not found:

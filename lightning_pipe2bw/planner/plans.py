@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lightning_pipe2bw.planner.costmodel import Cluster
+from lightning_pipe2bw.planner.target import step_multiplier
 from lightning_pipe2bw.schedule.registry import schedule_spec
 
 __all__ = ["Plan", "PlanResult"]
@@ -51,6 +52,9 @@ class Plan:
     step_time: float
     throughput: float
     fits: bool = True
+    # the steps its update rule needs to reach the flushed schedules' loss, over theirs; None:
+    # the measured one of its rule (``planner.target``)
+    step_multiplier: float | None = None
 
     def __post_init__(self) -> None:
         for name in _TUPLES:
@@ -61,6 +65,18 @@ class Plan:
                     f"Plan.{name} has {len(value)} entries for depth={self.depth}; give one per stage"
                 )
             object.__setattr__(self, name, value)
+
+    @property
+    def multiplier(self) -> float:
+        """Its step multiplier: the given one, else the measured one of its update rule."""
+        given = self.step_multiplier
+        return step_multiplier(self.schedule) if given is None else given
+
+    @property
+    def target_rate(self) -> float:
+        """Samples per second toward the target loss: throughput over the step multiplier (a
+        plan with twice this reaches the flushed schedules' loss in half the time)."""
+        return self.throughput / self.multiplier
 
     @property
     def stages_per_rank(self) -> int:
@@ -123,7 +139,8 @@ class Plan:
 
 @dataclass(frozen=True)
 class PlanResult:
-    """The best plan and the runners-up, ranked by predicted throughput (best first).
+    """The best plan and the runners-up, ranked by predicted throughput toward the target loss
+    (best first: ``Plan.target_rate``, throughput alone among plans of one schedule).
 
     ``alternatives`` excludes ``best``; :attr:`ranked` is both. ``configurations`` counts the
     (w, d, b, m, recompute) candidates the search considered, ``infeasible`` those it proved do
@@ -175,8 +192,10 @@ class PlanResult:
     def from_json(cls, text: str) -> PlanResult:
         return cls.from_dict(json.loads(text))
 
-    def explain(self, width: int = 120) -> str:
-        """The ranked plans and the best plan's stages as text tables."""
+    def explain(self, width: int | None = None) -> str:
+        """The ranked plans and the best plan's stages as text tables, ``width`` characters
+        wide (by default 120, and 150 for the plans of several schedules, whose table has
+        three more columns)."""
         c = self.cluster
         header = (
             f"{self.best.schedule} on {c.num_devices} devices ({c.num_nodes} node(s) of "
@@ -186,10 +205,12 @@ class PlanResult:
         )
         ranked = Table(box=box.MARKDOWN)
         mixed = len({p.schedule for p in self.ranked}) > 1  # plan(schedule="all")
+        width = width if width is not None else 150 if mixed else 120
         columns = ("#", *(("schedule",) if mixed else ()), "w", "d", "b", "m", "recompute")
         for name in (*columns, "balance", "t/mb ms", "step s"):
             ranked.add_column(name, justify="left" if name in ("balance", "schedule") else "right")
-        for name in ("samples/s", "bubble", "max mem GiB"):
+        for name in ("samples/s", *(("x-steps", "to-target") if mixed else ()), "bubble",
+                     "max mem GiB"):  # fmt: skip
             ranked.add_column(name, justify="right")
         for i, p in enumerate(self.ranked):
             ranked.add_row(
@@ -204,6 +225,7 @@ class PlanResult:
                 f"{p.time_per_microbatch * 1e3:.3f}",
                 f"{p.step_time:.4f}",
                 f"{p.throughput:.1f}",
+                *(_target_cells(p, self.best) if mixed else ()),
                 f"{p.bubble_fraction:.0%}",
                 f"{max(p.memory_bytes) / _GIB:.2f}",
             )
@@ -246,6 +268,14 @@ def _render(item: Table | str, width: int) -> str:
     console.print(item)
     lines = (line.rstrip() for line in buffer.getvalue().splitlines())
     return "\n".join(line for line in lines if line)
+
+
+def _target_cells(p: Plan, best: Plan) -> tuple[str, str]:
+    """The step multiplier of ``p`` and its time to the target relative to ``best``'s ("-":
+    its multiplier is not measured, weight stashing's)."""
+    if p.target_rate <= 0:
+        return "-", "-"
+    return f"{p.multiplier:.2f}", f"{best.target_rate / p.target_rate:.2f}x"
 
 
 def format_balance(balance: tuple[int, ...] | list[int]) -> str:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,15 @@ def _fit_auto(tmp: str, **strategy_kwargs: Any) -> dict[str, Any]:
     strategy_kwargs.setdefault("schedule", "2bw")
     strategy = Pipe2BWStrategy(balance="auto", **strategy_kwargs)
     trainer = quiet_trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=2)
-    trainer.fit(RegressionModel(), loader(8))
+    told: list[str] = []  # what rank 0 tells the user (Lightning's rank_zero_info)
+    handler = logging.Handler()
+    handler.emit = lambda record: told.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    logger.addHandler(handler)
+    try:
+        trainer.fit(RegressionModel(), loader(8))
+    finally:
+        logger.removeHandler(handler)
     path = Path(tmp) / "auto.ckpt"
     trainer.save_checkpoint(path)
     assert strategy.plan is not None and strategy.partition is not None
@@ -35,6 +44,7 @@ def _fit_auto(tmp: str, **strategy_kwargs: Any) -> dict[str, Any]:
         "stage": strategy.stage,
         "saved": saved,
         "explain": strategy.plan.explain(),
+        "told": told,
     }
 
 
@@ -51,6 +61,11 @@ def test_auto_plans_once_and_every_rank_applies_it(pools, tmp_path: Path) -> Non
     assert results[0]["saved"]["plan"] == plan
     print(results[0]["explain"])
     assert format_balance(plan["balance"]) in results[0]["explain"]
+    # every schedule's time to the target loss against the chosen one's, on rank 0 only
+    lines = [line for line in results[0]["told"] if "time to the target loss" in line]
+    assert len(lines) == 1 and "how much sooner than '2bw'" in lines[0], results[0]["told"]
+    assert "1f1b " in lines[0] and "x the steps" in lines[0]
+    assert not any("time to the target loss" in line for line in results[1]["told"])
 
 
 def test_auto_keeps_the_given_microbatches_and_recompute(pools, tmp_path: Path) -> None:

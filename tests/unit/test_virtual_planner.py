@@ -4,16 +4,19 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
 from lightning_pipe2bw.planner.costmodel import Cluster, CostModel
 from lightning_pipe2bw.planner.planner import ALL_SCHEDULES, plan, predict
 from lightning_pipe2bw.planner.profile import Profile
+from lightning_pipe2bw.planner.target import step_multiplier
 from lightning_pipe2bw.planner.virtualplan import VIRTUAL_PLANNER_SCHEDULES, virtual_problem
 from lightning_pipe2bw.schedule import (
     Costs,
     cut_overhead,
+    schedule_spec,
     simulate,
     training_schedule,
 )
@@ -62,12 +65,30 @@ def test_zb_v_beats_1f1b_and_interleaved_beats_it_too_on_uniform_blocks() -> Non
     assert best_of["zb-v"] < best_of["interleaved-1f1b"] < best_of["1f1b"]
     # DualPipeV runs its pairs one after the other here: ZB-V's time, give or take a unit
     assert best_of["dualpipe-v"] <= best_of["zb-v"] + 1.0
-    assert result.best.throughput == max(p.throughput for p in result.ranked)
-    assert [p.throughput for p in result.ranked] == sorted(
-        (p.throughput for p in result.ranked), reverse=True
-    )
+    # ranked by time to the target: throughput over the step multiplier
+    rates = [p.throughput / step_multiplier(p.schedule) for p in result.ranked]
+    assert rates == sorted(rates, reverse=True)
+    assert result.best.target_rate == max(rates)
     assert "| schedule" in result.explain()  # several schedules: the table names each
     assert set(ALL_SCHEDULES) >= set(best_of)
+
+
+def test_plan_all_ranks_by_time_to_the_target_loss() -> None:
+    """A schedule that delays its gradients is ranked by its throughput over the steps it
+    needs to reach the flushed schedules' loss: where it needs as many, the fastest plan wins
+    (2BW, no bubble); where it needs far more, a flushed schedule does. The table says so."""
+    delayed = [name for name in ALL_SCHEDULES if schedule_spec(name).takes_corrections]
+    kwargs: dict[str, Any] = dict(microbatch_sizes=[4], data_parallel=1, keep=1000)
+    free = plan(UNIFORM, cluster(4), 32, "all", step_multipliers=dict.fromkeys(delayed, 1.0), **kwargs)
+    assert schedule_spec(free.best.schedule).takes_corrections
+    assert free.best.throughput == max(p.throughput for p in free.ranked)
+    costly = plan(UNIFORM, cluster(4), 32, "all", step_multipliers=dict.fromkeys(delayed, 100.0), **kwargs)
+    assert schedule_spec(costly.best.schedule).flushes
+    assert costly.best.throughput < max(p.throughput for p in costly.ranked)
+    table = costly.explain()
+    assert "x-steps" in table and "to-target" in table and "100.00" in table
+    with pytest.raises(ValueError, match=r"step_multipliers\['2bw'\]=0: give the steps"):
+        plan(UNIFORM, cluster(4), 32, "all", step_multipliers={"2bw": 0}, **kwargs)
 
 
 def test_what_a_virtual_schedule_cannot_run_is_skipped_or_refused() -> None:
