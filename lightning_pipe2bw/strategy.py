@@ -52,7 +52,7 @@ from lightning_pipe2bw.failures.signals import SignalGuard
 from lightning_pipe2bw.partition import Partition, find_body
 from lightning_pipe2bw.partition.balance import Split
 from lightning_pipe2bw.pipeline.assembly import build_runtime, place_stage, resolve_split
-from lightning_pipe2bw.pipeline.checks import run_problems
+from lightning_pipe2bw.pipeline.checks import one_stage_note, run_problems
 from lightning_pipe2bw.pipeline.groups import ProcessGroups, choose_backend
 from lightning_pipe2bw.pipeline.intake import step_call
 from lightning_pipe2bw.pipeline.optiondocs import docstring
@@ -376,6 +376,8 @@ class Pipe2BWStrategy(ParallelStrategy):
         topology = Topology.create(self.world_size, self.data_parallel, self.global_rank)
         topology = replace(topology, placement=self.topology.placement)
         raise_problems(topology.option_problems(self.options))
+        if topology.num_stages == 1:
+            rank_zero_warn(one_stage_note(self.world_size, self.data_parallel, self.options))
         connect(env, self._resolve_backend(), self.options.timeout)
         self.groups = ProcessGroups.create(topology)
         # a gloo group of every rank, for the checkpoint's monitored barrier (collective)

@@ -14,7 +14,7 @@ from lightning_pipe2bw.pipeline.problems import Problem
 from lightning_pipe2bw.runtime.stash import check_memory_plan
 from lightning_pipe2bw.schedule import ActivationBudget, offload_stages
 
-__all__ = ["memory_plan_problems", "run_problems", "runtime_problems"]
+__all__ = ["memory_plan_problems", "one_stage_note", "run_problems", "runtime_problems"]
 
 
 def run_problems(
@@ -65,6 +65,21 @@ def run_problems(
             )
         )
     return problems
+
+
+def one_stage_note(world_size: int, data_parallel: int, options: PipeOptions) -> str:
+    """What a user who asked for a pipeline of one stage is told: there is no pipeline, and
+    the way to one (``devices``). A run of one stage is valid (the reference curves of
+    ``benchmarks/convergence.py``), so this is a warning, not an error."""
+    processes = (
+        "1 process" if world_size == 1 else f"{world_size} processes, data_parallel={data_parallel}"
+    )
+    return (
+        f"pipe2bw: {processes}: one pipeline stage, so there is no pipeline: the whole body "
+        f"runs in every process, as on one device, under schedule={options.schedule!r}'s "
+        "update rule. For a pipeline of N stages give Trainer(devices=N) (times "
+        "data_parallel); with devices left out Lightning gives one CPU device"
+    )
 
 
 def async_problems(
