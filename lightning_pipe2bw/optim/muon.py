@@ -93,6 +93,12 @@ class MuonAdamW(Optimizer):
         eps: float = 1e-8,
         adamw_lr: float | None = None,
     ) -> None:
+        if not hasattr(torch.optim, "Muon"):
+            raise RuntimeError(
+                f"MuonAdamW runs torch.optim.Muon, which torch 2.9 added; this is torch "
+                f"{torch.__version__}. Install torch 2.9 or newer (pip install 'torch>=2.9'), or "
+                "train with another optimizer (the main job: model.optimizer=adamw)"
+            )
         for name, value in (("lr", lr), ("adamw_lr", adamw_lr)):
             if value is not None and not (isinstance(value, (int, float)) and value >= 0):
                 raise ValueError(f"MuonAdamW: {name}={value!r} must be a number >= 0")

@@ -94,3 +94,11 @@ def test_bad_groups_are_refused_with_the_fix() -> None:
         MuonAdamW([{"params": [w]}])
     with pytest.raises(ValueError, match=r"Muon takes 2-D parameters only.*\(3,\)"):
         MuonAdamW([{"params": [w, b], "muon": True}])
+
+
+def test_a_torch_without_muon_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.optim.Muon came with torch 2.9; pyproject.toml admits 2.6 (FSDP2): on an older
+    torch MuonAdamW says which version it needs and what else to do, not an AttributeError."""
+    monkeypatch.delattr(torch.optim, "Muon")
+    with pytest.raises(RuntimeError, match=r"torch\.optim\.Muon, which torch 2\.9 added; this is torch "):
+        MuonAdamW.for_module(nn.Linear(4, 4))
