@@ -2,12 +2,18 @@
 #   make train   runs the main job: the byte-level GPT, DualPipeV with Muon on 2 CPU processes
 #   make test    runs lint, type check and the whole test suite
 #   make quick   runs lint and the one-process tests (tests/unit, under a minute): the edit loop
-# Both create .venv on first use and install the pinned CPU torch build before anything that
-# depends on torch, so no CUDA wheels are pulled. Override TORCH_SPEC on a GPU machine.
+# Both create .venv on first use and install torch (TORCH_SPEC) before anything that depends on
+# it. Which build pip resolves is your pip's configuration's: from PyPI on Linux x86_64 that is
+# the CUDA build and its nvidia wheels (several GB), on macOS and aarch64 a CPU build; on the
+# machine this project is developed on, pip's configuration serves a local CPU build. For the
+# CPU build from torch's own wheel index: make TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# (not tried from here: that machine reaches only the package registries). On a GPU machine
+# TORCH_SPEC=torch takes the newest build pip resolves.
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
 .PHONY: setup train test quick lint typecheck docs clean
@@ -17,7 +23,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
