@@ -181,9 +181,16 @@ def test_inconsistent_values_are_all_reported_at_once(hydra_init: None) -> None:
     assert "strategy.schedule='2bx' is unknown; valid: gpipe, 1f1b, 2bw, pipedream" in message
     assert "model.n_embd=128 must be divisible by model.n_head=3" in message
     assert "strategy.microbatches=64 must be between 1 and data.batch_size=32" in message
-    too_deep = to_train_config(compose_train(["model=tiny", "trainer.devices=5"]))
+    too_deep = to_train_config(compose_train(["model=tiny", "trainer.devices=5", "strategy=1f1b"]))
     with pytest.raises(ValueError, match=r"5 stages .* only 4 blocks"):
         check_config(too_deep)
+    # the main job's V holds two stages per process: 4 GPUs need 8 blocks
+    v = to_train_config(compose_train(["trainer=gpu", "trainer.devices=4", "strategy.microbatches=8"]))
+    with pytest.raises(ValueError, match=r"8 stages .*\(4 processes of two stages each under "
+                       r"dualpipe-v\) but the model has only 6 blocks .* at least 6"):  # fmt: skip
+        check_config(v)
+    check_config(to_train_config(compose_train(
+        ["trainer=gpu", "trainer.devices=4", "strategy.microbatches=8", "model.n_layer=6"])))
 
 
 def test_a_sweep_summary_lists_runs_without_a_result(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from lightning_pipe2bw.config import (
 )
 from lightning_pipe2bw.recipes.gpt.data import StdlibTextDataModule
 from lightning_pipe2bw.recipes.gpt.model import GPT, OPTIMIZERS
+from lightning_pipe2bw.schedule import REGISTRY, schedule_spec
 
 __all__ = [
     "TrainConfig",
@@ -154,11 +155,14 @@ def check_config(cfg: TrainConfig) -> None:
             "(one pipeline stage per device)"
         )
     elif isinstance(s.balance, str) or s.balance is None:
-        if stages > blocks and s.data_parallel >= 1 and world % s.data_parallel == 0:
+        per_rank = schedule_spec(s.schedule).stages_per_rank if s.schedule in REGISTRY else 1
+        need = stages * per_rank
+        if need > blocks and s.data_parallel >= 1 and world % s.data_parallel == 0:
+            two = f" ({stages} processes of two stages each under {s.schedule})" if per_rank > 1 else ""
             problems.append(
-                f"{stages} stages (trainer.devices * trainer.num_nodes) but the model has only "
+                f"{need} stages (trainer.devices * trainer.num_nodes){two} but the model has only "
                 f"{blocks} blocks (model.n_layer={m.n_layer} + embeddings + head); "
-                f"raise model.n_layer to at least {stages - 2} or use fewer devices"
+                f"raise model.n_layer to at least {need - 2} or use fewer devices"
             )
     elif sum(int(b) for b in s.balance) != blocks:
         problems.append(
