@@ -90,3 +90,17 @@ def test_a_strategy_yaml_carries_only_what_differs_from_the_defaults(path: Path)
     assert not unknown, f"{path.name}: not options: {sorted(unknown)}"
     same = [k for k, v in values.items() if k != "schedule" and v == defaults[k]]
     assert not same, f"{path.name} restates defaults (drop them): {same}"
+
+
+def test_the_configuration_reference_names_every_schedule_and_the_main_jobs_default() -> None:
+    """docs/configuration.md's groups line lists the strategy group's options as the registry
+    has them, in its order, and the default train.yaml composes."""
+    from lightning_pipe2bw.schedule import REGISTRY
+
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    line = next(line for line in text.splitlines() if line.startswith("Groups: `strategy/`"))
+    listed = re.findall(r"`([^`]+)`", line.partition("named as the schedule:")[2].partition("(")[0])
+    assert listed == list(REGISTRY)
+    defaults = yaml.safe_load((ROOT / "configs" / "train.yaml").read_text())["defaults"]
+    main = next(d["strategy"] for d in defaults if isinstance(d, dict) and "strategy" in d)
+    assert f"(the main job's default: `{main}`)" in line

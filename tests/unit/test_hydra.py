@@ -32,6 +32,7 @@ from lightning_pipe2bw.recipes.gpt.config import (
 )
 from lightning_pipe2bw.recipes.gpt.data import StdlibTextDataModule
 from lightning_pipe2bw.recipes.gpt.model import GPT, Block
+from lightning_pipe2bw.schedule import REGISTRY
 from lightning_pipe2bw.strategy import Pipe2BWStrategy
 from lightning_pipe2bw.train import (
     RESULT_FILE,
@@ -63,7 +64,10 @@ def compose_train(overrides: list[str]) -> DictConfig:
 
 
 def test_every_group_has_the_documented_options() -> None:
-    assert options("strategy") == ["1f1b", "2bw", "dualpipe-v", "gpipe", "pipedream"]
+    # every registered schedule is a choice of the strategy group: strategy=NAME
+    assert options("strategy") == sorted(REGISTRY)
+    for name in REGISTRY:
+        assert f"schedule: {name}\n" in (CONFIGS / "strategy" / f"{name}.yaml").read_text()
     assert options("trainer") == ["cpu", "gpu", "multinode"]
     assert {"tiny", "small"} <= set(options("model"))
     assert options("data") == ["stdlib"]
