@@ -1,8 +1,9 @@
 """Memory-efficient pipeline-parallel training for PyTorch Lightning (PipeDream-2BW, 1F1B, GPipe).
 
-Importing the package registers the strategy names (``"pipe2bw"``, ``"pipe2bw_spawn"``,
-``"pipe_gpipe"``, ``"pipe_1f1b"``, ``"pipe_2bw"``, ``"pipe_pipedream"``) with Lightning's
-strategy registry.
+Importing the package registers the strategy names with Lightning's strategy registry:
+``"pipe2bw"`` (the default schedule), ``"pipe2bw_spawn"`` (spawned workers) and
+``"pipe2bw_<schedule>"`` for every schedule of ``lightning_pipe2bw.schedule.REGISTRY``
+(``"pipe2bw_2bw"``, ``"pipe2bw_zb-h1"``, ...).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry

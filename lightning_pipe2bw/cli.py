@@ -19,8 +19,8 @@ The strategy is configured in any of these forms:
 
   or only the options, as the default strategy is already ``Pipe2BWStrategy``:
   ``--trainer.strategy.schedule=1f1b``;
-* a registered name (``pipe2bw``, ``pipe2bw_spawn``, ``pipe_gpipe``, ``pipe_1f1b``, ``pipe_2bw``,
-  ``pipe_pipedream``), also followed by options: ``--trainer.strategy=pipe_1f1b
+* a registered name (``pipe2bw``, ``pipe2bw_spawn``, ``pipe2bw_<schedule>`` such as
+  ``pipe2bw_2bw``), also followed by options: ``--trainer.strategy=pipe2bw_1f1b
   --trainer.strategy.microbatches=4``. On the command line this CLI rewrites such a name into the
   class form with the name's registered arguments (see ``expand_strategy_names``), so the options
   apply and ``--print_config`` lists every option of the strategy;
@@ -77,7 +77,7 @@ def _class_form(name: str) -> str | None:
 def expand_strategy_names(argv: Sequence[str]) -> list[str]:
     """``argv`` with every ``--trainer.strategy NAME`` / ``--trainer.strategy=NAME`` whose NAME is
     a registered name of ``Pipe2BWStrategy`` replaced by the class form with the name's
-    registered arguments, e.g. ``pipe_1f1b`` by
+    registered arguments, e.g. ``pipe2bw_1f1b`` by
     ``{"class_path": "lightning_pipe2bw.Pipe2BWStrategy", "init_args": {"schedule": "1f1b"}}``.
 
     jsonargparse reads a strategy name as a plain string, to which later

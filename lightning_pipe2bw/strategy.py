@@ -837,13 +837,16 @@ class Pipe2BWStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: compat.StrategyRegistryType) -> None:
+        """Register ``"pipe2bw"`` (the default schedule), ``"pipe2bw_spawn"`` (spawned
+        workers) and ``"pipe2bw_<schedule>"`` for every schedule of the registry, named as it is
+        registered (``"pipe2bw_2bw"``, ``"pipe2bw_zb-h1"``)."""
         entries: list[tuple[str, str, dict[str, Any]]] = [
-            ("pipe2bw", "pipeline parallelism (default schedule)", {}),
+            ("pipe2bw", f"pipeline parallelism, schedule {DEFAULT_SCHEDULE!r}", {}),
             ("pipe2bw_spawn", "pipeline parallelism, spawned workers", {"start_method": "spawn"}),
         ]
         for name in REGISTRY:
             entries.append(
-                (f"pipe_{name}", f"pipeline parallelism, schedule {name!r}", {"schedule": name})
+                (f"pipe2bw_{name}", f"pipeline parallelism, schedule {name!r}", {"schedule": name})
             )
         for name, description, init in entries:
             strategy_registry.register(name, cls, description=description, override=True, **init)

@@ -49,7 +49,7 @@ def _print_config(args: list[str], capsys: pytest.CaptureFixture[str]) -> dict[s
         ("--trainer.strategy=Pipe2BWStrategy --trainer.strategy.schedule=1f1b", "1f1b", "popen"),
         ("--trainer.strategy.schedule=1f1b", "1f1b", "popen"),  # the default strategy class
         ("--trainer.strategy=pipe2bw --trainer.strategy.schedule=1f1b", "1f1b", "popen"),
-        ("--trainer.strategy pipe_gpipe", "gpipe", "popen"),
+        ("--trainer.strategy pipe2bw_gpipe", "gpipe", "popen"),
         ("--trainer.strategy=pipe2bw_spawn", DEFAULT_SCHEDULE, "spawn"),
     ],
 )
@@ -73,7 +73,7 @@ def test_print_config_lists_the_strategy_options(
 
 def test_other_strategy_names_stay_strings(capsys: pytest.CaptureFixture[str]) -> None:
     assert _print_config(["--trainer.strategy=ddp"], capsys)["trainer"]["strategy"] == "ddp"
-    argv = ["fit", "--trainer.strategy", "ddp", "--trainer.strategy=pipe_1f1b", "--model.lr=1"]
+    argv = ["fit", "--trainer.strategy", "ddp", "--trainer.strategy=pipe2bw_1f1b", "--model.lr=1"]
     expanded = expand_strategy_names(argv)
     assert expanded[:3] + expanded[4:] == argv[:3] + argv[4:]
     name, form = expanded[3].split("=", 1)
