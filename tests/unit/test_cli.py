@@ -91,12 +91,36 @@ def test_main_with_args_refuses_a_popen_launch(monkeypatch: pytest.MonkeyPatch) 
         main(args)
 
 
-def test_example_config_parses(capsys: pytest.CaptureFixture[str]) -> None:
+def test_example_config_trains_the_main_job(capsys: pytest.CaptureFixture[str]) -> None:
+    """examples/cli_gpt.yaml parses, and trains the GPT the Hydra main job trains (its
+    composed configs/train.yaml): the same schedule, micro-batches, model, optimizer, rates,
+    data, length and validation."""
+    from hydra import compose, initialize_config_dir
+
+    from lightning_pipe2bw.recipes.gpt.config import register_configs, to_train_config
+
     example = ROOT / "examples" / "cli_gpt.yaml"
     config = _print_config(["--config", str(example), "--trainer.max_steps=7"], capsys)
     assert config["trainer"]["max_steps"] == 7
-    assert config["trainer"]["strategy"]["init_args"]["schedule"] == "2bw"
-    assert config["model"]["init_args"]["n_layer"] == 4
+    config = _print_config(["--config", str(example)], capsys)
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        main_job = to_train_config(compose(config_name="train"))
+    trainer, strategy = config["trainer"], config["trainer"]["strategy"]["init_args"]
+    model, data = config["model"]["init_args"], config["data"]["init_args"]
+    assert (strategy["schedule"], strategy["microbatches"]) == (
+        main_job.strategy.schedule, main_job.strategy.microbatches,
+    )  # fmt: skip
+    assert (trainer["devices"], trainer["max_steps"], trainer["val_check_interval"]) == (
+        main_job.trainer.devices, main_job.trainer.max_steps, main_job.trainer.val_check_interval,
+    )  # fmt: skip
+    assert config["seed_everything"] == main_job.seed
+    for key in ("block_size", "n_layer", "n_head", "n_embd", "lr", "weight_decay",
+                "warmup_steps", "optimizer", "adamw_lr", "min_lr_ratio"):  # fmt: skip
+        assert model[key] == getattr(main_job.model, key), key
+    assert model["max_steps"] == main_job.trainer.max_steps
+    for key in ("block_size", "batch_size", "max_bytes", "train_samples", "val_samples", "seed"):
+        assert data[key] == getattr(main_job.data, key), key
 
 
 @pytest.mark.parametrize(

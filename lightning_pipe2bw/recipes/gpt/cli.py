@@ -10,6 +10,11 @@ that a bare ``fit`` trains the default GPT on the devices given::
 
 GPT is imported here, so its short name resolves too (``--model=GPT``); another model or data
 module replaces the default as usual (``--model=my_package.MyModel``).
+
+A bare ``fit`` takes the library's defaults, which are not the main job's: ``Pipe2BWStrategy()``
+(1F1B) and the GPT class's own (AdamW at 2e-3). ``examples/cli_gpt.yaml`` trains the main job
+the way ``python -m lightning_pipe2bw.train`` does (DualPipeV, ``MuonAdamW`` at 1.6e-2; a test
+holds the two to one another): ``--config examples/cli_gpt.yaml``.
 """
 
 from __future__ import annotations
