@@ -44,13 +44,16 @@ typecheck: setup
 # fails if any did.
 # Byte code is written first, because this machine's environment sets PYTHONDONTWRITEBYTECODE
 # and every launched process would compile the package again.
+# Each part's wall time is printed at the end (CI's budget is 12 minutes on 2 cores).
 test: lint
 	$(PY) -m compileall -q lightning_pipe2bw tests
-	rc=0; $(VENV)/bin/mypy & typecheck=$$!; \
+	rc=0; t0=$$(date +%s); $(VENV)/bin/mypy & typecheck=$$!; \
 	$(PY) -m pytest tests/unit || rc=$$?; \
-	wait $$typecheck || rc=$$?; \
-	$(PY) -m pytest tests/ranks || rc=$$?; \
-	$(PY) -m pytest -n 3 --dist worksteal tests/launch || rc=$$?; exit $$rc
+	wait $$typecheck || rc=$$?; t1=$$(date +%s); \
+	$(PY) -m pytest tests/ranks || rc=$$?; t2=$$(date +%s); \
+	$(PY) -m pytest -n 3 --dist worksteal tests/launch || rc=$$?; t3=$$(date +%s); \
+	echo "make test: tests/unit and mypy $$((t1 - t0)) s, tests/ranks $$((t2 - t1)) s," \
+	     "tests/launch $$((t3 - t2)) s, in all $$((t3 - t0)) s"; exit $$rc
 
 quick: lint
 	$(PY) -m pytest -q tests/unit
