@@ -518,3 +518,32 @@ def test_a_block_that_returns_none_is_named(pools: Any) -> None:
         "TypeError: block 1 (_Nothing) of the pipeline body returned None; every block must "
         "return the next block's input"
     )
+
+
+def _fit_one_device(devices: int | None) -> dict[str, Any]:
+    """Runs on the pool's one rank: a fit with devices=1 or devices left out, and what it
+    warned."""
+    import warnings
+
+    from helpers.models import RegressionModel, loader, quiet_trainer
+
+    from lightning_pipe2bw import Pipe2BWStrategy
+
+    kwargs: dict[str, Any] = {} if devices is None else {"devices": devices}
+    trainer = quiet_trainer(strategy=Pipe2BWStrategy(schedule="2bw"), max_steps=2, **kwargs)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.fit(RegressionModel(), loader(8))
+    return {"steps": trainer.global_step, "warned": [str(w.message) for w in seen]}
+
+
+@pytest.mark.parametrize("devices", [1, None])
+def test_one_device_says_there_is_no_pipeline(pools: Any, devices: int | None) -> None:
+    """devices=1, or devices left out (one device: a CPU machine's, or one launched process):
+    one stage, no pipeline. It trains (a run of one stage is a valid reference), and says so,
+    naming devices."""
+    (result,) = pools(1).run(_fit_one_device, devices)
+    assert result["steps"] == 2
+    notes = [w for w in result["warned"] if "one pipeline stage, so there is no pipeline" in w]
+    assert len(notes) == 1, result["warned"]
+    assert "1 process" in notes[0] and "Trainer(devices=N)" in notes[0] and "'2bw'" in notes[0]

@@ -104,18 +104,3 @@ def test_empty_balance() -> None:
         with pytest.raises(ValueError, match=r"balance=\[\] lists no stage; give one block count"):
             Pipe2BWStrategy(balance=empty)
 
-
-@pytest.mark.parametrize("devices", [1, None])
-def test_one_device_says_there_is_no_pipeline(devices: int | None) -> None:
-    """devices=1, or devices left out on a CPU machine (Lightning's 'auto' is one device): one
-    stage, no pipeline. It trains (a run of one stage is a valid reference), and says so,
-    naming devices."""
-    from helpers.models import RegressionModel, loader, quiet_trainer
-
-    kwargs: dict[str, Any] = {} if devices is None else {"devices": devices}
-    trainer = quiet_trainer(strategy=Pipe2BWStrategy(schedule="2bw"), max_steps=2, **kwargs)
-    with pytest.warns(UserWarning, match="one pipeline stage, so there is no pipeline") as seen:
-        trainer.fit(RegressionModel(), loader(8))
-    assert trainer.global_step == 2
-    note = next(str(w.message) for w in seen if "no pipeline" in str(w.message))
-    assert "1 process" in note and "Trainer(devices=N)" in note and "'2bw'" in note
