@@ -58,7 +58,7 @@ test: lint
 quick: lint
 	$(PY) -m pytest -q tests/unit
 
-# the options' tables of README.md and docs/configuration.md, from pipeline/optiontable.py
+# the options' tables of docs/user-guide.md and docs/configuration.md, from pipeline/optiontable.py
 docs: setup
 	$(PY) -c 'import sys; from lightning_pipe2bw.pipeline.optiondocs import main; sys.exit(main())'
 

@@ -1,7 +1,7 @@
 """The options' text, rendered from their table (``pipeline/optiontable.py``, where each
 option's ``doc`` is written once) for the places that show it: the strategy's docstring
-(:func:`docstring`), the options table of ``README.md`` (:func:`readme_table`) and the strategy
-table of ``docs/configuration.md`` (:func:`config_table`).
+(:func:`docstring`), the options table of ``docs/user-guide.md`` (:func:`keywords_table`) and
+the strategy table of ``docs/configuration.md`` (:func:`config_table`).
 
 ``make docs`` (:func:`main`) rewrites the two files' generated blocks, between :data:`BEGIN`
 and :data:`END`; ``--check`` only says whether they are stale, and ``tests/unit/test_docs.py``
@@ -77,12 +77,12 @@ def docstring(head: str, tail: str) -> str:
     return f"{head.strip()}\n\nArgs:\n" + "\n".join(entries) + f"\n\n{tail.strip()}\n"
 
 
-def readme_table() -> str:
-    """The options table of ``README.md``: the strategy's keywords."""
+def keywords_table() -> str:
+    """The options table of ``docs/user-guide.md``: the strategy's keywords."""
     rows = ["| option | default | meaning |", "| --- | --- | --- |"]
     for option in OPTIONS:
         default = option.shown_default or f"`{_python(option.default)}`"
-        rows.append(f"| `{option.name}` | {_cell(default)} | {_cell(option.doc)} |")
+        rows.append(f"| `{option.name}` | {_cell(default)} | {_cell(_from_docs(option.doc))} |")
     return "\n".join(rows)
 
 
@@ -101,7 +101,7 @@ def config_table() -> str:
 
 # the files with a generated block, relative to the repository, and what goes in it
 BLOCKS: dict[str, Callable[[], str]] = {
-    "README.md": readme_table,
+    "docs/user-guide.md": keywords_table,
     "docs/configuration.md": config_table,
 }
 

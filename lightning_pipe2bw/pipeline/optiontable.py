@@ -378,7 +378,7 @@ def _seconds(value: Any) -> Any:
 # Every option, declared once, in the order of the strategy's signature and of the problems
 # listed. ``PipeOptions.create`` reads the defaults and checks; ``lightning_pipe2bw.config``
 # derives the Hydra schema (``StrategyConfig``) from the ``config_*`` fields; ``doc`` is the one
-# text the strategy's docstring, README.md and docs/configuration.md show (``make docs`` writes
+# text the strategy's docstring, docs/user-guide.md and docs/configuration.md show (``make docs`` writes
 # the two files, ``pipeline/optiondocs.py``); a unit test holds ``Pipe2BWStrategy.__init__``'s
 # keywords and defaults to this table.
 OPTIONS: tuple[Option, ...] = (

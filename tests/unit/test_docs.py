@@ -55,8 +55,8 @@ def test_configuration_reference_matches_the_dataclasses(prefix: str, schema: ty
         assert yaml.safe_load(cell) == _default(f), (section, f.name, cell, _default(f))
 
 
-def test_readme_lists_every_strategy_option() -> None:
-    tables = _tables((ROOT / "README.md").read_text())
+def test_the_user_guide_lists_every_strategy_option() -> None:
+    tables = _tables((ROOT / "docs" / "user-guide.md").read_text())
     documented = next(t for t in tables.values() if "schedule" in t and "balance" in t)
     params = [
         name
