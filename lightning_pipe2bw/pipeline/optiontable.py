@@ -82,10 +82,9 @@ class Option:
         return self.from_config(value) if self.from_config is not None else value
 
 
-# the schedule Pipe2BWStrategy() trains with: the one that reaches a given loss soonest on the
-# main job, measured (benchmarks/convergence.py; docs/pipedream-2bw.md, "Time to accuracy"). A
-# synchronous schedule: at every horizon measured, 2BW's delay costs more steps than its missing
-# bubble saves, with every remedy (docs/pipedream-2bw.md, "Which schedule, which optimizer")
+# the schedule Pipe2BWStrategy() trains with: exact, and it runs any body of at least p blocks
+# at any m; the reason and when another reaches a loss sooner (a V, or 2BW at depth):
+# docs/pipedream-2bw.md, "Which schedule at which depth"
 DEFAULT_SCHEDULE = "1f1b"
 
 
@@ -385,14 +384,14 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "schedule", DEFAULT_SCHEDULE, _schedule, str,
         doc="the pipeline schedule, one of `lightning_pipe2bw.schedule.REGISTRY`: `\"1f1b\"` "
-        "(PipeDream-Flush, the default: the schedule that reaches a given loss soonest on our "
-        "measurements), `\"2bw\"` (PipeDream-2BW: double-buffered weights, no flush between "
+        "(PipeDream-Flush, the default: exact, and it runs any body of at least one block per "
+        "stage at any number of micro-batches), `\"2bw\"` (PipeDream-2BW: double-buffered weights, no flush between "
         "batches, W(t+1) = W(t) - step(grad f(W(t-1)))), `\"gpipe\"` (fill-drain), "
         "`\"pipedream\"` (weight stashing) or `\"zb-h1\"` (zero bubble: each backward cut into "
         "the inputs' and the weights' gradients, the latter deferred); with several stages per "
         "rank `\"interleaved-1f1b\"`, `\"zb-v\"`, `\"dualpipe-v\"` and `\"2bw-v\"`. The flush "
         "schedules equal single-device training exactly. See [docs/schedules.md](docs/schedules.md) "
-        "and [docs/pipedream-2bw.md](docs/pipedream-2bw.md#which-schedule-which-optimizer)",
+        "and [docs/pipedream-2bw.md](docs/pipedream-2bw.md#which-schedule-at-which-depth)",
     ),
     Option(
         "microbatches", None, _microbatches, int | None, config_default=4,
