@@ -1,6 +1,7 @@
-"""The Hydra entry point run as a user runs it: real runs (a single run with popen, a 2-run sweep
-with spawn) write their results. The configs in one process: ``tests/unit/test_hydra.py``; a
-typo on the command line: ``tests/unit/test_train_entry.py``."""
+"""The Hydra entry point run as a user runs it: a single run with popen writes its results in one
+folder (the documented sweeps, with spawn: ``test_doc_commands.py``). The configs in one
+process: ``tests/unit/test_hydra.py``; a typo on the command line:
+``tests/unit/test_train_entry.py``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_pipe2bw.train import RESULT_FILE, SUMMARY_FILE
+from lightning_pipe2bw.train import RESULT_FILE
 
 # the smallest real job: 2 stages of a 4-block GPT, a few steps on a slice of the stdlib
 TINY = [
@@ -58,25 +59,3 @@ def test_a_single_run_keeps_every_rank_in_one_output_dir(tmp_path: Path) -> None
     output = proc.stdout + proc.stderr
     for noise in ("LeafSpec", "sync_dist=True", "exists and is not empty"):
         assert noise not in output, (noise, output[-3000:])
-
-
-@pytest.mark.timeout(420)
-def test_a_two_run_sweep_writes_results_and_a_summary(tmp_path: Path) -> None:
-    sweep_dir = tmp_path / "sweep"
-    proc = _entry_point(
-        ["-m", "strategy=1f1b,2bw", *TINY, f"hydra.sweep.dir={sweep_dir}"], tmp_path, timeout=400
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [json.loads((sweep_dir / job / RESULT_FILE).read_text()) for job in ("0", "1")]
-    assert [r["schedule"] for r in results] == ["1f1b", "2bw"]
-    for r in results:
-        assert r["start_method"] == "spawn"
-        assert r["steps"] == 3
-        assert r["train_loss"] > 0 and r["val_loss"] > 0 and r["samples_per_s"] > 0
-    summary = (sweep_dir / SUMMARY_FILE).read_text()
-    rows = [
-        line for line in summary.splitlines() if line.startswith("| ") and "schedule" not in line
-    ]
-    assert [row.split("|")[2].strip() for row in rows] == ["1f1b", "2bw"], summary
-    assert "Sweep summary (2 runs" in proc.stdout
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]  # no second sweep folder
