@@ -704,7 +704,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 plan += [("torch", name, "hand") for name in args.peers]
                 plan = [r for r in plan if runnable(r[0], r[1], p, m, work)]
                 # a hand split that is the default one is the same run: measured once
-                plan = [r for r in plan if r[2] != "hand" or "default" not in args.splits
+                plan = [r for r in plan if r[0] != "ours" or r[2] != "hand"
+                        or "default" not in args.splits
                         or default_split(work, r[1], p) != hand_split(work, p * REGISTRY[r[1]].stages_per_rank)]  # fmt: skip
                 if p not in pools:
                     for other in list(pools):  # one pool at a time: 16 ranks are enough
