@@ -50,8 +50,8 @@ test: lint
 	rc=0; t0=$$(date +%s); $(VENV)/bin/mypy & typecheck=$$!; \
 	$(PY) -m pytest tests/unit || rc=$$?; \
 	wait $$typecheck || rc=$$?; t1=$$(date +%s); \
-	$(PY) -m pytest tests/ranks || rc=$$?; t2=$$(date +%s); \
-	$(PY) -m pytest -n 3 --dist worksteal tests/launch || rc=$$?; t3=$$(date +%s); \
+	$(PY) -m pytest --durations=20 tests/ranks || rc=$$?; t2=$$(date +%s); \
+	$(PY) -m pytest --durations=10 -n 3 --dist worksteal tests/launch || rc=$$?; t3=$$(date +%s); \
 	echo "make test: tests/unit and mypy $$((t1 - t0)) s, tests/ranks $$((t2 - t1)) s," \
 	     "tests/launch $$((t3 - t2)) s, in all $$((t3 - t0)) s"; exit $$rc
 
