@@ -229,8 +229,8 @@ def early_input_grads(schedule: Schedule) -> Schedule:
     backward is not what the step waits for: the chain runs through the last stage's forwards
     and backwards. Only a B directly followed by its ``SEND_B`` is cut.
     """
-    if schedule.num_stages == 1:
-        return schedule  # no stage sends a gradient
+    if schedule.num_stages == 1 or len(schedule.stages) == 1:
+        return schedule  # one stage, or every stage on one rank: no gradient is sent
     if not schedule.has_comm:
         raise ValueError(
             f"schedule {schedule.name!r} has no communication actions; early_input_grads moves "

@@ -108,3 +108,14 @@ def test_the_price_of_a_cut_can_be_given_or_every_cut_kept(monkeypatch: pytest.M
     monkeypatch.setenv("PIPE2BW_CUT_OVERHEAD", "-1")
     with pytest.raises(ValueError, match=r"PIPE2BW_CUT_OVERHEAD='-1'.*a number >= 0"):
         cut_overhead("cpu")
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v", "dualpipe-v"])
+def test_one_rank_builds_every_flushed_list(name: str) -> None:
+    # devices=1: every stage on the one rank, so nothing is sent and the early pass has nothing
+    # to move (it refused such a list, and a V on one process failed at its first batch)
+    built = training_schedule(name, 1, 4, cut_overhead=cut_overhead("cpu"))
+    assert len(built.stages) == 1 and not built.has_comm
+    validate(built)
+    forwards = [a for a in built.stages[0] if a.kind is ActionKind.FORWARD]
+    assert len(forwards) == 4 * built.num_stages  # every micro-batch through every stage
