@@ -547,3 +547,26 @@ def test_one_device_says_there_is_no_pipeline(pools: Any, devices: int | None) -
     notes = [w for w in result["warned"] if "one pipeline stage, so there is no pipeline" in w]
     assert len(notes) == 1, result["warned"]
     assert "1 process" in notes[0] and "Trainer(devices=N)" in notes[0] and "'2bw'" in notes[0]
+
+
+def _fit_one_process(schedule: str, steps: int, m: int) -> dict[str, Any]:
+    """Runs on the pool's one rank: a flushed schedule's fit with devices=1, its weights."""
+    from helpers.models import RegressionModel, loader, quiet_trainer
+
+    from lightning_pipe2bw import Pipe2BWStrategy
+
+    model = RegressionModel()
+    strategy = Pipe2BWStrategy(schedule=schedule, microbatches=m)
+    quiet_trainer(strategy=strategy, devices=1, max_steps=steps).fit(model, loader(8))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-v", "dualpipe-v"])
+def test_a_schedule_of_two_stages_per_rank_trains_on_one_process(pools: Any, schedule: str) -> None:
+    """Both stages of the V (or the interleaving) on the one rank: nothing is sent, and the
+    weights are one device's gradient accumulation, as on p ranks (it failed at the first
+    batch: the early-input-gradient pass took the list for one without its messages)."""
+    steps, m = 3, 2
+    (state,) = pools(1).run(_fit_one_process, schedule, steps, m)
+    reference, _ = reference_train(steps, m)
+    assert max_abs_diff(state, reference) <= 1e-6
