@@ -33,3 +33,14 @@ def run_node_job(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
         [sys.executable, str(NODE_JOB), *args],
         cwd=cwd, env=job_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
+
+
+def run_main_job(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``python -m lightning_pipe2bw.train ARGS`` as a user runs it (one intra-op thread, Hydra's
+    full errors), its output captured."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
+    env.pop("LOCAL_RANK", None)  # a leftover rank would make Lightning start no process
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_pipe2bw.train", *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip

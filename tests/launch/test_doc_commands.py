@@ -6,13 +6,11 @@ data slice set, the output under a temporary folder). The GPU and multi-node one
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from helpers.doc_commands import DocCommand, doc_commands, fast_overrides
+from helpers.launching import run_main_job
 
 from lightning_pipe2bw.train import RESULT_FILE, SUMMARY_FILE
 
@@ -35,13 +33,10 @@ def _sweep_values(command: DocCommand) -> list[list[str]]:
     "command", RUNNABLE, ids=[" | ".join(c.where for c in BY_ARGV[c.argv]) for c in RUNNABLE]
 )
 def test_a_documented_command_runs_as_written(command: DocCommand, tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
-    env.pop("LOCAL_RANK", None)  # a leftover rank would make Lightning start no process
-    argv = [sys.executable, "-m", "lightning_pipe2bw.train", *fast_overrides(command, tmp_path)]
-    proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=580, check=False)  # fmt: skip
+    args = fast_overrides(command, tmp_path)
+    proc = run_main_job(args, tmp_path, timeout=580)
     where = ", ".join(c.where for c in BY_ARGV[command.argv])
-    assert proc.returncode == 0, f"{where}: {' '.join(argv[1:])}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"{where}: {' '.join(args)}\n{proc.stderr[-4000:]}"
     if "--cfg" in command.overrides:
         assert "strategy:" in proc.stdout and "trainer:" in proc.stdout, proc.stdout
         return

@@ -6,12 +6,10 @@ process: ``tests/unit/test_hydra.py``; a typo on the command line:
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.launching import run_main_job
 
 from lightning_pipe2bw.train import RESULT_FILE
 
@@ -29,25 +27,11 @@ TINY = [
 ]
 
 
-def _entry_point(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
-    env.pop("LOCAL_RANK", None)  # a leftover rank would make Lightning start no process
-    return subprocess.run(
-        [sys.executable, "-m", "lightning_pipe2bw.train", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-
-
 @pytest.mark.timeout(300)
 def test_a_single_run_keeps_every_rank_in_one_output_dir(tmp_path: Path) -> None:
     """popen re-runs the command for rank 1; Lightning pins its Hydra run dir to rank 0's."""
     run_dir = tmp_path / "run"
-    proc = _entry_point([*TINY, "report=false", f"hydra.run.dir={run_dir}"], tmp_path, timeout=280)
+    proc = run_main_job([*TINY, "report=false", f"hydra.run.dir={run_dir}"], tmp_path, timeout=280)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads((run_dir / RESULT_FILE).read_text())
     assert result["start_method"] == "popen"
