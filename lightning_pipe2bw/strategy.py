@@ -53,7 +53,7 @@ from lightning_pipe2bw.partition import Partition, find_body
 from lightning_pipe2bw.partition.balance import Split
 from lightning_pipe2bw.pipeline.assembly import build_runtime, place_stage, resolve_split
 from lightning_pipe2bw.pipeline.checks import one_stage_note, run_problems
-from lightning_pipe2bw.pipeline.groups import ProcessGroups, choose_backend
+from lightning_pipe2bw.pipeline.groups import ProcessGroups, choose_backend, forget_process_groups
 from lightning_pipe2bw.pipeline.intake import step_call
 from lightning_pipe2bw.pipeline.optiondocs import docstring
 from lightning_pipe2bw.pipeline.options import (
@@ -144,7 +144,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         self.options = PipeOptions.create(**given)
         self._num_nodes = 1
         self._process_group_backend = self.options.process_group_backend
-        self.groups: ProcessGroups | None = None  # made at set-up, kept for every Trainer call
+        self.groups: ProcessGroups | None = None  # this call's, of the process's groups
         self.runtime: StageRuntime | None = None  # this rank's stage, rebuilt by every set-up
         self.plan: PlanResult | None = None  # what balance="auto" chose (saved in checkpoints)
         self.split: Split | None = None  # the blocks per stage and the rule that chose them
@@ -692,6 +692,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         instead of waiting until the process-group timeout; the launching process of a
         ``popen`` run then makes sure its workers stop (passing a signal on to them first)."""
         self._failed = True
+        forget_process_groups()  # the next call in this process makes its groups anew
         if self.runtime is not None:
             self.runtime.report_failure(exception)
         if self.global_rank == 0:

@@ -2,8 +2,12 @@
 collectives the pipeline runs in them.
 
 Creating a group is collective: every rank creates every group, in the same order, even the
-groups it is not in. Groups are made once per strategy (a process group lives as long as the
-processes) and reused by every Trainer call:
+groups it is not in. A group lives as long as the process and serves every Trainer call that
+needs it (:func:`process_group`: one per purpose, ranks and backend). torch assumes as much: two
+device meshes of the same ranks are equal in its DTensor caches, so a mesh FSDP built in an
+earlier call may serve a later one; and a gloo group keeps threads that wake every few
+milliseconds, so a process that made new groups for each call (a notebook, a sweep, a test pool
+of ranks) would pile them up until they took a core. The groups:
 
 * one per pipeline replica (its stages talk, clip and agree on inf checks in it) and one per
   stage (its replicas average gradients in it), at set-up, when ``data_parallel > 1``;
@@ -31,8 +35,39 @@ __all__ = [
     "average_over_replicas",
     "broadcast_from_last",
     "choose_backend",
+    "forget_process_groups",
     "gather_stages",
+    "process_group",
 ]
+
+# (purpose, ranks, backend) -> the group, for the default group in _MADE_FOR (every rank makes
+# the same keys in the same order, so the table is the same on every rank)
+_MADE: dict[tuple[str, tuple[int, ...] | None, str | None], Any] = {}
+_MADE_FOR: list[Any] = [None]
+
+
+def process_group(
+    purpose: str, ranks: Sequence[int] | None = None, backend: str | None = None
+) -> Any:
+    """The group of ``ranks`` (None: every rank) for ``purpose``, made on first use (collective:
+    every rank asks for every group, in the same order, even those it is not in) and kept for
+    the process's later calls. ``purpose`` keeps apart groups of the same ranks whose
+    collectives must not interleave (a pipeline's, its step values', 2BW's clipping norms')."""
+    world = dist.group.WORLD
+    if _MADE_FOR[0] is not world:  # a new default group: the old one took its subgroups along
+        _MADE.clear()
+        _MADE_FOR[0] = world
+    key = (purpose, None if ranks is None else tuple(ranks), backend)
+    if key not in _MADE:
+        _MADE[key] = dist.new_group(None if ranks is None else list(ranks), backend=backend)
+    return _MADE[key]
+
+
+def forget_process_groups() -> None:
+    """Make every group anew from the next call on: after a call that failed, a group may hold
+    a collective that never finished (the failed call's groups are left to it, not destroyed:
+    a failure notice may still travel in them). Every rank of a failed call forgets."""
+    _MADE.clear()
 
 
 def choose_backend(devices: Sequence[torch.device], asked: str | None, default: str) -> str:
@@ -81,13 +116,13 @@ class ProcessGroups:
         if w == 1:  # one pipeline: the default group; the value group is made on first use
             return groups
         for replica in range(w):
-            ranks = topology.pipeline_ranks(replica)
-            group = dist.new_group(sorted(ranks))
-            values = dist.new_group(sorted(ranks), backend="gloo") if d > 1 else None
+            ranks = sorted(topology.pipeline_ranks(replica))
+            group = process_group("pipeline", ranks)
+            values = process_group("values", ranks, backend="gloo") if d > 1 else None
             if replica == topology.replica:
                 groups.pipeline, groups._values = group, values
         for stage in range(d):
-            group = dist.new_group(topology.stage_ranks(stage))
+            group = process_group("stage", topology.stage_ranks(stage))
             if stage == topology.stage:
                 groups.stage = group
         return groups
@@ -97,7 +132,7 @@ class ProcessGroups:
         gloo and holds one pipeline (None), else a group made on first use (collective: every
         rank sets up the same schedule, so every rank asks at the same point)."""
         if self._values is None and dist.get_backend() != "gloo":
-            self._values = dist.new_group(backend="gloo")
+            self._values = process_group("values", backend="gloo")
         return self._values
 
     def norms(self) -> Any:
@@ -109,7 +144,7 @@ class ProcessGroups:
         if self.topology.data_parallel != 1:
             raise RuntimeError("the clipping norms' group serves one pipeline (data_parallel=1)")
         if not self._has_norms:
-            self._norms, self._has_norms = dist.new_group(), True
+            self._norms, self._has_norms = process_group("norms"), True
         return self._norms
 
     def metrics(self) -> Any:
@@ -119,7 +154,7 @@ class ProcessGroups:
             t = self.topology
             last = t.place_of(t.num_virtual - 1)
             ranks = sorted(t.rank_of_stage(last, r) for r in range(t.data_parallel))
-            self._metrics = dist.new_group(ranks)
+            self._metrics = process_group("metrics", ranks)
         return self._metrics
 
     def offload(self, evicting: Iterable[int]) -> None:
@@ -131,7 +166,7 @@ class ProcessGroups:
                 a, b = t.rank_of_stage(s, replica), t.rank_of_stage(t.partner(s), replica)
                 for pair in ((a, b), (b, a)):
                     if pair not in self._offload:  # collective: all ranks, same order
-                        self._offload[pair] = dist.new_group(sorted(pair))
+                        self._offload[pair] = process_group(f"offload {pair}", sorted(pair))
 
     def tie(self, stages: tuple[int, ...]) -> Any:
         """The group of ``stages`` of this rank's replica, which hold copies of one parameter
@@ -140,7 +175,7 @@ class ProcessGroups:
         if stages not in self._ties:
             t = self.topology
             for replica in range(t.data_parallel):
-                group = dist.new_group(sorted(t.rank_of_stage(s, replica) for s in stages))
+                group = process_group("tie", sorted(t.rank_of_stage(s, replica) for s in stages))
                 if replica == t.replica:
                     self._ties[stages] = group
         return self._ties[stages]

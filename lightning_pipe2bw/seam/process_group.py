@@ -16,6 +16,7 @@ from lightning.fabric.plugins.environments.cluster_environment import ClusterEnv
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from lightning_pipe2bw import compat
+from lightning_pipe2bw.pipeline.groups import process_group
 from lightning_pipe2bw.pipeline.options import DEFAULT_TIMEOUT
 
 __all__ = ["broadcast_object", "connect", "control_group", "is_initialized", "rank_zero_decision"]
@@ -57,7 +58,7 @@ def _joining_store(env: ClusterEnvironment, timeout: timedelta | None) -> dict[s
 def control_group() -> Any:
     """A gloo group of every rank (``monitored_barrier`` runs on gloo only), made collectively:
     None when the default group is gloo (use that one)."""
-    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    return None if dist.get_backend() == "gloo" else process_group("control", backend="gloo")
 
 
 def rank_zero_decision(decision: bool, device: torch.device) -> bool:

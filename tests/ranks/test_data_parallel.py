@@ -19,6 +19,7 @@ from helpers.models import (
     reference_pipedream,
     reference_train,
 )
+from lightning.pytorch import Callback
 from torch.utils.data import DistributedSampler
 
 STEPS = 4  # the 64-sample data set holds 4 global batches of 16
@@ -112,3 +113,35 @@ def test_predict_with_replicas_is_refused(pools) -> None:
     """Predictions would be split over the replicas and only replica 0's returned: refused."""
     for message in pools(4).run(_predict_with_replicas):
         assert message.startswith("trainer.predict with data_parallel=2 would split the data")
+
+
+class _FailAtSecondStep(Callback):
+    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        if args[-1] == 1:  # batch_idx, on every rank
+            raise RuntimeError("failing on purpose")
+
+
+def _fit_after_a_failed_fit() -> dict[str, Any]:
+    try:
+        workers.fit(
+            "2bw", 2, STEPS, batch_size=LOCAL_BATCH, data_parallel=2,
+            trainer_kwargs={"gradient_clip_val": 1.0}, callbacks=[_FailAtSecondStep()],
+        )  # fmt: skip
+    except RuntimeError as err:
+        failed = str(err)
+    else:
+        failed = ""
+    return {
+        "failed": failed,
+        **workers.fit("2bw", 2, STEPS, batch_size=LOCAL_BATCH, data_parallel=2),
+    }
+
+
+def test_a_fit_after_a_failed_one_in_the_same_processes_trains_exactly(pools) -> None:
+    """The process groups live as long as the processes and serve every call; after a call
+    that failed (one of its collectives may never have finished) every rank forgets them, and
+    the next call makes its own and trains as a first call would."""
+    results = pools(4).run(_fit_after_a_failed_fit)
+    assert all("failing on purpose" in r["failed"] for r in results), [r["failed"] for r in results]
+    ref = reference_2bw(STEPS, 4, data=_global_batches(2, LOCAL_BATCH))
+    assert max_abs_diff(results[0]["state"], ref) <= TOL

@@ -5,12 +5,20 @@ Two leaks were found on a GPU, where the allocator showed each fit starting high
 (``benchmarks/README.md``, the GPU checklist): the signal handler Lightning restores after a fit
 held the strategy, so every finished fit's model and optimizer state; and each backward cut in
 two (``early_input_grad``) kept its input path's activations alive through a reference cycle of
-saved tensors, a micro-batch's worth per step."""
+saved tensors, a micro-batch's worth per step.
+
+A third was found by the test suite's own pools, whose ranks run hundreds of Trainer calls: every
+call made new process groups (a pipeline's, a stage's replicas', 2BW's clipping norms', ...),
+which torch keeps until the process ends. Each gloo group keeps threads that wake every few
+milliseconds; after a few hundred calls an idle rank burned a quarter of a core, and the suite
+ran a third slower. Now each group is made once per process and serves every call."""
 
 from __future__ import annotations
 
 import gc
+import os
 import weakref
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -107,3 +115,38 @@ def test_training_leaves_nothing_behind(pools: Any, schedule: str) -> None:
         # while the Trainer and its strategy were still held
         before, during, after = r["rings"]
         assert during > before and after == before, (rank, r["rings"])
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _fit(strategy: Pipe2BWStrategy) -> Any:
+    trainer = quiet_trainer(
+        devices=dist.get_world_size(), strategy=strategy, max_steps=2, gradient_clip_val=1.0
+    )
+    trainer.fit(RegressionModel(), loader(8, n=32))
+    return trainer
+
+
+def _fit_four_times(folder: str) -> dict[str, Any]:
+    """Four fits of two replicas of a 2BW pipeline clipping by the norm (every kind of group
+    the mesh makes at set-up and on first use), the first Trainer kept; then it saves a
+    checkpoint (whose optimizer state is gathered along its pipeline's group)."""
+    threads, trainers = [], []
+    for _ in range(4):
+        trainers.append(_fit(Pipe2BWStrategy(schedule="2bw", microbatches=2, data_parallel=2)))
+        threads.append(_threads())
+    trainers[0].save_checkpoint(os.path.join(folder, "first.ckpt"))
+    return {"threads": threads}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_trainer_calls_share_their_process_groups(pools: Any, tmp_path: Path) -> None:
+    results = pools(4).run(_fit_four_times, str(tmp_path))
+    for rank, r in enumerate(results):
+        print(f"LIFETIME rank {rank}: threads after each of four fits {r['threads']}")
+        # the first fit made the groups; the later ones add no thread
+        assert r["threads"][1:] == r["threads"][:1] * 3, (rank, r["threads"])
+    # and an earlier Trainer still has what it needs after later calls
+    assert (tmp_path / "first.ckpt").is_file()
