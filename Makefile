@@ -58,9 +58,11 @@ test: lint
 quick: lint
 	$(PY) -m pytest -q tests/unit
 
-# the options' tables of docs/user-guide.md and docs/configuration.md, from pipeline/optiontable.py
+# the options' tables of docs/user-guide.md and docs/configuration.md, from pipeline/optiontable.py,
+# and the figures the docs quote in more than one place, from benchmarks/results/*.json
 docs: setup
 	$(PY) -c 'import sys; from lightning_pipe2bw.pipeline.optiondocs import main; sys.exit(main())'
+	$(PY) benchmarks/figures.py
 
 clean:
 	rm -rf $(VENV) outputs lightning_logs
