@@ -51,6 +51,7 @@ from lightning_pipe2bw.failures.record import StageFailure
 from lightning_pipe2bw.failures.signals import SignalGuard
 from lightning_pipe2bw.partition import Partition, find_body
 from lightning_pipe2bw.partition.balance import Split
+from lightning_pipe2bw.partition.hf import refuse_layer_skipping
 from lightning_pipe2bw.pipeline.assembly import build_runtime, place_stage, resolve_split
 from lightning_pipe2bw.pipeline.checks import one_stage_note, run_problems
 from lightning_pipe2bw.pipeline.groups import ProcessGroups, choose_backend, forget_process_groups
@@ -413,6 +414,8 @@ class Pipe2BWStrategy(ParallelStrategy):
             )
         )
         check_same_setup(setup_settings(self.options, self.num_microbatches, trainer))
+        if fitting:
+            refuse_layer_skipping(module)
         if self._peers is None and self.world_size > 1:
             topology = self.topology
             self._peers = PeerDirectory.gather(lambda r: replace(topology, rank=r).stage)

@@ -255,7 +255,7 @@ def advance(carry: Carry, layer: int, stack: int, output: Any, final: bool = Fal
     layer uses (a new carry; ``carry`` is left as it was). The last layer of a stack (``final``)
     also leaves the rest of its output (``rest``), which the forward's own code after the stack
     may read (Cvt's class token) and the next replay hands over with the hidden state."""
-    form = len(output) if isinstance(output, tuple) else 0
+    form = len(output) if isinstance(output, (tuple, list)) else 0
     hidden = output[0] if form else output
     shared = list(carry["shared"])
     for position, k in carry["fills"].get(layer, ()):

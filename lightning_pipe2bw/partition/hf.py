@@ -29,7 +29,7 @@ from lightning_pipe2bw.partition.replay import ReplayHead
 from lightning_pipe2bw.partition.standin import training_kwargs
 from lightning_pipe2bw.runtime.call import BodyInput
 
-__all__ = ["hf_layout", "pipe_model_for"]
+__all__ = ["hf_layout", "layer_skipping", "pipe_model_for", "refuse_layer_skipping"]
 
 
 def _base(model: nn.Module) -> tuple[str, nn.Module] | None:
@@ -81,6 +81,51 @@ def hf_layout(model: nn.Module) -> tuple[str, list[str]] | None:
     prefix, base = found
     stacks = _stacks_in(model, prefix, base)
     return None if stacks is None else (prefix, stacks)
+
+
+def _configs(config: object, path: str = "config") -> list[tuple[str, object]]:
+    """A model's config and the configs inside it (an encoder's, a text model's), by path."""
+    found = [(path, config)]
+    for key, value in vars(config).items():
+        if hasattr(value, "model_type") and hasattr(value, "to_dict"):  # a config, duck-typed
+            found += _configs(value, f"{path}.{key}")
+    return found
+
+
+def layer_skipping(module: nn.Module) -> list[str]:
+    """``"<path>.config.<setting>=<value>"`` for each setting that makes a Hugging Face model
+    under ``module`` skip layers at random while training (LayerDrop: ``layerdrop``,
+    ``encoder_layerdrop``, ``decoder_layerdrop``, ...): each stage would draw its own skips for
+    its own layers, and the forward it replays would not be the one the stages ran."""
+    found: list[str] = []
+    seen: set[int] = set()
+    for where, sub in module.named_modules():
+        config = getattr(sub, "config", None)
+        if config is None or hf_layout(sub) is None:
+            continue
+        for path, cfg in _configs(config):
+            if id(cfg) in seen:  # a base model shares its head model's config
+                continue
+            seen.add(id(cfg))
+            for key, value in sorted(vars(cfg).items()):
+                number = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if "layerdrop" in key and number and value > 0:
+                    found.append(f"{where + '.' if where else ''}{path}.{key}={value}")
+    return found
+
+
+def refuse_layer_skipping(module: nn.Module) -> None:
+    """Stop a fit of a model that skips layers at random (:func:`layer_skipping`), naming the
+    setting and its fix (collective in effect: every rank finds the same and raises)."""
+    skipping = layer_skipping(module)
+    if skipping:
+        setting = skipping[0].rsplit("=", 1)[0]
+        raise ValueError(
+            f"pipe2bw: the model skips layers at random while training ({', '.join(skipping)}: "
+            "LayerDrop); each stage would draw the skips of its own layers, and the stages "
+            f"would not run one model. Set it to 0.0 before trainer.fit ({setting} = 0.0, or "
+            "the config's argument) to train the model in a pipeline"
+        )
 
 
 def _join(prefix: str, name: str) -> str:

@@ -126,7 +126,7 @@ def observe(model: nn.Module, blocks: str | Sequence[str], call: Callable[[], An
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             trace.finished[k] += 1
             trace.current = None
-            if isinstance(output, tuple):
+            if isinstance(output, (tuple, list)):  # a list too (OpenAI GPT's blocks)
                 trace.forms[k] = len(output)
                 held = {p for p in range(1, len(output)) if output[p] is not None}
                 trace.markers.setdefault(k, set()).update(held)

@@ -57,6 +57,24 @@ def _decoder(**kw: Any) -> dict[str, Any]:
     return base | kw
 
 
+def _xglm(layerdrop: float) -> nn.Module:
+    return T.XGLMForCausalLM(
+        T.XGLMConfig(
+            d_model=32,
+            ffn_dim=64,
+            num_layers=4,
+            attention_heads=4,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            layerdrop=layerdrop,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            pad_token_id=1,
+        )
+    )
+
+
 def _seq2seq(**kw: Any) -> dict[str, Any]:
     base = dict(
         d_model=32,
@@ -176,6 +194,22 @@ FAMILIES: dict[str, Callable[[], nn.Module]] = {
             ctc_loss_reduction="mean",
         )
     ),
+    # its blocks return a list, not a tuple
+    "openai_gpt": lambda: T.OpenAIGPTLMHeadModel(
+        T.OpenAIGPTConfig(
+            n_embd=32,
+            n_layer=4,
+            n_head=2,
+            vocab_size=VOCAB,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    ),
+    # LayerDrop: each layer skipped at random in training (refused; layerdrop=0.0 trains)
+    "xglm_layerdrop": lambda: _xglm(layerdrop=0.5),
+    "xglm": lambda: _xglm(layerdrop=0.0),
 }
 SEQ2SEQ = ("bart", "mbart", "marian", "t5", "whisper")
 

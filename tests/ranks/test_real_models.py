@@ -520,6 +520,33 @@ def test_an_encoder_decoder_trains_as_two_stacks_of_layers(
     _zoo_exact(pools, family, schedule, ranks)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_layers_that_return_a_list_train_exactly(pools: Any, schedule: str) -> None:
+    """OpenAI GPT's blocks return a list (``[hidden, ...]``), which the forward indexes as a
+    tuple: the stand-ins hand the hidden state over as the first of the layer's outputs, not as
+    the output itself (which the forward's ``[0]`` took a row of: "changes the hidden state
+    between layer 0 and layer 1" before)."""
+    _zoo_exact(pools, "openai_gpt", schedule, 2)
+
+
+def _fit_zoo_error(family: str) -> str:
+    try:
+        _fit_zoo(family, "1f1b")
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_layers_skipped_at_random_are_refused_at_set_up_naming_the_setting(pools: Any) -> None:
+    """XGLM with LayerDrop (``layerdrop=0.5``) skips each layer at random in training: each stage
+    would draw its own skips, so the stages would not run one model. Refused before the first
+    step, naming the setting and its fix; with the fix (``layerdrop=0.0``) it trains exactly."""
+    for message in pools(2).run(_fit_zoo_error, "xglm_layerdrop"):
+        assert "model.config.layerdrop=0.5" in message, message
+        assert "Set it to 0.0 before trainer.fit (model.config.layerdrop = 0.0" in message, message
+    _zoo_exact(pools, "xglm", "1f1b", 2)
+
+
 @pytest.mark.parametrize("family", ["swin", "wav2vec2_ctc"])
 def test_layers_that_change_resolution_and_a_ctc_head_train_exactly(
     pools: Any, family: str
