@@ -39,6 +39,7 @@ from lightning_pipe2bw.repartition.plan import (
     load_optimizer_state_by_name,
     optimizer_state_by_name,
 )
+from lightning_pipe2bw.repartition.travel import packed, unpacked
 from lightning_pipe2bw.runtime.stage import StageBody
 
 __all__ = ["hand_back", "relayout"]
@@ -80,7 +81,7 @@ def _unmovable(body: StageBody, blocks: Sequence[int], world_size: int) -> list[
     problems = []
     for block in blocks:
         try:
-            pickle.dumps(body.block(block))
+            pickle.dumps(packed(body.block(block)))
         except Exception as err:
             problems.append(f"block {block}: {type(err).__name__}: {err}")
     everyone: list[Any] = [problems]
@@ -122,7 +123,7 @@ def move_blocks(runtime: StageRuntime, balance: Sequence[int], carried: CarriedS
             }
             leaving = body.take_block(block)
             payload = {
-                "module": leaving.to("cpu"),
+                "module": packed(leaving.to("cpu")),
                 # on the CPU: a pickled CUDA tensor would land on the sender's device index
                 "optimizer": to_cpu(
                     [
@@ -138,7 +139,7 @@ def move_blocks(runtime: StageRuntime, balance: Sequence[int], carried: CarriedS
             dist.recv_object_list(got, src=t.rank_of_stage(src))
             payload = got[0]
             device = runtime.engine.transport.device
-            body.put_block(block, payload["module"].to(device))
+            body.put_block(block, unpacked(payload["module"]).to(device))
             for part, extra in zip(carried.optimizers, payload["optimizer"], strict=True):
                 part.update(extra)
             previous.update({k: v.to(device) for k, v in payload["previous"].items()})
@@ -223,13 +224,13 @@ def restore_body(runtime: StageRuntime) -> str | None:
         return "a block cannot travel between processes: " + "; ".join(found)
     path = runtime.body_path
     mine = {i: body.block(i).to("cpu") for i in body.indices}
-    group = runtime.groups.pipeline
-    gathered: list[Any] = [None] * dist.get_world_size(group) if t.num_stages > 1 else [mine]
-    if t.num_stages > 1:
-        dist.all_gather_object(gathered, mine, group=group)
     blocks: dict[int, nn.Module] = {}
-    for part in gathered:
-        blocks.update(part)
+    if t.num_stages > 1:
+        group = runtime.groups.pipeline
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, {i: packed(b) for i, b in mine.items()}, group=group)
+        for part in gathered:
+            blocks.update({i: unpacked(b) for i, b in part.items() if i not in mine})
     blocks.update(mine)  # this stage's own modules, not copies of them
     parent_path, _, attr = path.rpartition(".")
     parent = runtime.root.get_submodule(parent_path)

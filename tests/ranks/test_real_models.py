@@ -555,3 +555,28 @@ def test_layers_that_change_resolution_and_a_ctc_head_train_exactly(
     list's own attributes) and Wav2Vec2's CTC head needs the convolutional encoder's output
     lengths (the last stage replays them on blanks shaped as the first stage's outputs)."""
     _zoo_exact(pools, family, "1f1b", 2)
+
+
+def _fit_zoo_module_state(family: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    module = hf_zoo.ZooModule(family)
+    strategy = Pipe2BWStrategy(schedule="1f1b", microbatches=M)
+    trainer = quiet_trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=2)
+    trainer.fit(module, hf_zoo.loader(family))
+    whole = strategy.full_state_dict()  # collective
+    mine = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return {"module": mine, "whole": whole if dist.get_rank() == 0 else None}
+
+
+def test_after_fit_the_module_holds_the_whole_model_parametrized_modules_included(
+    pools: Any,
+) -> None:
+    """Wav2Vec2's positional convolution is weight-normed (a parametrized module, which torch
+    does not pickle): after ``fit`` every rank's module holds the whole trained model, and its
+    ``state_dict()`` is the checkpoint's, bit for bit (it raised before)."""
+    results = pools(2).run(_fit_zoo_module_state, "wav2vec2_ctc")
+    whole = results[0]["whole"]
+    assert any("parametrizations" in k for k in whole)
+    for rank, r in enumerate(results):
+        assert sorted(r["module"]) == sorted(whole), rank
+        assert max_abs_diff(r["module"], whole) == 0.0, rank
