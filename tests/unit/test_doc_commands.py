@@ -5,17 +5,15 @@ configuration, and every documented ``make`` target exists. The commands that ru
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator
 
 import pytest
 from helpers import ROOT
 from helpers.doc_commands import DocCommand, doc_commands, overrides_with
-from hydra import compose, initialize_config_dir
+from hydra import compose
 
 from lightning_pipe2bw.recipes.gpt.config import (
     build_strategy,
     check_config,
-    register_configs,
     to_train_config,
 )
 
@@ -33,13 +31,6 @@ def test_the_documented_commands_are_found() -> None:
     assert any(c.argv == ("make", "train") for c in COMMANDS)
     assert any(c.launcher == "srun" for c in COMMANDS)
     assert any(c.is_sweep for c in COMMANDS)
-
-
-@pytest.fixture(scope="module")
-def hydra_init() -> Iterator[None]:
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        yield
 
 
 @pytest.mark.parametrize("command", ELSEWHERE, ids=str)

@@ -5,14 +5,13 @@ single run with popen, a 2-run sweep with spawn): ``tests/launch/test_hydra.py``
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from helpers import ROOT
-from hydra import compose, initialize_config_dir
+from hydra import compose
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from lightning.pytorch import Trainer
@@ -25,7 +24,6 @@ from lightning_pipe2bw.recipes.gpt.config import (
     build_model,
     build_strategy,
     check_config,
-    register_configs,
     resolve_start_method,
     to_train_config,
     trainer_kwargs,
@@ -50,13 +48,6 @@ GROUPS = ("strategy", "model", "data", "trainer")
 
 def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
-
-
-@pytest.fixture(scope="module")
-def hydra_init() -> Iterator[None]:
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        yield
 
 
 def compose_train(overrides: list[str]) -> DictConfig:
