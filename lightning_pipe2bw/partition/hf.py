@@ -29,7 +29,7 @@ from lightning_pipe2bw.partition.replay import ReplayHead
 from lightning_pipe2bw.partition.standin import training_kwargs
 from lightning_pipe2bw.runtime.call import BodyInput
 
-__all__ = ["hf_layout", "layer_skipping", "pipe_model_for", "refuse_layer_skipping"]
+__all__ = ["hf_layout", "pipe_model_for", "refuse_layer_skipping"]
 
 
 def _base(model: nn.Module) -> tuple[str, nn.Module] | None:

@@ -19,8 +19,11 @@ from helpers import ROOT
 
 PACKAGE = ROOT / "lightning_pipe2bw"
 LIGHTNING = Path(lightning.__file__).resolve().parent
-# torch's, read on torch objects: a tensor's version counter, a module's backward hooks
-TORCH = frozenset({"_version", "_backward_hooks", "_backward_pre_hooks"})
+# torch's, read on torch objects: a tensor's version counter, a module's backward hooks, a
+# module's load_state_dict pre-hooks (repartition/travel.py: weight norm's, which no pickle carries)
+TORCH = frozenset(
+    {"_version", "_backward_hooks", "_backward_pre_hooks", "_load_state_dict_pre_hooks"}
+)
 
 
 def _defined(root: Path) -> set[str]:
