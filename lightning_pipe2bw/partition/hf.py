@@ -29,7 +29,7 @@ from lightning_pipe2bw.partition.replay import ReplayHead
 from lightning_pipe2bw.partition.standin import training_kwargs
 from lightning_pipe2bw.runtime.call import BodyInput
 
-__all__ = ["hf_layout", "pipe_model_for", "refuse_layer_skipping"]
+__all__ = ["hf_layout", "known_models", "pipe_model_for", "refuse_layer_skipping"]
 
 
 def _base(model: nn.Module) -> tuple[str, nn.Module] | None:
@@ -92,25 +92,28 @@ def _configs(config: object, path: str = "config") -> list[tuple[str, object]]:
     return found
 
 
+def known_models(module: nn.Module) -> list[str]:
+    """The outermost submodules of a family ``pipe_model_for`` knows (Hugging Face models)."""
+    found: list[str] = []
+    for path, sub in module.named_modules():
+        if path and not any(path.startswith(q + ".") for q in found):
+            if any(True for _ in sub.parameters()) and hf_layout(sub) is not None:
+                found.append(path)
+    return found
+
+
 def layer_skipping(module: nn.Module) -> list[str]:
     """``"<path>.config.<setting>=<value>"`` for each setting that makes a Hugging Face model
     under ``module`` skip layers at random while training (LayerDrop: ``layerdrop``,
     ``encoder_layerdrop``, ``decoder_layerdrop``, ...): each stage would draw its own skips for
     its own layers, and the forward it replays would not be the one the stages ran."""
     found: list[str] = []
-    seen: set[int] = set()
-    for where, sub in module.named_modules():
-        config = getattr(sub, "config", None)
-        if config is None or hf_layout(sub) is None:
-            continue
-        for path, cfg in _configs(config):
-            if id(cfg) in seen:  # a base model shares its head model's config
-                continue
-            seen.add(id(cfg))
+    for where in known_models(module):
+        for path, cfg in _configs(module.get_submodule(where).config):
             for key, value in sorted(vars(cfg).items()):
                 number = isinstance(value, (int, float)) and not isinstance(value, bool)
                 if "layerdrop" in key and number and value > 0:
-                    found.append(f"{where + '.' if where else ''}{path}.{key}={value}")
+                    found.append(f"{where}.{path}.{key}={value}")
     return found
 
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_pipe2bw.partition.carry import LayerCall
 from lightning_pipe2bw.partition.guard import observed_problems
-from lightning_pipe2bw.partition.hf import hf_layout, pipe_model_for
+from lightning_pipe2bw.partition.hf import hf_layout, known_models, pipe_model_for
 from lightning_pipe2bw.partition.observe import TURN_OFF, SplitError, compare_outputs, evaluating
 from lightning_pipe2bw.partition.pipemodel import PipeModel, PipeModelBody
 from lightning_pipe2bw.partition.replay import ReadsBlanks
@@ -241,7 +241,7 @@ def find_body(
     ]
     # keep only the outermost Sequentials (a Sequential inside a block is part of that block)
     top = [p for p in candidates if not any(p.startswith(q + ".") for q in candidates if q != p)]
-    known = _known_models(module)
+    known = known_models(module)
     if len(known) == 1 and all(p.startswith(known[0] + ".") for p in top):
         # a Hugging Face model (its Sequentials are inside)
         return _resolve(module, known[0], call_of, check)
@@ -283,16 +283,6 @@ def _list_hint(module: nn.Module) -> str:
         "such a list, leave the model as it is and return PipeModel(model, blocks='<the list's "
         "path in the model>', pre=[...], post=[...]) from `pipeline_body()` (docs/models.md)"
     )
-
-
-def _known_models(module: nn.Module) -> list[str]:
-    """The outermost submodules of a family ``pipe_model_for`` knows (Hugging Face models)."""
-    found: list[str] = []
-    for path, sub in module.named_modules():
-        if path and not any(path.startswith(q + ".") for q in found):
-            if any(True for _ in sub.parameters()) and hf_layout(sub) is not None:
-                found.append(path)
-    return found
 
 
 @dataclass(frozen=True)
