@@ -12,6 +12,7 @@ from lightning_pipe2bw.callbacks import ActivationBalancer, PipelineReport, Stag
 from lightning_pipe2bw.optim import MuonAdamW
 from lightning_pipe2bw.partition.pipemodel import PipeModel
 from lightning_pipe2bw.pipeline.options import PipeOptions
+from lightning_pipe2bw.runtime.items import items_in_batch
 from lightning_pipe2bw.strategy import Pipe2BWStrategy
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "PipeOptions",
     "PipelineReport",
     "StageMemoryMonitor",
+    "items_in_batch",
 ]
 __version__ = "0.1.0"
 

@@ -122,6 +122,7 @@ class Pipe2BWStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         state_dict_type: Literal["full", "sharded"] = "full",
+        loss_normalization: Literal["batch", "microbatch"] = "batch",
         data_parallel: int = 1,
         shard_optimizer: bool = False,
         fsdp: bool = False,

@@ -411,11 +411,14 @@ class Last(_Guarded):
         layout: Sequence[StackInfo] = (),
         blanks: Blanks | None = None,
         check: bool = True,
+        count: Callable[[BodyInput], Any] | None = None,
     ) -> None:
         super().__init__(model, paths, layout, check, ())
         self.pipe_head = head
         self.pipe_blanks = blanks or Blanks()
         self.call_input: BodyInput | None = None
+        # how the model's loss counts a call's items (``PipeModel.count_items``), or None
+        self.pipe_count = count
 
     def forward(self, carry: Any) -> Any:
         call = self.call_input or BodyInput((), {})

@@ -21,7 +21,12 @@ model's own loss (with its ``problem_type``) are the model's code, not ours.
 
 from __future__ import annotations
 
-from torch import nn
+import functools
+import inspect
+import warnings
+
+import torch
+from torch import Tensor, nn
 
 from lightning_pipe2bw.partition.observe import Observation, evaluating, observe
 from lightning_pipe2bw.partition.pipemodel import PipeModel
@@ -30,6 +35,9 @@ from lightning_pipe2bw.partition.standin import training_kwargs
 from lightning_pipe2bw.runtime.call import BodyInput
 
 __all__ = ["hf_layout", "known_models", "pipe_model_for", "refuse_layer_skipping"]
+
+# what transformers' losses leave out of their mean (``ignore_index``)
+IGNORED = -100
 
 
 def _base(model: nn.Module) -> tuple[str, nn.Module] | None:
@@ -222,6 +230,9 @@ def pipe_model_for(model: nn.Module, call: BodyInput | None = None) -> PipeModel
         (pre if k == 0 else between[k - 1]).extend(direct)
         listed.update(direct)
     init = getattr(model, "_init_weights", None)
+    count = item_count(model)
+    if count is not None and call is not None and not _divides_by(model, call, count):
+        count = None
     return PipeModel(
         model,
         blocks=stacks[0] if len(stacks) == 1 else stacks,
@@ -231,4 +242,87 @@ def pipe_model_for(model: nn.Module, call: BodyInput | None = None) -> PipeModel
         init=init if callable(init) else None,
         between=between,
         observed=observed,
+        count_items=count,
     )
+
+
+# ---------------------------------------------------------------------- the loss's item count
+def item_count(model: nn.Module) -> functools.partial[Tensor | None] | None:
+    """How ``model``'s own loss counts the items of a call (a :class:`BodyInput`): the labels
+    that are not -100, as transformers' Trainer counts them for ``num_items_in_batch`` (the
+    labels after the shift a causal language model's loss makes, ``shift_labels`` where the
+    call gives them), or None for a model whose forward takes no loss keywords (transformers'
+    ``accepts_loss_kwargs``, else a ``**kwargs`` in its signature). The function gives None for
+    a call without integer labels, or one that passes ``num_items_in_batch`` itself."""
+    forward = inspect.signature(model.forward).parameters
+    accepts = getattr(model, "accepts_loss_kwargs", None)
+    if accepts is None:
+        accepts = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in forward.values())
+    if not accepts:
+        return None
+    positional = [
+        name for name, p in forward.items()
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]  # fmt: skip
+    at = positional.index("labels") if "labels" in positional else None
+    return functools.partial(_count_labels, shifted=_loss_shifts_labels(model), labels_at=at)
+
+
+def _loss_shifts_labels(model: nn.Module) -> bool:
+    """A causal language model's loss (transformers' ``ForCausalLMLoss``, not in an
+    encoder-decoder): position 0 of each row is never a target."""
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    except ImportError:  # transformers without its loss table: by the class's name
+        return type(model).__name__.endswith("ForCausalLM")
+    loss = LOSS_MAPPING.get(getattr(model, "loss_type", None) or "")
+    encoder_decoder = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+    return loss is ForCausalLMLoss and not encoder_decoder
+
+
+def _count_labels(call: BodyInput, *, shifted: bool, labels_at: int | None) -> Tensor | None:
+    kwargs = call.kwargs
+    if "num_items_in_batch" in kwargs:
+        return None
+    labels = kwargs.get("shift_labels")
+    if labels is None:
+        labels = kwargs.get("labels")
+        if labels is None and labels_at is not None and labels_at < len(call.args):
+            labels = call.args[labels_at]
+        if isinstance(labels, Tensor) and shifted:
+            labels = labels[..., 1:]
+    if not isinstance(labels, Tensor) or labels.is_floating_point() or labels.is_complex():
+        return None
+    if labels.dtype == torch.bool:
+        return None
+    return labels.ne(IGNORED).sum()
+
+
+def _divides_by(model: nn.Module, call: BodyInput, count: functools.partial[Tensor | None]) -> bool:
+    """Whether ``model``'s loss on ``call`` (the first micro-batch) is its summed loss over
+    ``num_items_in_batch``, with the count :func:`item_count` gives (eval mode, no gradient,
+    the random state put back): the loss with twice the count is half the loss without. A model
+    whose loss ignores the keyword (its own ``CrossEntropyLoss``) or counts otherwise keeps
+    each micro-batch's own mean; a warning says so where its labels ignore some items."""
+    n = count(call)
+    if n is None or int(n) == 0:
+        return True  # nothing to check on: the rule is transformers' own
+    kwargs = training_kwargs(model, call.kwargs)
+    with evaluating(model):
+        plain = getattr(model(*call.args, **kwargs), "loss", None)
+        halved = getattr(model(*call.args, **kwargs, num_items_in_batch=2 * n), "loss", None)
+    if not isinstance(plain, Tensor) or not isinstance(halved, Tensor):
+        return False
+    if torch.allclose(2 * halved.double(), plain.double(), rtol=1e-5, atol=1e-7):
+        return True
+    labels = call.kwargs.get("labels")
+    if isinstance(labels, Tensor) and bool(labels.eq(IGNORED).any()):
+        warnings.warn(
+            f"pipe2bw: {type(model).__name__}'s loss does not divide by `num_items_in_batch` "
+            "(its loss with twice the count is not half its loss), so each micro-batch's loss "
+            "stays the mean over its own labels, and the batch's is the micro-batches' means "
+            "weighted by size, which differs from one device's whole-batch mean where "
+            "micro-batches hold different numbers of -100 labels",
+            stacklevel=2,
+        )
+    return False

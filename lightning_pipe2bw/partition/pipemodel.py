@@ -126,6 +126,10 @@ class PipeModel:
     init: Callable[[nn.Module], None] | None = None
     between: Sequence[Sequence[str]] = ()
     carried: Sequence[str] = ()
+    # how the model's own loss counts a call's items (``partition.hf.item_count``), for a loss
+    # that divides by the whole batch's count (``num_items_in_batch``); a module-level function
+    # or a partial of one (it travels with the last block)
+    count_items: Callable[[BodyInput], Any] | None = None
     # set by the intake that watched the model's forward (``partition.observe``): the whole
     # model's output on the first micro-batch, which the split's output is checked against,
     # and what each list's layers return
@@ -211,7 +215,12 @@ class PipeModelBody(nn.Sequential):
                 for i, n in enumerate(names)
             ]
         head = spec.head or functools.partial(_chain, spec.post)
-        parts.append(Last(model, spec.post, head, layout, Blanks.of(model, earlier), check))
+        parts.append(
+            Last(
+                model, spec.post, head, layout, Blanks.of(model, earlier), check,
+                count=spec.count_items,
+            )
+        )  # fmt: skip
         super().__init__(*parts)
         object.__setattr__(self, "spec", spec)
         if spec.init is not None:  # a body built on meta is initialised by the model's own init

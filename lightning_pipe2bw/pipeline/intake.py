@@ -5,6 +5,8 @@ trains silently wrong.
   (the step runs up to the model's call, which is stopped there), so that the structure of a
   model that is not an ``nn.Sequential`` is learnt from one forward (``partition.observe``) and
   the split is checked against the whole model (``partition.split``).
+- :func:`whole_call`: the same on a whole batch, at every step, for a loss normalised by the
+  batch's items.
 - :func:`check_every_parameter_used`: at the first update, every trainable parameter must have
   received a gradient, as DDP checks (each stage checks its own, without a collective).
 """
@@ -23,7 +25,7 @@ from lightning_pipe2bw.partition.observe import TURN_OFF, SplitError
 from lightning_pipe2bw.runtime.call import BodyInput
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, split_batch
 
-__all__ = ["check_every_parameter_used", "step_call"]
+__all__ = ["check_every_parameter_used", "step_call", "whole_call"]
 
 
 class _Stopped(BaseException):
@@ -79,6 +81,34 @@ def step_call(
         return None
 
     return call_of
+
+
+def whole_call(
+    module: nn.Module, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], body: nn.Module
+) -> BodyInput | None:
+    """The arguments the user's step (``module.<hook>(*args, **kwargs)``, on the whole batch
+    ``args[0]``) passes to ``body``, the model: the step runs up to the call, which is stopped
+    there, without gradient, with ``self.log`` muted and the random state put back; None where
+    the step returns or fails before calling it. What a loss normalised by the batch's items
+    counts (``runtime.items``)."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+    handle = body.register_forward_pre_hook(_stop, with_kwargs=True)
+    module.__dict__["log"] = _muted  # shadows the method on this object only
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            getattr(module, hook)(*args, **kwargs)
+    except _Stopped as stopped:
+        return stopped.call
+    except Exception:  # the micro-batches' steps raise it where it belongs
+        return None
+    finally:
+        module.__dict__.pop("log", None)
+        handle.remove()
+    return None
+
+
+def _muted(*args: Any, **kwargs: Any) -> None:
+    pass
 
 
 def _stop(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

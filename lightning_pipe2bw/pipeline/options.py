@@ -29,6 +29,7 @@ from lightning_pipe2bw.pipeline.optiontable import (
     OPTIONS,
     BadOption,
     BalanceMode,
+    LossNormalization,
     StartMethod,
     StateDictType,
 )
@@ -65,6 +66,7 @@ class PipeOptions:
     process_group_backend: str | None = None
     timeout: timedelta | None = DEFAULT_TIMEOUT
     state_dict_type: StateDictType = "full"
+    loss_normalization: LossNormalization = "batch"  # by the whole batch's items, or per micro-batch
     data_parallel: int = 1
     shard_optimizer: bool = False  # ZeRO-1 over each stage's replicas
     fsdp: bool = False  # FSDP2 on each block over each stage's replicas
@@ -148,6 +150,7 @@ class PipeOptions:
             "fsdp": self.fsdp,
             "body": self.body,
             "state_dict_type": self.state_dict_type,
+            "loss_normalization": self.loss_normalization,
             "delay_correction": self.correction,
             "sync_steps": self.sync_steps,
             "fresh_last_stage": self.fresh_last_stage,

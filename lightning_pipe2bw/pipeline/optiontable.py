@@ -24,6 +24,7 @@ __all__ = [
     "OPTION_NAMES",
     "BadOption",
     "BalanceMode",
+    "LossNormalization",
     "StartMethod",
     "StateDictType",
 ]
@@ -34,6 +35,8 @@ StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 START_METHODS: tuple[str, ...] = get_args(StartMethod)
 StateDictType = Literal["full", "sharded"]
 STATE_DICT_TYPES: tuple[str, ...] = get_args(StateDictType)
+LossNormalization = Literal["batch", "microbatch"]
+LOSS_NORMALIZATIONS: tuple[str, ...] = get_args(LossNormalization)
 
 # how long a rank waits for another before the run stops (torch's own default is 30 minutes)
 DEFAULT_TIMEOUT = timedelta(minutes=3)
@@ -172,15 +175,19 @@ def _body(value: Any) -> dict[str, Any]:
     return {"body": value}
 
 
-def _start_method(value: Any) -> dict[str, Any]:
-    if value not in START_METHODS:
-        raise BadOption(
-            "start_method",
-            value,
-            f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {value!r}",
-            choices=START_METHODS,
-        )
-    return {"start_method": value}
+# the parser of an option that takes one of `choices` (`meaning`: what each does)
+def _one_of(option: str, choices: tuple[str, ...], meaning: str) -> Callable[[Any], dict[str, Any]]:
+    def parse(value: Any) -> dict[str, Any]:
+        if value not in choices:
+            raise BadOption(
+                option, value, f"{option} must be {meaning}, got {value!r}", choices=choices
+            )
+        return {option: value}
+
+    return parse
+
+
+_start_method = _one_of("start_method", START_METHODS, "'popen', 'spawn', 'fork' or 'forkserver'")
 
 
 def _backend(value: Any) -> dict[str, Any]:
@@ -215,16 +222,15 @@ def _timeout(value: Any) -> dict[str, Any]:
     return {"timeout": value}
 
 
-def _state_dict_type(value: Any) -> dict[str, Any]:
-    if value not in STATE_DICT_TYPES:
-        raise BadOption(
-            "state_dict_type",
-            value,
-            f"state_dict_type must be 'full' (one consolidated file) or 'sharded' (a directory "
-            f"of per-stage files), got {value!r}",
-            choices=STATE_DICT_TYPES,
-        )
-    return {"state_dict_type": value}
+_state_dict_type = _one_of(
+    "state_dict_type", STATE_DICT_TYPES,
+    "'full' (one consolidated file) or 'sharded' (a directory of per-stage files)",
+)  # fmt: skip
+_loss_normalization = _one_of(
+    "loss_normalization", LOSS_NORMALIZATIONS,
+    "'batch' (a loss over items, such as tokens, divided by the whole batch's count, as on one "
+    "device) or 'microbatch' (by each micro-batch's own, as Lightning's gradient accumulation)",
+)  # fmt: skip
 
 
 def _data_parallel(value: Any) -> dict[str, Any]:
@@ -452,6 +458,19 @@ OPTIONS: tuple[Option, ...] = (
         "(gathered on rank 0); `\"sharded\"` writes a directory in which every rank saves its "
         "own stage with `torch.distributed.checkpoint` under the original parameter names, so "
         "it reloads with any number of stages",
+    ),
+    Option(
+        "loss_normalization", "batch", _loss_normalization, str,
+        doc="how a loss that is a mean over items (the tokens whose label is not -100) is "
+        "normalised over micro-batches holding different numbers of them. `\"batch\"` divides "
+        "each micro-batch's summed loss by the whole batch's count: the loss, its gradient and "
+        "the clipping are one device's on the whole batch. A Hugging Face model whose loss "
+        "takes `num_items_in_batch` gets the batch's count in its call (counted as "
+        "transformers' Trainer counts it); your own loss divides by "
+        "`lightning_pipe2bw.items_in_batch(batch, count)`. `\"microbatch\"` takes each "
+        "micro-batch's own mean, weighted by its size (Lightning's gradient accumulation). A "
+        "per-sample mean is the same under both "
+        "([docs/user-guide.md](docs/user-guide.md#losses-normalised-by-the-whole-batch))",
     ),
     Option(
         "data_parallel", 1, _data_parallel, int,

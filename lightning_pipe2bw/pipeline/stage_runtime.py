@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import traceback
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import nullcontext
 from typing import Any, cast
 
 import torch.distributed as dist
@@ -36,6 +37,7 @@ from lightning_pipe2bw.pipeline.ties import TiedCopies
 from lightning_pipe2bw.pipeline.topology import Topology
 from lightning_pipe2bw.runtime.driver import Driver, DueGradient
 from lightning_pipe2bw.runtime.engine import PipelineEngine, StepFn, step_loss
+from lightning_pipe2bw.runtime.items import batch_items
 from lightning_pipe2bw.runtime.microbatch import batch_size_of, merge_outputs, split_batch
 from lightning_pipe2bw.runtime.stage import StageBody
 from lightning_pipe2bw.schedule import Schedule, add_communication, forward_only
@@ -104,28 +106,34 @@ class StageRuntime:
         *,
         train: bool,
         loss_root: Callable[[Tensor], Tensor] | None = None,
+        counts: Mapping[str, Tensor] | None = None,
     ) -> StepValues:
         """Run one batch through the stage: split into micro-batches, the driver (training) or
         a forward-only schedule. On the last stage: the batch's values, ``loss`` (a 0-d float64
         tensor on the loss's device: the micro-batch losses weighted by size) and ``extra``, or
         ``output`` (merged outputs on the CPU); empty values on the other stages. ``loss_root``:
-        see ``PipelineEngine.execute``."""
+        see ``PipelineEngine.execute``. With ``loss_normalization="batch"`` the micro-batches
+        normalise by the whole batch's items (``runtime.items``): ``counts`` are the whole
+        batch's counts the model's call on the last stage takes (``{"num_items_in_batch":
+        N}``), and ``items_in_batch`` counts for the user's own loss."""
         size = batch_size_of(batch)
         m = self.num_microbatches if train else min(self.num_microbatches, size)
         microbatches, sizes = split_batch(batch, m)
         weights = [k / size for k in sizes]
-        if train:
-            results = self.driver.train_batch(microbatches, weights, step, backward, loss_root)
-        else:
-            results = self.engine.run(
-                self._forward_schedule(m),
-                microbatches,
-                step,
-                train=False,
-                loss_weights=weights,
-                backward=backward,
-                observer=self.driver.observe,
-            )
+        by_batch = self.options.loss_normalization == "batch"
+        with batch_items(batch, microbatches, weights, counts) if by_batch else nullcontext():
+            if train:
+                results = self.driver.train_batch(microbatches, weights, step, backward, loss_root)
+            else:
+                results = self.engine.run(
+                    self._forward_schedule(m),
+                    microbatches,
+                    step,
+                    train=False,
+                    loss_weights=weights,
+                    backward=backward,
+                    observer=self.driver.observe,
+                )
         if not self.is_last:
             return StepValues()
         if train:

@@ -14,6 +14,7 @@ from torch import Tensor
 from lightning_pipe2bw.failures.record import StageFailure, lost_peer, mark_action
 from lightning_pipe2bw.runtime.actionlog import ActionLog, user_log
 from lightning_pipe2bw.runtime.inplace import writable
+from lightning_pipe2bw.runtime.items import amended_call
 from lightning_pipe2bw.runtime.payload import (
     StepFn,
     batch_signature,
@@ -517,11 +518,14 @@ class PipelineEngine:
                     "micro-batch, so call self.body(x) / self(x) exactly once in each step"
                 )
             if first:
-                out = stage_body.run_blocks(x, slot.params, call=x, stage=v)
+                call_x = amended_call(x, microbatch) if last else x
+                out = stage_body.run_blocks(x, slot.params, call=call_x, stage=v)
                 if last:
                     return out
                 slot.outputs = out
                 raise _BodyReached
+            if last:  # the model's end takes the batch's item counts (runtime.items)
+                x = amended_call(x, microbatch)
             out = stage_body.run_blocks(writable(slot.inputs), slot.params, call=x, stage=v)
             if middle:  # a block of this stage took the step's arguments; the step stops here
                 slot.outputs = out

@@ -22,7 +22,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import Tensor
 
 from lightning_pipe2bw import compat
-from lightning_pipe2bw.pipeline.intake import check_every_parameter_used
+from lightning_pipe2bw.pipeline.intake import check_every_parameter_used, whole_call
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
 from lightning_pipe2bw.runtime.driver import DueGradient
 from lightning_pipe2bw.seam.hooklogs import StageLogs
@@ -83,10 +83,11 @@ class PipelinedSteps:
         """Run ``hook`` (the user's step) over the batch ``args[0]``'s micro-batches, and return
         what it returns on this rank (``steps.delivery``)."""
         module, runtime = self.module, self.runtime
+        counts = self._item_counts(hook, args, kwargs)
         with StepRecording(module, hook, args, kwargs, runtime.is_last) as recording:
             values = runtime.run_batch(
                 args[0], recording.step, self.backward_microbatch, train=train,
-                loss_root=self._loss_root(),
+                loss_root=self._loss_root(), counts=counts,
             )  # fmt: skip
         recording.fill(values)
         settle = train and compat.ends_epoch(module.trainer)
@@ -98,6 +99,26 @@ class PipelinedSteps:
             device=self.device, requeue=self.requeue,
             request=self._requeue_request if train and self.requeue.active else None,
         )  # fmt: skip
+
+    def _item_counts(
+        self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> dict[str, Tensor] | None:
+        """On the last stage of a model whose loss divides by ``num_items_in_batch`` (a
+        Hugging Face model: ``partition.hf.item_count``), under ``loss_normalization="batch"``:
+        the whole batch's count, from the labels the step passes to the model on the whole
+        batch (``pipeline.intake.whole_call``); else None."""
+        runtime = self.runtime
+        if not runtime.is_last or runtime.options.loss_normalization != "batch":
+            return None
+        body = runtime.body
+        count = next(
+            (c for i in body.indices if (c := getattr(body.block(i), "pipe_count", None))), None
+        )
+        if count is None:
+            return None
+        call = whole_call(self.module, hook, args, kwargs, body)
+        n = count(call) if call is not None else None
+        return None if n is None else {"num_items_in_batch": n}
 
     def take_due(self) -> None:
         """After a training step: hold the gradient it applies until the ``backward`` hook."""
