@@ -36,6 +36,7 @@ from lightning_pipe2bw.partition.guard import (
 )
 from lightning_pipe2bw.partition.observe import TURN_OFF, SplitError, compare_outputs
 from lightning_pipe2bw.partition.paths import get_path, set_path
+from lightning_pipe2bw.partition.recorded import recorders_for, recording
 from lightning_pipe2bw.partition.replay import Blanks, ReadsBlanks, ReplayHead, forward_with
 from lightning_pipe2bw.partition.standin import Run, Stack
 from lightning_pipe2bw.runtime.call import BodyInput
@@ -257,7 +258,7 @@ class First(_Guarded):
                 how = _STAND_INS.format(model=type(model).__name__, stack=self.pipe_layout[0].path)
                 raise SplitError(_wrong(model, key, problems, how))
             self.pipe_checked.add(key)
-        return pack(run.first, run.calls, self._parts_out(run))
+        return pack(run.first, run.calls, self._parts_out(run), collects=run.collects)
 
     def _run(self, x: BodyInput, mode: str, generator: torch.Generator | None = None) -> Run:
         model = self.whole_model
@@ -324,7 +325,10 @@ class Junction(_Guarded):
         outputs = (
             {self.pipe_stack - 1: carry["hidden"]} if previous.path in self.pipe_carried else {}
         )
-        return pack(run.first, run.calls, self._parts_out(run), outputs, before=carry)
+        return pack(
+            run.first, run.calls, self._parts_out(run), outputs, before=carry,
+            collects=run.collects,
+        )  # fmt: skip
 
     @property
     def _first_layer(self) -> int:
@@ -345,7 +349,10 @@ class Junction(_Guarded):
         stacks = _stacks(model, self.pipe_layout, modes, carry["forms"], _outputs(carry), noisy)
         for stack in stacks:
             stack.noisy = stack.noisy and (vary is None or stack.path in vary)
-        run = Run(stacks, hidden=carry["hidden"], generator=generator, rest=carry.get("rest"))
+        run = Run(
+            stacks, hidden=carry["hidden"], generator=generator, rest=carry.get("rest"),
+            recorded=carry.get("recorded"),
+        )  # fmt: skip
         with self.params_in_model():
             out = forward_with(
                 model, call, run, self.watched(), self.pipe_blanks, carry, generator, vary
@@ -383,16 +390,25 @@ class Layer(Part):
         self.pipe_index = index
         self.pipe_stack = stack
         self.pipe_last = last  # the last layer of its stack: the rest of its output travels on
+        # which of its modules record values the model's end reads (``partition.recorded``)
+        self.pipe_recorders = recorders_for(model, self.pipe_paths[0])
 
     def forward(self, carry: Any) -> Any:
         args, kwargs, key = call_of(carry, self.pipe_index)
-        layer = get_path(self, self.pipe_paths[0])
+        path = self.pipe_paths[0]
+        layer = get_path(self, path)
+        assert isinstance(layer, nn.Module), f"{path!r} names a module"
         hidden = carry["hidden"]
-        if key is None:
-            out = layer(hidden, *args, **kwargs)  # type: ignore[operator]
-        else:
-            out = layer(*args, **{key: hidden}, **kwargs)  # type: ignore[operator]
-        return advance(carry, self.pipe_index, self.pipe_stack, out, self.pipe_last)
+        keys = carry.get("collects", ())
+        with recording(layer, path, keys, self.pipe_recorders) as recorded:
+            if key is None:
+                out = layer(hidden, *args, **kwargs)
+            else:
+                out = layer(*args, **{key: hidden}, **kwargs)
+        after = advance(carry, self.pipe_index, self.pipe_stack, out, self.pipe_last)
+        if keys:
+            after["recorded"] = {**carry["recorded"], self.pipe_index: recorded}
+        return after
 
 
 class Last(_Guarded):
@@ -469,7 +485,10 @@ class Last(_Guarded):
         )
         for stack in stacks:
             stack.noisy = stack.noisy and (vary is None or stack.path in vary)
-        run = Run(stacks, hidden=carry["hidden"], generator=generator, rest=carry.get("rest"))
+        run = Run(
+            stacks, hidden=carry["hidden"], generator=generator, rest=carry.get("rest"),
+            recorded=carry.get("recorded"),
+        )  # fmt: skip
         return forward_with(model, call, run, (), self.pipe_blanks, carry, generator, vary)
 
     def _culprits(self, carry: Any, call: BodyInput, out: Any, random: Any) -> list[str]:

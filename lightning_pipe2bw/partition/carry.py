@@ -25,6 +25,9 @@ stack of layers learns what each layer is passed from the model's own forward
   encoder's output, which the decoder's end returns), as a :class:`Ref`;
 - ``forms``: what each stack's layers return (0 a tensor, n a tuple of n, hidden state first),
   as the layers that ran found it;
+- ``collects``: the keys of the values the model's forward collects from its layers' modules
+  (a router's logits), which each layer records; ``recorded``: what the layers that ran
+  recorded, by layer (``partition.recorded``), for the replays after them;
 - ``rest``: after the last layer of a stack, the rest of its output (besides the hidden state),
   which the forward's code after the stack may read.
 
@@ -162,6 +165,7 @@ def pack(
     parts: Mapping[str, tuple[Any, bool]] | None = None,
     outputs: Mapping[int, Any] | None = None,
     before: Carry | None = None,
+    collects: tuple[str, ...] = (),
 ) -> Carry:
     """The carry of the stage that opens a stack: its first layer's hidden state, the layers'
     ``calls`` (by index over all stacks), what the parts it ran returned (``parts``: path ->
@@ -233,6 +237,8 @@ def pack(
         "blanks": blanks,
         "outputs": travelled,
         "forms": dict(before["forms"]) if before is not None else {},
+        "collects": collects,
+        "recorded": dict(before.get("recorded", {})) if before is not None else {},
     }
 
 

@@ -59,6 +59,7 @@ from torch import nn
 
 from lightning_pipe2bw.partition.blocks import First, Head, Junction, Last, Layer, Part, StackInfo
 from lightning_pipe2bw.partition.paths import get_path, set_path, skeleton
+from lightning_pipe2bw.partition.recorded import forget_capture_hooks
 from lightning_pipe2bw.partition.replay import Blanks
 from lightning_pipe2bw.runtime.call import BodyInput, call_input
 from lightning_pipe2bw.runtime.stage import add_block_index, drop_block_index
@@ -297,6 +298,7 @@ def restore_model(model: nn.Module, blocks: Mapping[int, nn.Module]) -> nn.Modul
     for block in blocks.values():
         if isinstance(block, Part):
             object.__setattr__(block, "whole_model", model)
+    forget_capture_hooks(model)  # installed afresh on the whole model when next needed
     return model
 
 

@@ -25,7 +25,7 @@ mode:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from lightning_pipe2bw.partition.carry import LayerCall, Pending
 from lightning_pipe2bw.partition.observe import SplitError
 from lightning_pipe2bw.partition.paths import get_path, set_path
+from lightning_pipe2bw.partition.recorded import collected_keys, hand_over
 
 __all__ = ["Captured", "Run", "Stack", "split_call", "swapped", "training_kwargs"]
 
@@ -137,10 +138,14 @@ class Run:
         hidden: Any = None,
         generator: torch.Generator | None = None,
         rest: tuple[Any, ...] | None = None,
+        recorded: Mapping[int, Any] | None = None,
     ) -> None:
         self.stacks = list(stacks)
         self.hidden, self.generator = hidden, generator
         self.rest = rest  # replay: the rest of the replayed stack's last output, if it has one
+        # pass, replay: what each layer's modules recorded where it ran (``partition.recorded``)
+        self.recorded = recorded or {}
+        self.collects: tuple[str, ...] = ()  # capture: the keys the forward collects
         self.calls: dict[int, LayerCall] = {}  # by layer index over all stacks
         self.first: Any = None  # the hidden state of the captured stack's first layer
         self.sent: Any = None  # what the previous stand-in returned (probe)
@@ -161,6 +166,8 @@ class Run:
         n = len(stack.layers)
         self.reached += 1
         hidden, call = split_call(stack.layers[index], index, args, kwargs)
+        if stack.mode in ("pass", "replay"):  # what the layer's modules recorded where it ran
+            hand_over(self.recorded.get(stack.offset + index))
         if stack.mode == "pass":
             if index == n - 1 and stack.output is not None:
                 hidden = stack.output
@@ -186,6 +193,7 @@ class Run:
         self.calls[g] = call
         if index == 0:
             self.first = hidden
+            self.collects = collected_keys()
         if stack.mode == "probe":
             if index > 0 and not _same(hidden, self.sent):
                 self.problems.append(

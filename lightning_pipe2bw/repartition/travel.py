@@ -16,6 +16,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from lightning_pipe2bw.partition.recorded import forget_capture_hooks
+
 __all__ = ["packed", "unpacked"]
 
 
@@ -36,7 +38,9 @@ class _Packed:
 
 def packed(block: nn.Module) -> Any:
     """``block`` ready to pickle (itself where nothing in it is parametrized; the block in this
-    process is left as it is)."""
+    process is left as it is, but for transformers' output-capturing hooks, which no pickle
+    carries and the model installs again when it needs them: ``partition.recorded``)."""
+    forget_capture_hooks(block)
     if not any(parametrize.is_parametrized(m) for m in block.modules()):
         return block
     module = copy.deepcopy(block)

@@ -57,6 +57,13 @@ def _decoder(**kw: Any) -> dict[str, Any]:
     return base | kw
 
 
+# a router's load-balancing loss in the model's loss, with a coefficient that makes it count
+_ROUTER = dict(output_router_logits=True, router_aux_loss_coef=0.1)
+_QWEN2_MOE = dict(
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+)
+
+
 def _xglm(layerdrop: float) -> nn.Module:
     return T.XGLMForCausalLM(
         T.XGLMConfig(
@@ -208,6 +215,24 @@ FAMILIES: dict[str, Callable[[], nn.Module]] = {
         )
     ),
     # LayerDrop: each layer skipped at random in training (refused; layerdrop=0.0 trains)
+    # mixture-of-experts with the router's load-balancing loss in the model's own loss
+    "mixtral_router": lambda: T.MixtralForCausalLM(
+        T.MixtralConfig(**_decoder(num_local_experts=4, num_experts_per_tok=2), **_ROUTER)
+    ),
+    "qwen3_moe_router": lambda: T.Qwen3MoeForCausalLM(
+        T.Qwen3MoeConfig(
+            **_decoder(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), **_ROUTER
+        )
+    ),
+    "qwen2_moe_router": lambda: T.Qwen2MoeForCausalLM(
+        T.Qwen2MoeConfig(**_decoder(**_QWEN2_MOE), **_ROUTER)
+    ),
+    "olmoe_router": lambda: T.OlmoeForCausalLM(
+        T.OlmoeConfig(**_decoder(num_experts=4, num_experts_per_tok=2), **_ROUTER)
+    ),
+    "granitemoe_router": lambda: T.GraniteMoeForCausalLM(
+        T.GraniteMoeConfig(**_decoder(num_local_experts=4, num_experts_per_tok=2), **_ROUTER)
+    ),
     "xglm_layerdrop": lambda: _xglm(layerdrop=0.5),
     "xglm": lambda: _xglm(layerdrop=0.0),
 }

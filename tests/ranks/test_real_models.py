@@ -580,3 +580,48 @@ def test_after_fit_the_module_holds_the_whole_model_parametrized_modules_include
     for rank, r in enumerate(results):
         assert sorted(r["module"]) == sorted(whole), rank
         assert max_abs_diff(r["module"], whole) == 0.0, rank
+
+
+# ---------------------------------------------------------------------- router losses (MoE)
+ROUTED = ("mixtral_router", "qwen3_moe_router", "qwen2_moe_router", "olmoe_router")
+
+
+@pytest.mark.parametrize(
+    ("family", "schedule"),
+    [(f, "1f1b") for f in (*ROUTED, "granitemoe_router")]
+    + [("mixtral_router", s) for s in ("2bw", "zb-h1", "zb-v", "interleaved-1f1b")]
+    + [("qwen3_moe_router", "2bw")],
+)
+def test_a_routers_load_balancing_loss_trains_exactly(
+    pools: Any, family: str, schedule: str
+) -> None:
+    """Mixture-of-experts models with ``output_router_logits=True``: the model's own loss is
+    the LM loss plus the router coefficient times the load-balancing loss, which the end of the
+    forward computes from every layer's router logits. Those are recorded where each layer
+    runs, travel with the carry to the last stage's replay and their gradients come back, so
+    the routers of every stage train as on one device (before: "tuple index out of range" on
+    the last stage, which had no router logits)."""
+    _zoo_exact(pools, family, schedule, 2)
+
+
+def _fit_routed_then_call(family: str) -> dict[str, Any]:
+    out = _fit_zoo_module_state(family)
+    module = hf_zoo.ZooModule(family)  # a fresh model with the trained weights, on one device
+    module.load_state_dict(out["module"])
+    x, y = hf_zoo.batches(family)[0]
+    torch.manual_seed(0)
+    again = hf_zoo.call(module.model, family, x, y)
+    return {**out, "logits": len(again.router_logits), "aux": float(again.aux_loss)}
+
+
+def test_after_fit_a_routed_model_is_whole_and_records_its_router_logits_again(
+    pools: Any,
+) -> None:
+    """transformers' own hooks that record the router logits are local functions, which no
+    pickle carries: blocks travel without them (the hand-back after ``fit``), and the whole
+    model installs them again at its next forward on one device."""
+    results = pools(2).run(_fit_routed_then_call, "mixtral_router")
+    whole = results[0]["whole"]
+    for rank, r in enumerate(results):
+        assert max_abs_diff(r["module"], whole) == 0.0, rank
+        assert r["logits"] == 4 and r["aux"] > 0, r  # one per layer, on every rank

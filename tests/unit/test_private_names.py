@@ -21,9 +21,13 @@ PACKAGE = ROOT / "lightning_pipe2bw"
 LIGHTNING = Path(lightning.__file__).resolve().parent
 # torch's, read on torch objects: a tensor's version counter, a module's backward hooks, a
 # module's load_state_dict pre-hooks (repartition/travel.py: weight norm's, which no pickle carries)
+# and forward hooks (partition/recorded.py: transformers' output-capturing hooks, the same)
 TORCH = frozenset(
-    {"_version", "_backward_hooks", "_backward_pre_hooks", "_load_state_dict_pre_hooks"}
-)
+    {
+        "_version", "_backward_hooks", "_backward_pre_hooks", "_load_state_dict_pre_hooks",
+        "_forward_hooks",
+    }
+)  # fmt: skip
 
 
 def _defined(root: Path) -> set[str]:
