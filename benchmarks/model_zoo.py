@@ -241,10 +241,117 @@ def _families() -> dict[str, tuple[Callable[[], Any], str]]:
                 ("NLLB-MoE", "NllbMoeForConditionalGeneration"),
             )
         },
+        # the fifth outside round's families (issue 60): state-space and hybrid models, more
+        # mixtures of experts (without their router loss), OpenAI GPT's list-returning blocks
+        **{
+            label: (make(getattr(T, cls), **kw), "causal")
+            for label, cls, kw in (
+                ("Mamba", "MambaForCausalLM", dict(state_size=8, expand=2)),
+                ("Mamba2", "Mamba2ForCausalLM", dict(head_dim=8, num_heads=8, n_groups=1,
+                                                      state_size=8, expand=2, chunk_size=4)),
+                ("FalconMamba", "FalconMambaForCausalLM", dict(state_size=8, expand=2)),
+                ("RecurrentGemma", "RecurrentGemmaForCausalLM", dict(
+                    lru_width=32, attention_window_size=8, block_types=["recurrent", "attention"],
+                    head_dim=8)),
+                ("Jamba", "JambaForCausalLM", dict(
+                    num_experts=4, num_experts_per_tok=2, expert_layer_period=2,
+                    expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1,
+                    mamba_d_state=8, mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False)),
+                ("Bamba", "BambaForCausalLM", dict(
+                    mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8,
+                    mamba_expand=2, mamba_chunk_size=4, attn_layer_indices=[1, 3])),
+                ("Zamba", "ZambaForCausalLM", dict(
+                    attention_hidden_size=64, attention_head_dim=16, mamba_d_state=8,
+                    mamba_expand=2, mamba_dt_rank=4, n_mamba_heads=2, num_hidden_layers=4,
+                    attn_layer_period=2, attn_layer_offset=1, use_mamba_kernels=False)),
+                ("DeepSeek-V3", "DeepseekV3ForCausalLM", dict(
+                    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
+                    q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)),
+                ("Qwen3-MoE", "Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2,
+                                                          moe_intermediate_size=32)),
+                ("JetMoe", "JetMoeForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                     kv_channels=8)),
+                ("GraniteMoe", "GraniteMoeForCausalLM", dict(num_local_experts=4,
+                                                             num_experts_per_tok=2)),
+                ("OpenAI GPT", "OpenAIGPTLMHeadModel", dict(n_embd=32, n_layer=4, n_head=4,
+                                                            n_positions=64)),
+            )
+        },  # fmt: skip
+        # mixtures of experts with the router's load-balancing loss in the model's own loss
+        # (output_router_logits=True): every layer's router logits reach the last stage
+        **{
+            f"{label} (router loss)": (
+                make(getattr(T, cls), output_router_logits=True, router_aux_loss_coef=0.1, **kw),
+                "causal",
+            )
+            for label, cls, kw in (
+                ("Mixtral", "MixtralForCausalLM", dict(num_local_experts=4,
+                                                       num_experts_per_tok=2)),
+                ("Qwen2-MoE", "Qwen2MoeForCausalLM", dict(
+                    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    shared_expert_intermediate_size=32)),
+                ("Qwen3-MoE", "Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2,
+                                                          moe_intermediate_size=32)),
+                ("OLMoE", "OlmoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2)),
+                ("GraniteMoe", "GraniteMoeForCausalLM", dict(num_local_experts=4,
+                                                             num_experts_per_tok=2)),
+                ("JetMoe", "JetMoeForCausalLM", dict(num_local_experts=4,
+                                                     num_experts_per_tok=2, kv_channels=8)),
+                ("Jamba", "JambaForCausalLM", dict(
+                    num_experts=4, num_experts_per_tok=2, expert_layer_period=2,
+                    expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1,
+                    mamba_d_state=8, mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False)),
+                ("GPT-OSS", "GptOssForCausalLM", dict(
+                    head_dim=8, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+                    layer_types=["sliding_attention", "full_attention"] * 2)),
+            )
+        },  # fmt: skip
+        "DBRX": (lambda: _dbrx(T, router=False), "causal"),
+        "DBRX (router loss)": (lambda: _dbrx(T, router=True), "causal"),
+        "NLLB-MoE (sparse layers)": (
+            make(
+                T.NllbMoeForConditionalGeneration, encoder_sparse_step=2, decoder_sparse_step=2,
+                **seq2seq,
+            ),
+            "seq2seq",
+        ),  # fmt: skip
+        "NLLB-MoE (router loss)": (
+            make(
+                T.NllbMoeForConditionalGeneration, output_router_logits=True,
+                encoder_sparse_step=2, decoder_sparse_step=2, **seq2seq,
+            ),
+            "seq2seq",
+        ),  # fmt: skip
+        "Switch Transformers": (
+            make(
+                T.SwitchTransformersForConditionalGeneration, d_kv=8, router_jitter_noise=0.0,
+                **seq2seq,
+            ),
+            "seq2seq",
+        ),  # fmt: skip
+        "Switch Transformers (router loss)": (
+            make(T.SwitchTransformersForConditionalGeneration, output_router_logits=True,
+                 d_kv=8, router_jitter_noise=0.0, **seq2seq),
+            "seq2seq",
+        ),  # fmt: skip
         "ALBERT (masked LM)": (make(T.AlbertForMaskedLM, embedding_size=32), "causal"),
         "XLM": (make(T.XLMWithLMHeadModel, emb_dim=32, n_layers=4, n_heads=4), "causal"),
     }
     return families
+
+
+def _dbrx(T: Any, router: bool) -> Any:
+    """DBRX keeps its attention and experts' settings in sub-configs."""
+    config = T.DbrxConfig(
+        d_model=32, n_heads=4, n_layers=4, max_seq_len=64, vocab_size=64,
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2,
+                    "moe_loss_weight": 0.1},
+        output_router_logits=router, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+        use_cache=False,
+    )  # fmt: skip
+    return T.DbrxForCausalLM(config)
 
 
 def _batches(kind: str) -> list[tuple[torch.Tensor, torch.Tensor]]:

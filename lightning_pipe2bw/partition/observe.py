@@ -303,8 +303,11 @@ def _place(seen: Observation, path: str, phase: int, count: int) -> None:
 def evaluating(model: nn.Module, grad: bool = False) -> Iterator[None]:
     """``model`` in eval mode (dropout off, batch norm's running statistics read, not updated)
     with the random number generators' states put back afterwards; without gradient unless
-    ``grad``."""
+    ``grad``. The plain values a module keeps (numbers, strings, flags) are put back too: a
+    forward may set one in eval mode that training then reads (NLLB-MoE's router sets its
+    expert capacity from an eval batch's token count)."""
     modes = [(m, m.training) for m in model.modules()]
+    values = [(m, _plain_values(m)) for m in model.modules()]
     devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(grad):
         model.eval()
@@ -313,6 +316,23 @@ def evaluating(model: nn.Module, grad: bool = False) -> Iterator[None]:
         finally:
             for m, mode in modes:
                 m.training = mode
+            for m, kept in values:
+                for key in [k for k, v in _plain_values(m).items() if kept.get(k, _GONE) != v]:
+                    if key in kept:
+                        m.__dict__[key] = kept[key]
+                    else:
+                        del m.__dict__[key]
+
+
+_GONE = object()
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain_values(module: nn.Module) -> dict[str, Any]:
+    """The attributes of ``module`` that hold plain values (not ``training``)."""
+    return {
+        k: v for k, v in module.__dict__.items() if isinstance(v, _PLAIN) and k != "training"
+    }
 
 
 def _tensors(output: Any) -> dict[str, Tensor]:

@@ -233,10 +233,22 @@ FAMILIES: dict[str, Callable[[], nn.Module]] = {
     "granitemoe_router": lambda: T.GraniteMoeForCausalLM(
         T.GraniteMoeConfig(**_decoder(num_local_experts=4, num_experts_per_tok=2), **_ROUTER)
     ),
+    # an encoder-decoder whose every other layer is sparse: both stacks' router logits count;
+    # its router sets its expert capacity from the batch in eval mode (the intake's forward)
+    "nllb_moe_router": lambda: T.NllbMoeForConditionalGeneration(
+        T.NllbMoeConfig(
+            **_seq2seq(
+                num_experts=4, expert_capacity=64, encoder_sparse_step=2, decoder_sparse_step=2,
+                attention_dropout=0.0, activation_dropout=0.0, moe_token_dropout=0.0,
+                encoder_layerdrop=0.0, decoder_layerdrop=0.0, decoder_start_token_id=0,
+            ),
+            **_ROUTER,
+        )
+    ),  # fmt: skip
     "xglm_layerdrop": lambda: _xglm(layerdrop=0.5),
     "xglm": lambda: _xglm(layerdrop=0.0),
 }
-SEQ2SEQ = ("bart", "mbart", "marian", "t5", "whisper")
+SEQ2SEQ = ("bart", "mbart", "marian", "t5", "whisper", "nllb_moe_router")
 
 
 def build(family: str) -> nn.Module:

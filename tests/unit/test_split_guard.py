@@ -21,7 +21,7 @@ from helpers import hf_models
 from torch import Tensor, nn
 
 from lightning_pipe2bw.partition.hf import pipe_model_for
-from lightning_pipe2bw.partition.observe import SplitError, observe
+from lightning_pipe2bw.partition.observe import SplitError, evaluating, observe
 from lightning_pipe2bw.partition.split import check_split
 from lightning_pipe2bw.runtime.call import BodyInput
 
@@ -141,3 +141,26 @@ def test_a_forward_the_split_cannot_carry_is_refused(kind: str, says: str) -> No
         observe(model, "layers", lambda: model(torch.randn(2, 4)))
     assert str(info.value).startswith(says), str(info.value)
     assert "PipeModel" in str(info.value)
+
+
+def test_the_intakes_eval_forward_leaves_a_modules_plain_values_as_they_were() -> None:
+    """A forward in eval mode may set a value that training then reads (NLLB-MoE's router sets
+    its expert capacity from the batch's token count): the intake's forwards put it back."""
+
+    class SetsInEval(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.capacity = 64
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not self.training:
+                self.capacity = x.shape[0]
+                self.seen = True
+            return self.lin(x)
+
+    module = SetsInEval()
+    with evaluating(module):
+        module(torch.zeros(3, 2))
+        assert module.capacity == 3
+    assert module.capacity == 64 and not hasattr(module, "seen") and module.training
