@@ -277,7 +277,7 @@ def _families() -> dict[str, tuple[Callable[[], Any], str]]:
                 ("OpenAI GPT", "OpenAIGPTLMHeadModel", dict(n_embd=32, n_layer=4, n_head=4,
                                                             n_positions=64)),
             )
-        },  # fmt: skip
+        },
         # mixtures of experts with the router's load-balancing loss in the model's own loss
         # (output_router_logits=True): every layer's router logits reach the last stage
         **{
@@ -306,7 +306,7 @@ def _families() -> dict[str, tuple[Callable[[], Any], str]]:
                     head_dim=8, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
                     layer_types=["sliding_attention", "full_attention"] * 2)),
             )
-        },  # fmt: skip
+        },
         "DBRX": (lambda: _dbrx(T, router=False), "causal"),
         "DBRX (router loss)": (lambda: _dbrx(T, router=True), "causal"),
         "NLLB-MoE (sparse layers)": (
@@ -315,26 +315,26 @@ def _families() -> dict[str, tuple[Callable[[], Any], str]]:
                 **seq2seq,
             ),
             "seq2seq",
-        ),  # fmt: skip
+        ),
         "NLLB-MoE (router loss)": (
             make(
                 T.NllbMoeForConditionalGeneration, output_router_logits=True,
                 encoder_sparse_step=2, decoder_sparse_step=2, **seq2seq,
             ),
             "seq2seq",
-        ),  # fmt: skip
+        ),
         "Switch Transformers": (
             make(
                 T.SwitchTransformersForConditionalGeneration, d_kv=8, router_jitter_noise=0.0,
                 **seq2seq,
             ),
             "seq2seq",
-        ),  # fmt: skip
+        ),
         "Switch Transformers (router loss)": (
             make(T.SwitchTransformersForConditionalGeneration, output_router_logits=True,
                  d_kv=8, router_jitter_noise=0.0, **seq2seq),
             "seq2seq",
-        ),  # fmt: skip
+        ),
         "ALBERT (masked LM)": (make(T.AlbertForMaskedLM, embedding_size=32), "causal"),
         "XLM": (make(T.XLMWithLMHeadModel, emb_dim=32, n_layers=4, n_heads=4), "causal"),
     }

@@ -244,7 +244,7 @@ FAMILIES: dict[str, Callable[[], nn.Module]] = {
             ),
             **_ROUTER,
         )
-    ),  # fmt: skip
+    ),
     "xglm_layerdrop": lambda: _xglm(layerdrop=0.5),
     "xglm": lambda: _xglm(layerdrop=0.0),
 }
