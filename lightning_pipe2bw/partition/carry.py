@@ -14,7 +14,8 @@ stack of layers learns what each layer is passed from the model's own forward
   keyword arguments with each tensor replaced by a :class:`Ref` to its place in ``shared`` (a
   pytree node without leaves: the message's header stays plain values, see ``runtime.wire``);
 - ``fills``: the places in ``shared`` that a layer's output fills when it has run (a value the
-  layer returns besides its hidden state that the forward passes to a later layer);
+  layer returns besides its hidden state that the forward passes to a later layer, or an item
+  of one: a :class:`Pending` says which);
 - ``last``: the last layer that uses each shared tensor; once it has run, the tensor is dropped
   (``None``) and no later stage receives it (:data:`KEEP`: never, a part's output the last
   stage's replay needs);
@@ -91,24 +92,48 @@ class Zeros:
 
 class Pending:
     """In a captured call: the value layer ``layer`` (by its index over all stacks) returns at
-    ``position`` of its output, which the forward passes to a later layer."""
+    ``position`` of its output, which the forward passes to a later layer; or an item of it
+    (``path``: the keys the forward indexed it with, Swinv2's ``output_dimensions[-2]``)."""
 
-    __slots__ = ("layer", "position")
+    __slots__ = ("layer", "path", "position")
 
-    def __init__(self, layer: int, position: int) -> None:
-        self.layer, self.position = layer, position
+    def __init__(self, layer: int, position: int, path: tuple[Any, ...] = ()) -> None:
+        self.layer, self.position, self.path = layer, position, path
+
+    def __getitem__(self, key: Any) -> Pending:
+        if not isinstance(key, (int, str)):
+            raise TypeError(
+                f"{self!r} is indexed with {key!r}: pipe2bw carries an item of a layer's "
+                "output to a later layer by an int or str key only"
+            )
+        return Pending(self.layer, self.position, (*self.path, key))
+
+    def __iter__(self) -> Any:  # no iteration by __getitem__ over ever larger ints
+        raise TypeError(
+            f"{self!r} is unpacked: pipe2bw carries a layer's other outputs to later layers "
+            "whole or indexed, not unpacked"
+        )
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Pending) and (other.layer, other.position) == (
+        return isinstance(other, Pending) and (other.layer, other.position, other.path) == (
             self.layer,
             self.position,
+            self.path,
         )
 
     def __hash__(self) -> int:
-        return hash((self.layer, self.position))
+        return hash((self.layer, self.position, self.path))
 
     def __repr__(self) -> str:
-        return f"<output [{self.position}] of layer {self.layer}>"
+        items = "".join(f"[{k!r}]" for k in self.path)
+        return f"<output [{self.position}]{items} of layer {self.layer}>"
+
+    def take(self, output: Any) -> Any:
+        """This value, from the layer's ``output``."""
+        value = output[self.position]
+        for key in self.path:
+            value = value[key]
+        return value
 
 
 class Size:
@@ -175,7 +200,7 @@ def pack(
     shared: list[Tensor | None] = []
     slot: dict[int, int] = {}  # id(tensor) -> its place in shared
     last: list[int] = []
-    fills: dict[int, list[tuple[int, int]]] = {}
+    fills: dict[int, list[tuple[int, tuple[Any, ...], int]]] = {}
     pending: dict[Pending, int] = {}
 
     def place(t: Any, use: int) -> Ref:
@@ -185,7 +210,7 @@ def pack(
                 k = pending[t] = len(shared)
                 shared.append(None)  # the layer's run fills it
                 last.append(use)
-                fills.setdefault(t.layer, []).append((t.position, k))
+                fills.setdefault(t.layer, []).append((t.position, t.path, k))
         else:
             k = slot.get(id(t))
             if k is None:
@@ -264,13 +289,13 @@ def advance(carry: Carry, layer: int, stack: int, output: Any, final: bool = Fal
     form = len(output) if isinstance(output, (tuple, list)) else 0
     hidden = output[0] if form else output
     shared = list(carry["shared"])
-    for position, k in carry["fills"].get(layer, ()):
+    for position, path, k in carry["fills"].get(layer, ()):
         if position >= form:
             raise RuntimeError(
                 f"layer {layer} returned {form or 'a tensor, not a tuple'} values, but the "
                 f"forward passed its output [{position}] on to a later layer"
             )
-        shared[k] = output[position]
+        shared[k] = Pending(layer, position, path).take(output)
     last = carry["last"]
     for k, use in enumerate(last):
         if use == layer:

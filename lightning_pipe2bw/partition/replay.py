@@ -177,7 +177,8 @@ def forward_with(
                     f"stand-in for one of its layers returned: the stage runs the forward up to "
                     f"the layers with stand-ins that return their input{run.form_text()}. A "
                     "forward that computes with what a layer returns, other than passing it "
-                    "on, cannot be split into stages; describe the model with PipeModel "
+                    "on or an item of it, cannot be split into stages; describe the model with "
+                    "PipeModel "
                     "(docs/models.md) or train it on one device"
                 ) from err
             if run.reached and hasattr(err, "add_note"):

@@ -19,7 +19,13 @@ mode:
 - ``"replay"`` (the stage after a stack: the junction into the next stack, or the last stage):
   hands its input on, and the last hands over the hidden state the stack's last layer produced,
   so that the forward's own code runs after the layers; ``"pass"``: hands its input on (an
-  earlier stack, whose output the replay does not need).
+  earlier stack, whose output the replay does not need). Both return markers where the layer
+  returns values the forward passes on (what a later layer takes, which a replay does not use),
+  so that a forward which indexes them runs.
+
+A marker (:class:`~partition.carry.Pending`) may be indexed: Swinv2's forward passes the next
+layer ``(output_dimensions[-2], output_dimensions[-1])``, two items of a layer's output, which
+travel as such.
 """
 
 from __future__ import annotations
@@ -173,11 +179,15 @@ class Run:
                 hidden = stack.output
             elif index == n - 1 and stack.noisy:
                 hidden = _perturbed(hidden, self.generator)
-            return self._shaped(stack, hidden, index)
+            return self._shaped(stack, hidden, index, marked=True)
         if stack.mode == "replay":
             if index == n - 1 and self.rest is not None:
                 return (self.hidden, *self.rest)  # the last layer's output as it returned it
-            return self._shaped(stack, self.hidden if index == n - 1 else hidden, index)
+            # markers where the forward passes a value on, which it may index (Swinv2's
+            # output dimensions): what a later layer takes is not used in a replay
+            return self._shaped(
+                stack, self.hidden if index == n - 1 else hidden, index, marked=True
+            )
         if stack.mode == "idle":
             raise SplitError(
                 f"the model's forward called layer {index} of {stack.path!r} where pipe2bw did "

@@ -178,6 +178,14 @@ FAMILIES: dict[str, Callable[[], nn.Module]] = {
             drop_path_rate=0.0,
         )
     ),
+    # its forward indexes a layer's output dimensions and passes the items to the next layer
+    "swinv2": lambda: T.Swinv2ForImageClassification(
+        T.Swinv2Config(
+            image_size=32, patch_size=4, embed_dim=16, depths=[1, 1, 2], num_heads=[2, 2, 4],
+            window_size=2, num_labels=5, drop_path_rate=0.0, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    ),
     "wav2vec2_ctc": lambda: T.Wav2Vec2ForCTC(
         T.Wav2Vec2Config(
             hidden_size=32,
@@ -264,7 +272,7 @@ def batches(
     g = torch.Generator().manual_seed(seed)
     out = []
     for n in lengths:
-        if family == "swin":
+        if family in ("swin", "swinv2"):
             out.append(
                 (
                     torch.randn(BATCH, 3, 32, 32, generator=g),
@@ -301,7 +309,7 @@ def loader(family: str, lengths: Sequence[int] = LENGTHS) -> DataLoader[Any]:
 
 def call(model: nn.Module, family: str, x: Tensor, y: Tensor) -> Any:
     """The model's own call, as a user writes it."""
-    if family == "swin":
+    if family in ("swin", "swinv2"):
         return model(pixel_values=x, labels=y)
     if family == "wav2vec2_ctc":
         return model(input_values=x, labels=y)

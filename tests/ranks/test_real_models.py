@@ -547,13 +547,16 @@ def test_layers_skipped_at_random_are_refused_at_set_up_naming_the_setting(pools
     _zoo_exact(pools, "xglm", "1f1b", 2)
 
 
-@pytest.mark.parametrize("family", ["swin", "wav2vec2_ctc"])
+@pytest.mark.parametrize("family", ["swin", "swinv2", "wav2vec2_ctc"])
 def test_layers_that_change_resolution_and_a_ctc_head_train_exactly(
     pools: Any, family: str
 ) -> None:
     """Swin's stages change resolution (the forward computes each stage's size from the layer
-    list's own attributes) and Wav2Vec2's CTC head needs the convolutional encoder's output
-    lengths (the last stage replays them on blanks shaped as the first stage's outputs)."""
+    list's own attributes); Swinv2's forward takes each stage's size from items of the layer's
+    output (``output_dimensions[-2]``), which travel to the next layer as such (before:
+    "'Pending' object is not subscriptable"); Wav2Vec2's CTC head needs the convolutional
+    encoder's output lengths (the last stage replays them on blanks shaped as the first
+    stage's outputs)."""
     _zoo_exact(pools, family, "1f1b", 2)
 
 

@@ -38,7 +38,7 @@ def test_the_carry_holds_each_tensor_once_and_drops_it_after_its_last_use() -> N
     carry = pack(torch.randn(2, 3), calls)
     assert len(carry["shared"]) == 4  # mask_a, rope, mask_b, and a place for layer 1's output
     assert carry["last"] == (2, 2, 1, 2)
-    assert carry["fills"] == {1: ((1, 3),)}
+    assert carry["fills"] == {1: ((1, (), 3),)}  # layer 1's output [1], whole, fills place 3
     assert call_of(carry, 1)[1]["mask"] is mask_b
     after0 = advance(carry, 0, 0, torch.randn(2, 3))
     assert after0["shared"][:3] == carry["shared"][:3]  # nothing is last used by layer 0
@@ -51,6 +51,21 @@ def test_the_carry_holds_each_tensor_once_and_drops_it_after_its_last_use() -> N
     assert carry["calls"].keys() == {0, 1, 2}  # the carry a stage received is left as it was
     after2 = advance(after1, 2, 0, torch.randn(2, 3))
     assert all(t is None for t in after2["shared"])
+
+
+def test_items_of_a_layers_output_travel_to_the_layer_that_takes_them() -> None:
+    """Swinv2 passes the next layer ``(dims[-2], dims[-1])``, items of a layer's output
+    ``(hidden, before, dims)``: each item is a place the layer's run fills."""
+    dims = Pending(0, 2)
+    calls = {1: ((), {"input_dimensions": (dims[-2], dims[-1])}, None)}
+    carry = pack(torch.randn(2, 3), calls)
+    assert carry["fills"] == {0: ((2, (-2,), 0), (2, (-1,), 1))}
+    after = advance(carry, 0, 0, (torch.randn(2, 3), None, (8, 8, 4, 6)))
+    assert call_of(after, 1)[1]["input_dimensions"] == (4, 6)
+    with pytest.raises(TypeError, match="unpacked"):
+        tuple(dims)
+    with pytest.raises(TypeError, match="by an int or str key only"):
+        dims[1:]
 
 
 def test_a_value_a_later_stage_replays_is_kept_to_the_end() -> None:
