@@ -303,11 +303,13 @@ def _place(seen: Observation, path: str, phase: int, count: int) -> None:
 def evaluating(model: nn.Module, grad: bool = False) -> Iterator[None]:
     """``model`` in eval mode (dropout off, batch norm's running statistics read, not updated)
     with the random number generators' states put back afterwards; without gradient unless
-    ``grad``. The plain values a module keeps (numbers, strings, flags) are put back too: a
-    forward may set one in eval mode that training then reads (NLLB-MoE's router sets its
-    expert capacity from an eval batch's token count)."""
+    ``grad``. The numbers a module keeps as attributes are put back too: a forward may set one
+    in eval mode that training then reads (NLLB-MoE's router sets its expert capacity from an
+    eval batch's token count). Flags and names stay as the forward left them: a forward that
+    switches how a model computes does it for good, with its modules (BigBird's attention type
+    with its attention modules, RWKV's rescaled weights with their flag)."""
     modes = [(m, m.training) for m in model.modules()]
-    values = [(m, _plain_values(m)) for m in model.modules()]
+    numbers = [(m, _numbers(m)) for m in model.modules()]
     devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(grad):
         model.eval()
@@ -316,22 +318,21 @@ def evaluating(model: nn.Module, grad: bool = False) -> Iterator[None]:
         finally:
             for m, mode in modes:
                 m.training = mode
-            for m, kept in values:
-                for key in [k for k, v in _plain_values(m).items() if kept.get(k, _GONE) != v]:
-                    if key in kept:
-                        m.__dict__[key] = kept[key]
-                    else:
-                        del m.__dict__[key]
+            for m, kept in numbers:
+                now = _numbers(m)
+                for key, value in kept.items():
+                    if key in now and now[key] != value:
+                        m.__dict__[key] = value
 
 
-_GONE = object()
-_PLAIN = (bool, int, float, str, type(None))
-
-
-def _plain_values(module: nn.Module) -> dict[str, Any]:
-    """The attributes of ``module`` that hold plain values (not ``training``)."""
+def _numbers(module: nn.Module) -> dict[str, Any]:
+    """The attributes of ``module`` that hold numbers (not flags) or None: a number that
+    became another number (or None) is put back; one that became a tensor or a name, or an
+    attribute the forward added, is left."""
     return {
-        k: v for k, v in module.__dict__.items() if isinstance(v, _PLAIN) and k != "training"
+        k: v
+        for k, v in module.__dict__.items()
+        if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
     }
 
 

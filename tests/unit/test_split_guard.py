@@ -156,11 +156,11 @@ def test_the_intakes_eval_forward_leaves_a_modules_plain_values_as_they_were() -
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             if not self.training:
                 self.capacity = x.shape[0]
-                self.seen = True
+                self.kind = "full"  # a switch of how it computes, made for good
             return self.lin(x)
 
     module = SetsInEval()
     with evaluating(module):
         module(torch.zeros(3, 2))
         assert module.capacity == 3
-    assert module.capacity == 64 and not hasattr(module, "seen") and module.training
+    assert module.capacity == 64 and module.kind == "full" and module.training
