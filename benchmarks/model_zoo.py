@@ -267,7 +267,8 @@ def _families() -> dict[str, tuple[Callable[[], Any], str]]:
                 ("DeepSeek-V3", "DeepseekV3ForCausalLM", dict(
                     n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                     n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
-                    q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)),
+                    q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                    head_dim=4, qk_head_dim=8)),
                 ("Qwen3-MoE", "Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2,
                                                           moe_intermediate_size=32)),
                 ("JetMoe", "JetMoeForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
