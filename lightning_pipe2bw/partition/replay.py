@@ -12,6 +12,7 @@ whole model does, provided it reads nothing the blanks stand in for; the guard
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 
 from lightning_pipe2bw.partition.carry import Carry, Zeros, fill, template
 from lightning_pipe2bw.partition.observe import SplitError
@@ -58,7 +60,30 @@ class Blank(nn.Module):
         )
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["attributes"], name)
+        value = getattr(self.__dict__["attributes"], name)
+        if isinstance(value, Tensor) and value.is_meta:
+            return self._off_meta(value)
+        if inspect.ismethod(value) and isinstance(value.__self__, nn.Module):
+            method = value  # another way into the part (ProphetNet's ``position_embeddings._forward``)
+
+            def called(*args: Any, **kwargs: Any) -> Any:
+                return pytree.tree_map_only(Tensor, self._off_meta, method(*args, **kwargs))
+
+            return called
+        return value
+
+    def _off_meta(self, value: Tensor) -> Tensor:
+        """A tensor the forward gets from the part's skeleton (on the meta device, where another
+        stage holds the part: its weight read directly, a method's result) as zeros on the
+        stage's device (without memory), or random values for the guard, which then finds
+        whether the output depends on them."""
+        if not value.is_meta:
+            return value
+        d = self.__dict__
+        device = d["like"].device
+        if d["generator"] is None:
+            return torch.zeros((), dtype=value.dtype, device=device).expand(value.shape)
+        return fill(Zeros(tuple(value.shape), value.dtype), device, generator=d["generator"])  # type: ignore[no-any-return]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         d = self.__dict__
@@ -163,6 +188,15 @@ def forward_with(
         except SplitError:
             raise
         except Exception as err:
+            if "device meta" in str(err) or "'meta'" in str(err):
+                raise SplitError(
+                    f"{name}.forward raised {type(err).__name__} ({err}) on a stage that holds "
+                    "only its own parts: the forward reads a tensor of a part another stage "
+                    "holds (kept here on the meta device) directly, not by calling the part "
+                    "(ProphetNet's decoder reads `ngram_embeddings.weight`). Describe the model "
+                    "with PipeModel (docs/models.md), putting that part with the code that reads "
+                    "it, or train it on one device"
+                ) from err
             if not run.reached and blanks is not None and blanks.paths:
                 raise SplitError(
                     f"{name}.forward raised {type(err).__name__} ({err}) before its layers on a "

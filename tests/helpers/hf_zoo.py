@@ -253,10 +253,21 @@ FAMILIES: dict[str, Callable[[], nn.Module]] = {
             **_ROUTER,
         )
     ),
+    # its decoder reads the n-gram embeddings' weight and calls a method of its position
+    # embeddings before its layers, parts the junction's stage holds
+    "prophetnet": lambda: T.ProphetNetForConditionalGeneration(
+        T.ProphetNetConfig(
+            hidden_size=32, encoder_ffn_dim=64, decoder_ffn_dim=64, num_encoder_layers=2,
+            num_decoder_layers=2, num_encoder_attention_heads=2, num_decoder_attention_heads=2,
+            vocab_size=VOCAB, max_position_embeddings=64, ngram=2, dropout=0.0,
+            attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, bos_token_id=0,
+            eos_token_id=2, decoder_start_token_id=0,
+        )
+    ),
     "xglm_layerdrop": lambda: _xglm(layerdrop=0.5),
     "xglm": lambda: _xglm(layerdrop=0.0),
 }
-SEQ2SEQ = ("bart", "mbart", "marian", "t5", "whisper", "nllb_moe_router")
+SEQ2SEQ = ("bart", "mbart", "marian", "t5", "whisper", "nllb_moe_router", "prophetnet")
 
 
 def build(family: str) -> nn.Module:

@@ -509,14 +509,19 @@ def test_layers_that_take_their_own_arguments_train_exactly(
         ("t5", "1f1b", 4),
         ("t5", "2bw", 2),
         ("whisper", "1f1b", 2),
+        ("prophetnet", "1f1b", 2),
     ],
 )
 def test_an_encoder_decoder_trains_as_two_stacks_of_layers(
     pools: Any, family: str, schedule: str, ranks: int
 ) -> None:
-    """BART, T5 (whose layers pass a position bias on) and Whisper: the encoder's layers and the
-    decoder's split over the stages, the decoder's stage replaying the forward up to its layers
-    with the encoder's output; exact against one device."""
+    """BART, T5 (whose layers pass a position bias on), Whisper and ProphetNet: the encoder's
+    layers and the decoder's split over the stages, the decoder's stage replaying the forward up
+    to its layers with the encoder's output; exact against one device. ProphetNet's decoder
+    reads a weight of a part the junction's stage holds and calls a method of another before
+    its layers: on the last stage those come from the parts' skeletons as zeros (random in the
+    guard's replay, which proves the output does not depend on them; before: "Tensor on device
+    meta")."""
     _zoo_exact(pools, family, schedule, ranks)
 
 
