@@ -99,6 +99,7 @@ def _planner_table() -> str:
 FIGURES: dict[str, Callable[[], str]] = {
     "step_multiplier.1200": lambda: _multiplier(1200, 0.0),
     "step_multiplier.1200.sync10": lambda: _multiplier(1200, 0.1),
+    "step_multiplier.1200.sync30": lambda: _multiplier(1200, 0.3),
     "step_multiplier.300": lambda: _multiplier(300, 0.0),
     "step_multiplier.300.sync10": lambda: _multiplier(300, 0.1),
     "depth.2bw_over_torch_best.p4": lambda: _over_torch_best(4),
