@@ -8,7 +8,7 @@ model as a user writes it, trained with ``Pipe2BWStrategy(schedule="1f1b", micro
 2 CPU ranks for 5 AdamW steps (epsilon 1e-6, see ``tests/helpers/hf_zoo.py``) on batches whose
 length changes (4, 12, 12, 8, 12 tokens; sliding windows of 8), and compared with one device
 accumulating the same micro-batches: the largest difference of any weight after the 5 steps, or
-the error pipe2bw refuses the model with. About 4 minutes on 2 cores (EfficientNet and
+the error pipe2bw refuses the model with. About 8 minutes on 2 cores (EfficientNet and
 Qwen3-Next's one-device references take most of it).
 """
 
