@@ -151,6 +151,7 @@ def _families() -> dict[str, tuple[Callable[[], Any], str]]:
         "ModernBERT": (lambda: hf_zoo.build("modernbert"), "causal"),
         "ViT": (make(T.ViTForImageClassification, **image), "image"),
         "Swin": (lambda: hf_zoo.build("swin"), "image"),
+        "Swinv2": (lambda: hf_zoo.build("swinv2"), "image"),
         "ConvNeXt": (
             lambda: T.ConvNextForImageClassification(
                 T.ConvNextConfig(num_stages=2, hidden_sizes=[8, 16], depths=[1, 2], num_labels=5)
