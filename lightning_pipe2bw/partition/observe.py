@@ -173,10 +173,24 @@ def _conclude(
     expected = [(k, i) for k, n in enumerate(trace.counts) for i in range(n)]
     for k, path in enumerate(stacks):
         if trace.started[k] == 0:
+            layers = model.get_submodule(path)
+            nested = [
+                type(layer).__name__
+                for layer in layers.children()
+                if isinstance(layer, (nn.ModuleList, nn.ModuleDict))
+            ]
+            why = (
+                f"{path!r} holds lists of layers ({nested[0]} items), which the forward runs "
+                "one list inside the other, with its own code between the lists (a stage's "
+                "pooling or downsampling): the split takes one flat list of layers called in "
+                "order"
+                if nested
+                else "the split runs a model whose forward calls its layer list"
+            )
             raise SplitError(
-                f"{name}.forward did not call its layers {path!r} on the first micro-batch: the "
-                "split runs a model whose forward calls its layer list; describe it with "
-                "PipeModel(model, blocks=..., pre=[...], post=[...]) and an `embed` function"
+                f"{name}.forward did not call its layers {path!r} on the first micro-batch: "
+                f"{why}; describe it with PipeModel(model, blocks=..., pre=[...], post=[...]) "
+                "and an `embed` function"
             )
     if trace.sequence != expected:
         for k, path in enumerate(stacks):

@@ -164,3 +164,17 @@ def test_the_intakes_eval_forward_leaves_a_modules_plain_values_as_they_were() -
         module(torch.zeros(3, 2))
         assert module.capacity == 3
     assert module.capacity == 64 and module.kind == "full" and module.training
+
+
+def test_a_layer_list_of_lists_is_refused_naming_the_nesting() -> None:
+    """Funnel keeps its layers as a list of lists (a block per resolution, pooling between
+    them): the refusal says so, not only that the forward did not call the list."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.FunnelConfig(
+        vocab_size=64, block_sizes=[1, 1], d_model=32, n_head=2, d_head=8, d_inner=64,
+        num_labels=3,
+    )  # fmt: skip
+    model = transformers.FunnelForSequenceClassification(config)
+    call = BodyInput((), {"input_ids": torch.randint(2, 64, (2, 8)), "labels": torch.tensor([0, 1])})
+    with pytest.raises(SplitError, match=r"'funnel\.encoder\.blocks' holds lists of layers"):
+        pipe_model_for(model, call)
