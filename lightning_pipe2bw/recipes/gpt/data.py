@@ -6,6 +6,7 @@ Importing this module has no side effects (no data is read until ``setup``).
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
@@ -25,11 +26,17 @@ def stdlib_files(root: str | Path | None = None) -> list[Path]:
     ``site-packages``/``dist-packages`` (third-party code) and ``__pycache__``."""
     base = Path(root if root is not None else sysconfig.get_paths()["stdlib"])
     excluded = {"site-packages", "dist-packages", "__pycache__"}
-    return sorted(
-        path
-        for path in base.rglob("*.py")
-        if not excluded.intersection(path.relative_to(base).parts) and path.is_file()
-    )
+    found = []
+    # os.walk without descending into the excluded folders: site-packages may hold more files
+    # than the standard library itself, and every rank reads the list at set-up
+    for folder, subfolders, names in os.walk(base):
+        subfolders[:] = [d for d in subfolders if d not in excluded]
+        for name in names:
+            if name.endswith(".py"):
+                path = Path(folder, name)
+                if path.is_file():
+                    found.append(path)
+    return sorted(found)
 
 
 class RandomWindows(Dataset[Batch]):
