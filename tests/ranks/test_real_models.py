@@ -636,3 +636,24 @@ def test_after_fit_a_routed_model_is_whole_and_records_its_router_logits_again(
     for rank, r in enumerate(results):
         assert max_abs_diff(r["module"], whole) == 0.0, rank
         assert r["logits"] == 4 and r["aux"] > 0, r  # one per layer, on every rank
+
+
+def test_a_routers_loss_trains_as_lightning_on_one_device_accumulating(pools: Any) -> None:
+    """The same against Lightning itself: one device, the module unchanged, each batch's 4
+    micro-batches accumulated (``accumulate_grad_batches=4``): the router loss is each
+    micro-batch's own, as on one device."""
+    results = pools(2).run(_fit_zoo, "mixtral_router", "1f1b")
+    torch.set_num_threads(1)
+    module = hf_zoo.ZooModule("mixtral_router")
+    micro = [
+        (x, y)
+        for x_b, y_b in hf_zoo.batches("mixtral_router")
+        for x, y in zip(torch.tensor_split(x_b, M), torch.tensor_split(y_b, M), strict=True)
+    ]
+    steps = len(hf_zoo.LENGTHS)
+    trainer = quiet_trainer(devices=1, max_steps=steps, accumulate_grad_batches=M)
+    trainer.fit(module, torch.utils.data.DataLoader(micro, batch_size=None))  # type: ignore[arg-type]
+    ref = {f"model.{k}": v.detach() for k, v in module.model.state_dict().items()}
+    diff = max_abs_diff(results[0]["state"], ref)
+    print(f"mixtral_router 1f1b vs Lightning on one device, accumulating: max|dW| {diff:.3e}")
+    assert diff <= TOL
