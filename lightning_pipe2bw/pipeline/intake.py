@@ -93,6 +93,7 @@ def whole_call(
     counts (``runtime.items``)."""
     devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
     handle = body.register_forward_pre_hook(_stop, with_kwargs=True)
+    own = module.__dict__.get("log", _NOTHING)  # a log of the object's own, put back after
     module.__dict__["log"] = _muted  # shadows the method on this object only
     try:
         with torch.random.fork_rng(devices=devices), torch.no_grad():
@@ -102,9 +103,15 @@ def whole_call(
     except Exception:  # the micro-batches' steps raise it where it belongs
         return None
     finally:
-        module.__dict__.pop("log", None)
+        if own is _NOTHING:
+            module.__dict__.pop("log", None)
+        else:
+            module.__dict__["log"] = own
         handle.remove()
     return None
+
+
+_NOTHING = object()
 
 
 def _muted(*args: Any, **kwargs: Any) -> None:
