@@ -64,7 +64,7 @@ class Blank(nn.Module):
         if isinstance(value, Tensor) and value.is_meta:
             return self._off_meta(value)
         if inspect.ismethod(value) and isinstance(value.__self__, nn.Module):
-            method = value  # another way into the part (ProphetNet's ``position_embeddings._forward``)
+            method = value  # a way into the part besides its call (ProphetNet's ``_forward``)
 
             def called(*args: Any, **kwargs: Any) -> Any:
                 return pytree.tree_map_only(Tensor, self._off_meta, method(*args, **kwargs))
@@ -212,8 +212,7 @@ def forward_with(
                     f"the layers with stand-ins that return their input{run.form_text()}. A "
                     "forward that computes with what a layer returns, other than passing it "
                     "on or an item of it, cannot be split into stages; describe the model with "
-                    "PipeModel "
-                    "(docs/models.md) or train it on one device"
+                    "PipeModel (docs/models.md) or train it on one device"
                 ) from err
             if run.reached and hasattr(err, "add_note"):
                 err.add_note(
