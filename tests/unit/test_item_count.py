@@ -117,3 +117,25 @@ def test_the_model_call_on_the_last_stage_takes_the_batch_count_times_its_share(
         assert amended.args == (1,) and float(amended.kwargs["num_items_in_batch"]) == 6.0
         given = BodyInput((), {"num_items_in_batch": 3})  # the step counts itself: kept
         assert amended_call(given, parts[0]).kwargs["num_items_in_batch"] == 3
+
+
+def test_a_forward_whose_kwargs_refuse_the_count_keeps_its_own_means() -> None:
+    """A forward with ``**kwargs`` that hands them to a module without such a keyword: the
+    intake's check finds it cannot take the count (no error at set-up)."""
+
+    class Strict(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = hf_models.llama()
+
+        def forward(self, input_ids: Tensor, labels: Tensor, **kwargs: Any) -> Any:
+            return self.run(input_ids, labels, **kwargs)
+
+        def run(self, input_ids: Tensor, labels: Tensor) -> Any:
+            return self.inner(input_ids=input_ids, labels=labels)
+
+    model = Strict()
+    count = item_count(model)
+    assert count is not None
+    call = BodyInput((), {"input_ids": torch.randint(2, hf_models.VOCAB, (2, 4)), "labels": LABELS})
+    assert not _divides_by(model, call, count)
