@@ -307,6 +307,18 @@ def _families() -> dict[str, tuple[Callable[[], Any], str]]:
                 ("GPT-OSS", "GptOssForCausalLM", dict(
                     head_dim=8, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
                     layer_types=["sliding_attention", "full_attention"] * 2)),
+                ("Ernie 4.5 MoE", "Ernie4_5_MoeForCausalLM", dict(
+                    moe_num_experts=4, moe_k=2, moe_intermediate_size=32,
+                    moe_layer_start_index=0)),
+                ("Qwen3-Next", "Qwen3NextForCausalLM", dict(
+                    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    shared_expert_intermediate_size=32, head_dim=8, linear_key_head_dim=8,
+                    linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)),
+                ("MiniMax", "MiniMaxForCausalLM", dict(num_local_experts=4,
+                                                       num_experts_per_tok=2, head_dim=8)),
+                ("FlexOlmo", "FlexOlmoForCausalLM", dict(num_experts=4, num_experts_per_tok=2)),
+                ("GraniteMoeShared", "GraniteMoeSharedForCausalLM", dict(
+                    num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32)),
             )
         },
         "DBRX": (lambda: _dbrx(T, router=False), "causal"),
