@@ -29,6 +29,7 @@ layers and keeps the input of the first, which a training loss does not read.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -48,14 +49,16 @@ __all__ = [
 _NOT_CARRIED = frozenset({"hidden_states", "_hidden_states_layers"})
 
 
+def _capturing() -> Any:
+    """transformers' output-capturing module where a model of it was built (it is imported
+    then), else None: nothing imports transformers for a model that is not one of its own."""
+    return sys.modules.get("transformers.utils.output_capturing")
+
+
 def _collector() -> dict[str, list[Any]] | None:
     """transformers' collector open now (inside a base model's ``capture_outputs`` forward),
     or None."""
-    try:
-        from transformers.utils import output_capturing
-    except ImportError:
-        return None
-    active = getattr(output_capturing, "_active_collector", None)
+    active = getattr(_capturing(), "_active_collector", None)
     return active.get() if active is not None else None
 
 
@@ -103,10 +106,7 @@ def recorders_for(model: nn.Module, path: str) -> tuple[Recorder, ...]:
     """The recorders that apply to the module at ``path`` in ``model`` (a layer): those of the
     closest Hugging Face model above it whose forward collects outputs (its
     ``_can_record_outputs``), hidden states left out."""
-    try:
-        from transformers.utils import output_capturing
-    except ImportError:
-        return ()
+    output_capturing = _capturing()
     registry = getattr(output_capturing, "_CAN_RECORD_REGISTRY", None)
     recorder_type = getattr(output_capturing, "OutputRecorder", None)
     if registry is None or recorder_type is None:
