@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -231,7 +232,8 @@ def pipe_model_for(model: nn.Module, call: BodyInput | None = None) -> PipeModel
         listed.update(direct)
     init = getattr(model, "_init_weights", None)
     count = item_count(model)
-    if count is not None and call is not None and not _divides_by(model, call, count):
+    output = observed.output if observed is not None else None  # the forward just watched
+    if count is not None and call is not None and not _divides_by(model, call, count, output):
         count = None
     return PipeModel(
         model,
@@ -298,18 +300,26 @@ def _count_labels(call: BodyInput, *, shifted: bool, labels_at: int | None) -> T
     return labels.ne(IGNORED).sum()
 
 
-def _divides_by(model: nn.Module, call: BodyInput, count: functools.partial[Tensor | None]) -> bool:
+def _divides_by(
+    model: nn.Module,
+    call: BodyInput,
+    count: functools.partial[Tensor | None],
+    output: Any = None,
+) -> bool:
     """Whether ``model``'s loss on ``call`` (the first micro-batch) is its summed loss over
     ``num_items_in_batch``, with the count :func:`item_count` gives (eval mode, no gradient,
-    the random state put back): the loss with twice the count is half the loss without. A model
-    whose loss ignores the keyword (its own ``CrossEntropyLoss``) or counts otherwise keeps
-    each micro-batch's own mean; a warning says so where its labels ignore some items."""
+    the random state put back): the loss with twice the count is half the loss without
+    (``output``: the model's output on ``call`` in eval mode where the intake has it already).
+    A model whose loss ignores the keyword (its own ``CrossEntropyLoss``) or counts otherwise
+    keeps each micro-batch's own mean; a warning says so where its labels ignore some items."""
     n = count(call)
     if n is None or int(n) == 0:
         return True  # nothing to check on: the rule is transformers' own
     kwargs = training_kwargs(model, call.kwargs)
     with evaluating(model):
-        plain = getattr(model(*call.args, **kwargs), "loss", None)
+        if output is None:
+            output = model(*call.args, **kwargs)
+        plain = getattr(output, "loss", None)
         try:  # a forward whose **kwargs reach a module that takes no such keyword
             scaled = model(*call.args, **kwargs, num_items_in_batch=2 * n)
         except TypeError:
