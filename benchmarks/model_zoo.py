@@ -71,6 +71,21 @@ def _families() -> dict[str, tuple[Callable[[], Any], str]]:
         return build
 
     image = dict(image_size=32, patch_size=8, num_channels=3, num_labels=5)
+    # mixtures of experts measured both without and with their router loss: one config each
+    moe: dict[str, dict[str, Any]] = {
+        "Jamba": dict(
+            num_experts=4, num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
+            attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_expand=2,
+            mamba_dt_rank=4, use_mamba_kernels=False,
+        ),
+        "Qwen3-MoE": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+        "JetMoe": dict(num_local_experts=4, num_experts_per_tok=2, kv_channels=8),
+        "GraniteMoe": dict(num_local_experts=4, num_experts_per_tok=2),
+        "GPT-OSS": dict(
+            head_dim=8, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+        ),
+    }  # fmt: skip
     families: dict[str, tuple[Callable[[], Any], str]] = {
         "GPT-2": (make(T.GPT2LMHeadModel), "causal"),
         "Llama": (make(T.LlamaForCausalLM), "causal"),
@@ -109,17 +124,7 @@ def _families() -> dict[str, tuple[Callable[[], Any], str]]:
             ),
             "causal",
         ),
-        "GPT-OSS": (
-            make(
-                T.GptOssForCausalLM,
-                head_dim=8,
-                sliding_window=8,
-                num_local_experts=4,
-                num_experts_per_tok=2,
-                layer_types=["sliding_attention", "full_attention"] * 2,
-            ),
-            "causal",
-        ),
+        "GPT-OSS": (make(T.GptOssForCausalLM, **moe["GPT-OSS"]), "causal"),
         "BERT (classifier)": (make(T.BertForSequenceClassification, num_labels=3), "seqcls"),
         "BERT (masked LM)": (make(T.BertForMaskedLM), "causal"),
         "RoBERTa (masked LM)": (make(T.RobertaForMaskedLM, pad_token_id=1), "causal"),
@@ -254,10 +259,7 @@ def _families() -> dict[str, tuple[Callable[[], Any], str]]:
                 ("RecurrentGemma", "RecurrentGemmaForCausalLM", dict(
                     lru_width=32, attention_window_size=8, block_types=["recurrent", "attention"],
                     head_dim=8)),
-                ("Jamba", "JambaForCausalLM", dict(
-                    num_experts=4, num_experts_per_tok=2, expert_layer_period=2,
-                    expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1,
-                    mamba_d_state=8, mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False)),
+                ("Jamba", "JambaForCausalLM", moe["Jamba"]),
                 ("Bamba", "BambaForCausalLM", dict(
                     mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8,
                     mamba_expand=2, mamba_chunk_size=4, attn_layer_indices=[1, 3])),
@@ -270,12 +272,9 @@ def _families() -> dict[str, tuple[Callable[[], Any], str]]:
                     n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
                     q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
                     head_dim=4, qk_head_dim=8)),
-                ("Qwen3-MoE", "Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2,
-                                                          moe_intermediate_size=32)),
-                ("JetMoe", "JetMoeForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
-                                                     kv_channels=8)),
-                ("GraniteMoe", "GraniteMoeForCausalLM", dict(num_local_experts=4,
-                                                             num_experts_per_tok=2)),
+                ("Qwen3-MoE", "Qwen3MoeForCausalLM", moe["Qwen3-MoE"]),
+                ("JetMoe", "JetMoeForCausalLM", moe["JetMoe"]),
+                ("GraniteMoe", "GraniteMoeForCausalLM", moe["GraniteMoe"]),
                 ("OpenAI GPT", "OpenAIGPTLMHeadModel", dict(n_embd=32, n_layer=4, n_head=4,
                                                             n_positions=64)),
             )
@@ -293,20 +292,12 @@ def _families() -> dict[str, tuple[Callable[[], Any], str]]:
                 ("Qwen2-MoE", "Qwen2MoeForCausalLM", dict(
                     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                     shared_expert_intermediate_size=32)),
-                ("Qwen3-MoE", "Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2,
-                                                          moe_intermediate_size=32)),
+                ("Qwen3-MoE", "Qwen3MoeForCausalLM", moe["Qwen3-MoE"]),
                 ("OLMoE", "OlmoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2)),
-                ("GraniteMoe", "GraniteMoeForCausalLM", dict(num_local_experts=4,
-                                                             num_experts_per_tok=2)),
-                ("JetMoe", "JetMoeForCausalLM", dict(num_local_experts=4,
-                                                     num_experts_per_tok=2, kv_channels=8)),
-                ("Jamba", "JambaForCausalLM", dict(
-                    num_experts=4, num_experts_per_tok=2, expert_layer_period=2,
-                    expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1,
-                    mamba_d_state=8, mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False)),
-                ("GPT-OSS", "GptOssForCausalLM", dict(
-                    head_dim=8, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
-                    layer_types=["sliding_attention", "full_attention"] * 2)),
+                ("GraniteMoe", "GraniteMoeForCausalLM", moe["GraniteMoe"]),
+                ("JetMoe", "JetMoeForCausalLM", moe["JetMoe"]),
+                ("Jamba", "JambaForCausalLM", moe["Jamba"]),
+                ("GPT-OSS", "GptOssForCausalLM", moe["GPT-OSS"]),
                 ("Ernie 4.5 MoE", "Ernie4_5_MoeForCausalLM", dict(
                     moe_num_experts=4, moe_k=2, moe_intermediate_size=32,
                     moe_layer_start_index=0)),
