@@ -16,6 +16,7 @@ run continue exactly: the blocks-per-stage layout (a live repartition changes it
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -136,9 +137,12 @@ class CheckpointFormat:
         runtime = self.runtime
         shards = runtime.shards_of(optimizer)
         if self.sharded:  # with shard_optimizer each replica writes the entries it owns
-            state = stage_optimizer_state(runtime.root, optimizer)
-            if shards is not None:  # torch's helper makes state for every parameter if none
-                shards.drop_others(optimizer)
+            if shards is None:
+                state = stage_optimizer_state(runtime.root, optimizer)
+            else:  # a parameter cut between replicas is written whole, by each of its owners
+                with shards.whole_state(optimizer):
+                    state = stage_optimizer_state(runtime.root, optimizer)
+                shards.keep_own(optimizer)  # torch's helper makes state for every one if none
             return _renamed(state, self._stable_names())
         t = runtime.topology
         # with shard_optimizer the replicas' entries are merged first: the same state as one
@@ -248,10 +252,13 @@ class CheckpointFormat:
                     f"configure_optimizers returned {len(optimizers)}"
                 )
             stable = self._stable_names()
-            template["optimizer_states"] = {
-                str(i): _renamed(stage_optimizer_state(root, opt), stable)
-                for i, opt in enumerate(optimizers)
-            }
+            template["optimizer_states"] = {}
+            for i, opt in enumerate(optimizers):
+                shards = runtime.shards_of(opt)  # shard_optimizer: read a cut parameter's whole
+                with shards.whole_state(opt) if shards is not None else contextlib.nullcontext():
+                    template["optimizer_states"][str(i)] = _renamed(
+                        stage_optimizer_state(root, opt), stable
+                    )
             for i, entries in template["optimizer_states"].items():
                 add_stored_optimizer_entries(path, entries, f"optimizer_states.{i}.")
         names = runtime.weight_names()
@@ -302,4 +309,4 @@ class CheckpointFormat:
                 load_stage_optimizer_state(optimizer, state, t.stage, runtime.partition.balance)
             shards = runtime.shards_of(optimizer)
             if shards is not None:  # the stage's whole state was read: keep this replica's
-                shards.drop_others(optimizer)
+                shards.keep_own(optimizer)

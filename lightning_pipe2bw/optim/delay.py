@@ -19,6 +19,7 @@ like the optimizer's moments.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Iterator, Sequence
@@ -79,6 +80,17 @@ class DelayCorrection:
     def state_of(self, param: Tensor) -> dict[str, Any]:
         return self.optimizer.state[param]  # type: ignore[no-any-return]
 
+    @contextlib.contextmanager
+    def stepping(self, params: Sequence[Tensor]) -> Iterator[None]:
+        """While it runs, the correction works on ``params`` in place of the stage's: with
+        ``shard_optimizer``, the parts of them this replica updates (``optim.shard``), each keyed
+        in the optimizer's state meanwhile."""
+        before, self.params = self.params, list(params)
+        try:
+            yield
+        finally:
+            self.params = before
+
 
 class NoCorrection(DelayCorrection):
     """The plain rule: W(t+1) = W(t) - U(g_t), g_t at W(t-1)."""
@@ -122,10 +134,6 @@ class WeightPrediction(DelayCorrection):
 
     def __init__(self, optimizer: Optimizer, params: Sequence[Tensor]) -> None:
         super().__init__(optimizer, params)
-        self._group_of: dict[int, int] = {}
-        for index, group in enumerate(optimizer.param_groups):
-            for p in group["params"]:
-                self._group_of[id(p)] = index
         self._shadows: dict[type[Optimizer], Optimizer] = {}
 
     def predict(
@@ -134,6 +142,12 @@ class WeightPrediction(DelayCorrection):
         optimizer = self.optimizer
         # per group, in the group's order: (parameter, its copy, its state, its moment's key)
         by_group: dict[int, list[tuple[Tensor, Tensor, dict[str, Any], str]]] = {}
+        # read at each call: with shard_optimizer the groups hold this replica's parts meanwhile
+        group_of = {
+            id(p): index
+            for index, group in enumerate(optimizer.param_groups)
+            for p in group["params"]
+        }
         with torch.no_grad():
             if out:
                 torch._foreach_copy_(out, newest)
@@ -150,7 +164,7 @@ class WeightPrediction(DelayCorrection):
                         )
                     continue  # before the first update: no moment, no step to predict
                 assert state is not None
-                by_group.setdefault(self._group_of[id(param)], []).append((param, dst, state, key))
+                by_group.setdefault(group_of[id(param)], []).append((param, dst, state, key))
             for index, items in by_group.items():
                 group = optimizer.param_groups[index]
                 values = {k: v for k, v in group.items() if k != "params"}
@@ -379,6 +393,14 @@ class CombinedCorrection(DelayCorrection):
     def skipped(self) -> None:
         for part in self.parts:
             part.skipped()
+
+    @contextlib.contextmanager
+    def stepping(self, params: Sequence[Tensor]) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(super().stepping(params))
+            for part in self.parts:
+                stack.enter_context(part.stepping(params))
+            yield
 
 
 CORRECTIONS: dict[str, type[DelayCorrection]] = {

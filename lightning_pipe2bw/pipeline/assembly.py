@@ -21,7 +21,12 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_pipe2bw.failures.record import wait_limits
-from lightning_pipe2bw.optim.shard import ParameterShards, ShardedOptimizer, shard_problem
+from lightning_pipe2bw.optim.shard import (
+    ParameterShards,
+    ShardedOptimizer,
+    by_elements,
+    shard_problem,
+)
 from lightning_pipe2bw.optim.wrapper import unwrap_optimizer
 from lightning_pipe2bw.partition import BodyRef, Partition, build_stage, make_partition
 from lightning_pipe2bw.partition.balance import (
@@ -387,8 +392,14 @@ def _shards(optimizer: Optimizer, topology: Topology, groups: ProcessGroups) -> 
     problem = shard_problem(optimizer)
     if problem is not None:
         raise TypeError(f"shard_optimizer=True: {problem}")
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    return ParameterShards(params, groups.stage, topology.data_parallel, topology.replica)
+    params, whole = [], []
+    for group in optimizer.param_groups:
+        cut = by_elements(optimizer, group)  # else each parameter stays whole
+        for p in group["params"]:
+            if p.requires_grad:
+                params.append(p)
+                whole.append(not cut)
+    return ParameterShards(params, groups.stage, topology.data_parallel, topology.replica, whole)
 
 
 def _sums_ties_ahead(options: PipeOptions, topology: Topology) -> bool:

@@ -482,10 +482,10 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "shard_optimizer", False, _flag("shard_optimizer"), bool,
         doc="with `data_parallel > 1`: shard each stage's optimizer state over its replicas "
-        "(ZeRO-1). Every parameter has one owner among the replicas, balanced by size; a "
-        "replica steps and keeps optimizer state (moments, a delay correction's buffer) for its "
-        "own parameters only, then the replicas gather each other's updated weights. The same "
-        "weights as without it; checkpoints are the same files "
+        "(ZeRO-1): by elements for element-wise optimizers (AdamW, SGD, ...), Muon's matrices "
+        "whole. A replica steps and keeps optimizer state (moments, a delay correction's "
+        "buffer) for its own part only, then the replicas gather each other's updated weights. "
+        "The same weights as without it; checkpoints are the same files "
         "([docs/memory.md](docs/memory.md#optimizer-state-sharded-over-the-replicas-zero-1))",
     ),
     Option(

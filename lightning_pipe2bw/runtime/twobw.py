@@ -127,9 +127,16 @@ class TwoBWDriver:
             # t-1's, with its learning rate) starts from; with sharded state each replica
             # predicts the parameters it owns (it alone has their moments), then they gather
             def predict(batch: int, newest: list[Tensor], out: list[Tensor]) -> None:
-                correction.predict(newest, out, wrapper.hyperparameters_of(batch - 1))
-                if shards is not None:
-                    shards.gather(out, versions.params)
+                hyper = wrapper.hyperparameters_of(batch - 1)
+                if shards is None:
+                    correction.predict(newest, out, hyper)
+                    return
+                params = versions.params
+                with shards.predicting(optimizer, correction):
+                    correction.predict(
+                        shards.own(newest, params), shards.own(out, params), hyper
+                    )
+                shards.gather(out, params)
 
             versions.predict = predict
             # a synchronous batch runs at the newest weights: no view

@@ -329,7 +329,11 @@ class TwoBWOptimizer(WrappedOptimizer):
             group.update(values)
         correction = self.correction if batch >= self.corrected_from else None
         shards = self.shards
-        with shards.updating_own() if shards is not None else contextlib.nullcontext():
+        with (
+            shards.updating_own(self.optimizer, correction)
+            if shards is not None
+            else contextlib.nullcontext()
+        ):
             if correction is not None:
                 correction.before_step()
             self.optimizer.step()

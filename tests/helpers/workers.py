@@ -11,6 +11,7 @@ from lightning.pytorch import Callback
 
 from helpers.models import RegressionModel, loader, make_loader, make_model, quiet_trainer
 from lightning_pipe2bw import Pipe2BWStrategy
+from lightning_pipe2bw.optim.wrapper import unwrap_optimizer
 from lightning_pipe2bw.pipeline.fsdp import is_sharded, local_elements
 
 
@@ -71,12 +72,21 @@ def fit(
             for t in s.values()
             if isinstance(t, torch.Tensor)
         ),
+        "opt_moment_elements": sum(
+            t.numel()
+            for s in opt.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor) and t.dim() > 0
+        ),
         # what this rank held of them (fsdp=True: its shards)
         "local_param_elements": local_elements(strategy.engine.body.parameters()),
         "local_opt_state_elements": local_elements(
             t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
         ),
         "sharded_params": sum(is_sharded(p) for p in strategy.engine.body.parameters()),
+        # shard_optimizer: the stage's elements this replica updates, and the largest parameter
+        # it must keep whole (Muon's matrices), of the user's optimizer
+        **_shard_counts(strategy, opt),
         "blocks": list(strategy.engine.body.indices),
         # the blocks per stage and the rule that chose them (the stage table's line)
         "balance": list(strategy.split.balance) if strategy.split else None,
@@ -277,4 +287,18 @@ def fit_late_conv(with_init: bool, steps: int, microbatches: int) -> dict[str, A
         "initial": start.state,
         "blocks": list(strategy.engine.body.indices),
         "state": full if dist.get_rank() == 0 else None,
+    }
+
+
+def _shard_counts(strategy: Any, optimizer: Any) -> dict[str, int]:
+    shards = strategy.runtime.shards_of(unwrap_optimizer(optimizer)) if strategy.runtime else None
+    if shards is None:
+        return {}
+    return {
+        "owned_elements": shards.owned_elements(),
+        "stage_elements": sum(p.numel() for p in shards.params),
+        "largest_whole": max(
+            [p.numel() for p, whole in zip(shards.params, shards.whole, strict=True) if whole],
+            default=0,
+        ),
     }

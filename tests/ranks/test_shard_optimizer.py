@@ -14,11 +14,19 @@ import torch
 from helpers import workers
 from helpers.models import max_abs_diff, tensors_equal
 
+from lightning_pipe2bw.optim.shard import ALIGNMENT
+
 STEPS, M, LOCAL = 4, 2, 4  # two replicas' batches of 4 make a batch of 8
 
 
 def _state_elements(result: dict[str, Any]) -> int:
     return int(result["opt_state_bytes"]) // 4  # fp32 state
+
+
+def _moment_elements(result: dict[str, Any]) -> int:
+    """The optimizer state's elements in tensors of a parameter's (or part's) size: every entry
+    but the per-parameter counters (Adam's ``step``)."""
+    return int(result["opt_moment_elements"])
 
 
 def _fit_both(schedule: str, optimizer: str, **kwargs: Any) -> dict[str, Any]:
@@ -87,17 +95,25 @@ def test_sharded_state_trains_the_same_weights_with_half_the_state(
         f"optimizer state per rank {[f'{x:.2f}' for x in ratios]} of unsharded"
     )
     assert diff == 0.0
-    # every rank holds about half: the parameters are whole, so the shares are as even as
-    # their sizes allow
-    assert all(0.3 <= x <= 0.7 for x in ratios), ratios
-    # the two replicas of a stage hold complementary shares (together: all of it)
-    by_stage: dict[int, list[float]] = {}
+    by_stage: dict[int, list[int]] = {}
     for r in results:
-        by_stage.setdefault(r["sharded"]["stage"], []).append(
-            _state_elements(r["sharded"]) / _state_elements(r["plain"])
-        )
-    for stage, shares in by_stage.items():
-        assert abs(sum(shares) - 1.0) < 1e-6, (stage, shares)
+        s = r["sharded"]
+        by_stage.setdefault(s["stage"], []).append(s["owned_elements"])
+        # every replica holds its half of the stage within one alignment unit: AdamW's state by
+        # elements; MuonAdamW's matrices whole, AdamW's elements filling around them
+        assert s["owned_elements"] <= max(
+            -(-s["stage_elements"] // 2) + ALIGNMENT, s["largest_whole"] + ALIGNMENT
+        ), s
+        if optimizer == "adamw":
+            assert s["largest_whole"] == 0
+            # and its state is of those elements alone: as much per element as without sharding
+            plain = r["plain"]
+            per_element = _moment_elements(plain) / s["stage_elements"]
+            assert _moment_elements(s) == per_element * s["owned_elements"], (s, plain)
+    # the two replicas of a stage own complementary parts (together: all of it)
+    for stage, owned in by_stage.items():
+        want = next(r["sharded"]["stage_elements"] for r in results if r["sharded"]["stage"] == stage)
+        assert sum(owned) == want, (stage, owned)
 
 
 def _resave(ckpt: str, out: str, data_parallel: int, shard: bool) -> None:
@@ -122,8 +138,9 @@ def test_sharded_state_checkpoints_as_the_unsharded_and_resumes_exactly(
 ) -> None:
     """2 replicas x 2 2BW stages: the checkpoint written with sharded optimizer state holds
     what the unsharded run's holds (the consolidated file: the same file); 3 steps + checkpoint +
-    3 equal 6 straight; and a sharded checkpoint reloads with sharding off and with one replica
-    (its optimizer state, written again consolidated, is the unsharded run's)."""
+    3 equal 6 straight; and a sharded checkpoint reloads with sharding off, with one replica and
+    sharded over 4 replicas of one stage (its optimizer state, written again consolidated, is the
+    unsharded run's)."""
     from ranks.test_checkpoint import TOL, _fit
 
     pool = pools(4)
@@ -144,11 +161,25 @@ def test_sharded_state_checkpoints_as_the_unsharded_and_resumes_exactly(
         pool.run(_resave, str(plain), str(tmp_path / "plain.ckpt"), 2, False)
         pool.run(_resave, str(shard), str(tmp_path / "off.ckpt"), 2, False)
         pools(2).run(_resave, str(shard), str(tmp_path / "one.ckpt"), 1, False)
+        # 4 replicas of one stage, sharded: each parameter cut where d = 4 puts the cuts
+        pool.run(_resave, str(shard), str(tmp_path / "four.ckpt"), 4, True)
         want = torch.load(tmp_path / "plain.ckpt", weights_only=True)
-        for name in ("off.ckpt", "one.ckpt"):
+        for name in ("off.ckpt", "one.ckpt", "four.ckpt"):
             got = torch.load(tmp_path / name, weights_only=True)
             assert tensors_equal(got["state_dict"], want["state_dict"]), name
-            assert tensors_equal(got["optimizer_states"], want["optimizer_states"]), name
+            # the consolidated file lists the state stage by stage: one stage holds the two's
+            assert tensors_equal(_by_parameter(got), _by_parameter(want)), name
+
+
+def _by_parameter(checkpoint: dict[str, Any]) -> list[Any]:
+    """The optimizer state of a consolidated checkpoint, parameter by parameter in the model's
+    order (its stages' entries one after the other)."""
+    return [
+        entries
+        for optimizer in checkpoint["optimizer_states"]
+        for stage in optimizer["pipe2bw_stages"]
+        for _, entries in sorted(stage["state"].items())
+    ]
 
 
 def _fit_lbfgs() -> str:
