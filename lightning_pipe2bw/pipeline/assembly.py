@@ -45,6 +45,7 @@ from lightning_pipe2bw.partition.cost import block_flops, multiplied_parameters
 from lightning_pipe2bw.pipeline.checks import memory_plan_problems, runtime_problems
 from lightning_pipe2bw.pipeline.fsdp import (
     GradientSync,
+    dtype_problems,
     optimizer_problems,
     shard_blocks,
     sharded_blocks,
@@ -52,7 +53,7 @@ from lightning_pipe2bw.pipeline.fsdp import (
 )
 from lightning_pipe2bw.pipeline.groups import ProcessGroups, average_over_replicas
 from lightning_pipe2bw.pipeline.options import PipeOptions
-from lightning_pipe2bw.pipeline.problems import raise_problems
+from lightning_pipe2bw.pipeline.problems import Problem, raise_problems
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
 from lightning_pipe2bw.pipeline.ties import TiedCopies
 from lightning_pipe2bw.pipeline.topology import Topology
@@ -220,7 +221,8 @@ def place_stage(
         raise UninitializedError(entries)
     raise_problems(memory_plan_problems(options, partition, flag))
     if options.fsdp:
-        raise_problems(tie_problems(body))
+        # a block only its stage holds may be the problem: every rank stops with every one
+        raise_problems(_everyones([*tie_problems(body), *dtype_problems(body)]))
         shard_blocks([body.block(i) for i in body.indices], replicas, device)
     if options.compile_blocks is not None:
         body.compile_blocks(options.compile_blocks)
@@ -374,6 +376,16 @@ def build_runtime(
             if shard is not None
         },
     )
+
+
+def _everyones(problems: list[Problem]) -> list[Problem]:
+    """The problems every rank found (collective: each rank takes part, with or without any),
+    each once, in rank order."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return problems
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, problems)
+    return list({p.message: p for found in gathered for p in found}.values())
 
 
 def _replica_average(

@@ -18,7 +18,8 @@ FSDP, and loading it slices each tensor back into this replica's shard (:func:`l
 Refused, with the reason (``pipeline/options.py``): one replica per stage, the schedules that keep
 a second whole version of each weight (2BW's double buffer, PipeDream's stash), ``shard_optimizer``
 (FSDP shards that state already), blocks that move between stages; at set-up
-(:func:`tie_problems`, :func:`optimizer_problems`): parameters shared between blocks, Muon (it
+(:func:`tie_problems`, :func:`dtype_problems`, :func:`optimizer_problems`): parameters shared
+between blocks, a block's parameters of several dtypes (FSDP gathers them in one buffer), Muon (it
 orthogonalises each matrix whole, which FSDP holds in row shards), fp16 with a loss scaler (use
 bf16).
 """
@@ -42,6 +43,7 @@ from lightning_pipe2bw.runtime.stash import local_shard
 
 __all__ = [
     "GradientSync",
+    "dtype_problems",
     "full_tensors",
     "is_sharded",
     "load_shards",
@@ -124,6 +126,35 @@ def tie_problems(body: Any) -> list[Problem]:
             "block's own parameters; untie them, or leave fsdp False",
         )
     ]
+
+
+def dtype_problems(body: Any) -> list[Problem]:
+    """Blocks of ``body`` whose parameters are of more than one dtype: FSDP all-gathers a
+    block's parameters in one flat buffer, of one dtype (checked before the blocks are
+    sharded)."""
+    problems = []
+    for i in body.indices:
+        named = list(body.block(i).named_parameters())
+        dtypes = {p.dtype for _, p in named}
+        if len(dtypes) < 2:
+            continue
+        common = max(dtypes, key=lambda d: sum(p.numel() for _, p in named if p.dtype == d))
+        odd = [f"{n} ({str(p.dtype).removeprefix('torch.')})" for n, p in named if p.dtype != common]
+        problems.append(
+            Problem(
+                "fsdp",
+                True,
+                f"fsdp=True: block {i} ({type(body.block(i)).__name__}) holds parameters of "
+                f"{len(dtypes)} dtypes: {', '.join(odd[:5])} beside "
+                f"{str(common).removeprefix('torch.')} ones, and FSDP gathers a block's "
+                "parameters in one buffer of one dtype; cast the block to one dtype (e.g. "
+                "block.float(); precision='bf16-mixed' lowers the compute's precision without "
+                "changing the parameters'), or leave fsdp False and shard the optimizer state "
+                "alone with shard_optimizer=True, which takes any dtypes",
+                TypeError,
+            )
+        )
+    return problems
 
 
 def optimizer_problems(optimizers: Sequence[Optimizer], scales_loss: bool) -> list[Problem]:

@@ -259,3 +259,85 @@ def _both_with_a_block_without_parameters() -> dict[str, Any]:
 def test_a_block_without_parameters_is_left_unsharded(pools: Any) -> None:
     results = pools(4).run(_both_with_a_block_without_parameters)
     assert max_abs_diff(results[0]["fsdp"], results[0]["plain"]) <= TOLERANCE
+
+
+class _Gained(torch.nn.Module):
+    """A block whose gain is kept in float64 beside its float32 weight (mixed dtypes), or that
+    holds a parameter its forward never uses."""
+
+    def __init__(self, width: int, dtype: torch.dtype, unused: bool) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+        self.gain = torch.nn.Parameter(torch.ones(width, dtype=dtype))
+        if unused:
+            self.spare = torch.nn.Parameter(torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x)) * self.gain.to(x.dtype)
+
+
+def _fit_odd_block(change: str, fsdp: bool) -> Any:
+    """The regression model with one block changed on stage 0 (``change``: ``frozen``, a frozen
+    weight beside trainable ones; ``unused``, a parameter that gets no gradient, with the split
+    check and without it, ``unused-unchecked``; ``mixed``, a float64 parameter beside float32
+    ones), 2 x 2 stages; the full state on rank 0, or the error every rank stopped with and the
+    steps taken."""
+    import torch.distributed as dist
+    from helpers.models import HIDDEN, RegressionModel, loader, quiet_trainer
+
+    from lightning_pipe2bw import Pipe2BWStrategy
+
+    model = RegressionModel()
+    if change == "frozen":
+        model.body[2].requires_grad_(False)
+        next(model.body[2].parameters()).requires_grad_(True)
+    else:
+        dtype = torch.float64 if change == "mixed" else torch.float32
+        model.body[2] = _Gained(HIDDEN, dtype, unused=change.startswith("unused"))
+    strategy = Pipe2BWStrategy(
+        schedule="1f1b",
+        microbatches=M,
+        data_parallel=2,
+        fsdp=fsdp,
+        check_split=change != "unused-unchecked",
+    )
+    trainer = quiet_trainer(devices=dist.get_world_size(), strategy=strategy, max_steps=STEPS)
+    try:
+        trainer.fit(model, loader(LOCAL, n=2 * LOCAL * STEPS))
+    except Exception as err:  # every rank stops with it
+        return {"error": f"{type(err).__name__}: {err}", "steps": trainer.global_step}
+    state = strategy.full_state_dict()
+    return state if dist.get_rank() == 0 else {}
+
+
+def _odd_both(change: str) -> dict[str, Any]:
+    return {"plain": _fit_odd_block(change, False), "fsdp": _fit_odd_block(change, True)}
+
+
+@pytest.mark.parametrize("change", ["frozen", "unused-unchecked", "unused", "mixed"])
+def test_a_block_fsdp_meets_oddly_trains_exactly_or_stops_before_a_step(
+    pools: Any, change: str
+) -> None:
+    """What FSDP meets in a block either trains as the same replicas without FSDP, to the same
+    tolerance, or stops every rank before the first update, naming the parameter and the way
+    out: a frozen weight beside trainable ones and a parameter that gets no gradient (with the
+    split check off) train; with the check on, the parameter without gradient stops both runs
+    alike; parameters of two dtypes in one block stop the FSDP run at set-up."""
+    results = pools(4).run(_odd_both, change)
+    if change in ("frozen", "unused-unchecked"):
+        diff = max_abs_diff(results[0]["fsdp"], results[0]["plain"])
+        print(f"FSDP {change}: max|dW| against the same replicas without it {diff:.3e}")
+        assert diff <= TOLERANCE
+        return
+    for r in results:
+        stopped = r["fsdp"]
+        assert "error" in stopped, stopped
+        if change == "unused":  # the split's own check, at the first update, before it applies
+            assert r["plain"].get("error") == stopped["error"]
+            assert "got no gradient at the first update: ['body.2.spare']" in stopped["error"]
+        else:
+            assert stopped["steps"] == 0 and "error" not in r["plain"], r["plain"]
+            assert "block 2 (_Gained) holds parameters of 2 dtypes: gain (float64)" in (
+                stopped["error"]
+            ), stopped
+            assert "cast the block to one dtype" in stopped["error"]
