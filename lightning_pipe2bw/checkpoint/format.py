@@ -137,12 +137,10 @@ class CheckpointFormat:
         runtime = self.runtime
         shards = runtime.shards_of(optimizer)
         if self.sharded:  # with shard_optimizer each replica writes the entries it owns
-            if shards is None:
+            # a parameter cut between replicas is written whole, by each of its owners; torch's
+            # helper makes state for every parameter if there is none, dropped on leaving
+            with shards.whole_state(optimizer) if shards is not None else contextlib.nullcontext():
                 state = stage_optimizer_state(runtime.root, optimizer)
-            else:  # a parameter cut between replicas is written whole, by each of its owners
-                with shards.whole_state(optimizer):
-                    state = stage_optimizer_state(runtime.root, optimizer)
-                shards.keep_own(optimizer)  # torch's helper makes state for every one if none
             return _renamed(state, self._stable_names())
         t = runtime.topology
         # with shard_optimizer the replicas' entries are merged first: the same state as one

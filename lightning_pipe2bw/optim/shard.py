@@ -239,6 +239,7 @@ class ParameterShards:
             [(p.dtype, p.device) for p in self.params],
             replicas,
         )
+        self._index = {id(p): i for i, p in enumerate(self.params)}
         # this replica's (start, end) of each parameter, None where it owns none of it
         self.mine: list[tuple[int, int] | None] = [
             next(((a, b) for r, a, b in segments if r == index), None)
@@ -262,7 +263,7 @@ class ParameterShards:
         """This replica's parts of ``tensors`` (one for each of ``params``, in that order): for
         the parameters it owns any of, and whole for those not sharded here (frozen), in the
         order of the parameters a delay correction steps under :meth:`updating_own`."""
-        index = {id(p): i for i, p in enumerate(self.params)}
+        index = self._index
         parts = [
             self._part(index[id(p)], t) if id(p) in index else t
             for t, p in zip(tensors, params, strict=True)
@@ -403,11 +404,19 @@ class ParameterShards:
     def whole_state(self, optimizer: Optimizer) -> Iterator[None]:
         """While it runs, the state of a parameter cut between replicas is whole on each of
         them, as without sharding (collective over the replicas, on entry): what a checkpoint
-        saves. Its parts are cut again on exit."""
+        saves. On exit this replica keeps its own again (:meth:`keep_own`), also of the state
+        torch's checkpoint helpers made meanwhile for every parameter."""
         split = [i for i, segments in enumerate(self.segments) if len(segments) > 1]
-        if not split:
+        if split:
+            self._join(optimizer, split)
+        try:
             yield
-            return
+        finally:
+            self.keep_own(optimizer)
+
+    def _join(self, optimizer: Optimizer, split: list[int]) -> None:
+        """Make the state of the parameters ``split`` (cut between replicas) whole on each
+        replica that holds part of it (collective over the replicas)."""
         state = optimizer.state
         local = {
             i: {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in entries.items()}
@@ -436,10 +445,6 @@ class ParameterShards:
                     joined = torch.cat(pieces).view(p.shape)
                     entries[key] = joined.to(device=value.device, dtype=value.dtype)
             state[p] = entries
-        try:
-            yield
-        finally:
-            self.keep_own(optimizer)
 
     def merged_state_dict(self, optimizer: Optimizer) -> dict[str, Any]:
         """The stage's whole optimizer state dict, as one replica without sharding has it: every

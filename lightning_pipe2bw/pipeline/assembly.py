@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -53,7 +53,7 @@ from lightning_pipe2bw.pipeline.fsdp import (
 )
 from lightning_pipe2bw.pipeline.groups import ProcessGroups, average_over_replicas
 from lightning_pipe2bw.pipeline.options import PipeOptions
-from lightning_pipe2bw.pipeline.problems import Problem, raise_problems
+from lightning_pipe2bw.pipeline.problems import raise_problems
 from lightning_pipe2bw.pipeline.stage_runtime import StageRuntime
 from lightning_pipe2bw.pipeline.ties import TiedCopies
 from lightning_pipe2bw.pipeline.topology import Topology
@@ -76,6 +76,8 @@ __all__ = ["build_runtime", "place_stage", "resolve_split"]
 
 log = logging.getLogger(__name__)
 
+
+T = TypeVar("T")
 
 def resolve_split(
     options: PipeOptions,
@@ -213,16 +215,15 @@ def place_stage(
     except UninitializedError as err:
         entries = err.entries
     # every rank built the same module in configure_model, so all of them take part
-    if on_meta and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, entries)
-        entries = tuple(e for rank_entries in gathered for e in rank_entries)
+    if on_meta:
+        entries = tuple(_from_every_rank(list(entries)))
     if entries:
         raise UninitializedError(entries)
     raise_problems(memory_plan_problems(options, partition, flag))
     if options.fsdp:
         # a block only its stage holds may be the problem: every rank stops with every one
-        raise_problems(_everyones([*tie_problems(body), *dtype_problems(body)]))
+        found = _from_every_rank([*tie_problems(body), *dtype_problems(body)])
+        raise_problems(list({p.message: p for p in found}.values()))  # each once
         shard_blocks([body.block(i) for i in body.indices], replicas, device)
     if options.compile_blocks is not None:
         body.compile_blocks(options.compile_blocks)
@@ -378,14 +379,14 @@ def build_runtime(
     )
 
 
-def _everyones(problems: list[Problem]) -> list[Problem]:
-    """The problems every rank found (collective: each rank takes part, with or without any),
-    each once, in rank order."""
+def _from_every_rank(items: list[T]) -> list[T]:
+    """What every rank found, in rank order (collective when distributed: each rank takes part,
+    with or without any)."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return problems
+        return items
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, problems)
-    return list({p.message: p for found in gathered for p in found}.values())
+    dist.all_gather_object(gathered, items)
+    return [item for found in gathered for item in found]
 
 
 def _replica_average(

@@ -57,28 +57,25 @@ def step_call(
         step = getattr(module, hook, None)
         if not callable(step):
             return None
-        devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
-        handle = model.register_forward_pre_hook(_stop, with_kwargs=True)
+
+        def first_step() -> None:
+            batch = next(iter(loader))
+            n = max(1, min(microbatches, batch_size_of(batch)))
+            sample = split_batch(batch, n)[0][0]
+            device = _device_of(model)
+            if device is not None and not on_meta:
+                sample = tree_map_only(Tensor, lambda t: t.to(device), sample)
+            step(sample, 0)
+
         try:
-            with torch.random.fork_rng(devices=devices), torch.no_grad():
-                batch = next(iter(loader))
-                n = max(1, min(microbatches, batch_size_of(batch)))
-                sample = split_batch(batch, n)[0][0]
-                device = _device_of(model)
-                if device is not None and not on_meta:
-                    sample = tree_map_only(Tensor, lambda t: t.to(device), sample)
-                step(sample, 0)
-        except _Stopped as stopped:
-            return stopped.call
+            call = _stopped_at(model, first_step)
         except Exception as err:  # the step needs the loop (a log before the call, ...)
             if not shapes_only:
                 _cannot(model, f"{hook} raised {type(err).__name__}: {err}")
             return None
-        finally:
-            handle.remove()
-        if not shapes_only:
+        if call is None and not shapes_only:
             _cannot(model, f"{hook} did not call it on the first micro-batch")
-        return None
+        return call
 
     return call_of
 
@@ -91,15 +88,10 @@ def whole_call(
     there, without gradient, with ``self.log`` muted and the random state put back; None where
     the step returns or fails before calling it. What a loss normalised by the batch's items
     counts (``runtime.items``)."""
-    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
-    handle = body.register_forward_pre_hook(_stop, with_kwargs=True)
     own = module.__dict__.get("log", _NOTHING)  # a log of the object's own, put back after
     module.__dict__["log"] = _muted  # shadows the method on this object only
     try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
-            getattr(module, hook)(*args, **kwargs)
-    except _Stopped as stopped:
-        return stopped.call
+        return _stopped_at(body, lambda: getattr(module, hook)(*args, **kwargs))
     except Exception:  # the micro-batches' steps raise it where it belongs
         return None
     finally:
@@ -107,6 +99,20 @@ def whole_call(
             module.__dict__.pop("log", None)
         else:
             module.__dict__["log"] = own
+
+
+def _stopped_at(model: nn.Module, run: Callable[[], Any]) -> BodyInput | None:
+    """Run ``run()`` (the user's step) without gradient, the random state put back, until it
+    calls ``model``: the arguments of that call, or None where it returned first (its other
+    errors propagate)."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+    handle = model.register_forward_pre_hook(_stop, with_kwargs=True)
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            run()
+    except _Stopped as stopped:
+        return stopped.call
+    finally:
         handle.remove()
     return None
 
