@@ -16,6 +16,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from lightning.fabric.strategies.launchers.multiprocessing import (
+    _disable_module_memory_sharing as unshare_module_memory,
+)
 from lightning.fabric.strategies.registry import _StrategyRegistry as StrategyRegistryType
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device as default_process_group_backend,
@@ -34,6 +37,9 @@ from lightning.pytorch.core.optimizer import (
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.launcher import _Launcher as Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import (
+    _GlobalStateSnapshot as GlobalStateSnapshot,
+)
+from lightning.pytorch.strategies.launchers.multiprocessing import (
     _MultiProcessingLauncher as MultiProcessingLauncher,
 )
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput as WorkerOutput
@@ -49,6 +55,7 @@ from torch.optim import Optimizer
 from lightning_pipe2bw.optim.wrapper import unwrap_optimizer
 
 __all__ = [
+    "GlobalStateSnapshot",
     "Launcher",
     "MultiProcessingLauncher",
     "StrategyRegistryType",
@@ -80,11 +87,13 @@ __all__ = [
     "sync_ddp_if_available",
     "torch_optimizer",
     "training_dataloader",
+    "unshare_module_memory",
     "update_dataloader",
 ]
 
 # every private name this module uses: (module, attribute), checked by tests/unit/test_compat.py
 REQUIRED: tuple[tuple[str, str], ...] = (
+    ("lightning.fabric.strategies.launchers.multiprocessing", "_disable_module_memory_sharing"),
     ("lightning.fabric.strategies.registry", "_StrategyRegistry"),
     ("lightning.fabric.utilities.distributed", "_get_default_process_group_backend_for_device"),
     ("lightning.fabric.utilities.distributed", "_init_dist_connection"),
@@ -94,6 +103,7 @@ REQUIRED: tuple[tuple[str, str], ...] = (
     ("lightning.pytorch.core.optimizer", "_init_optimizers_and_lr_schedulers"),
     ("lightning.pytorch.strategies.launchers.launcher", "_Launcher"),
     ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher"),
+    ("lightning.pytorch.strategies.launchers.multiprocessing", "_GlobalStateSnapshot"),
     ("lightning.pytorch.strategies.launchers.multiprocessing", "_WorkerOutput"),
     ("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher"),
     ("lightning.pytorch.trainer.call", "_call_callback_hooks"),

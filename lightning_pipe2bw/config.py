@@ -85,17 +85,21 @@ class TrainerConfig:
 
 
 def resolve_start_method(method: str, multirun: bool) -> str:
-    """``"auto"``: ``"popen"`` for a single run, ``"spawn"`` under ``--multirun``.
+    """``"auto"``: ``"popen"`` for a single run, ``"forkserver"`` under ``--multirun``.
 
     ``popen`` re-runs the command line for ranks 1..n-1; Lightning pins their Hydra run dir to the
     parent's (``_hydra_subprocess_cmd``), which is right for a single run. Under ``-m`` the same
     command line would start a whole sweep in every child, and the parent's second job would see
-    the ``LOCAL_RANK`` the first job left in ``os.environ`` and start no children at all; spawned
-    workers inherit no command line and leave no such variables behind.
+    the ``LOCAL_RANK`` the first job left in ``os.environ`` and start no children at all; workers
+    started from the sweep's process inherit no command line and leave no such variables behind.
+    Of those start methods, ``forkserver`` starts every job's workers from one server that
+    imported torch, Lightning and the job's module once (``seam.launcher.preload_fork_server``),
+    where ``spawn`` imports them again in every worker of every job; its workers start with the
+    environment, random state and model copy a spawned worker gets.
     """
     if method != "auto":
         return method
-    return "spawn" if multirun else "popen"
+    return "forkserver" if multirun else "popen"
 
 
 def _options(cfg: StrategyConfig, multirun: bool) -> dict[str, Any]:

@@ -436,7 +436,7 @@ OPTIONS: tuple[Option, ...] = (
         "`\"forkserver\"` start workers from this process (like `ddp_spawn`) and bring the "
         "trained weights and predictions back to it. Under `torchrun` or a cluster launcher "
         "nothing is started",
-        config_note="`auto`: `popen` for a single run, `spawn` under `--multirun`",
+        config_note="`auto`: `popen` for a single run, `forkserver` under `--multirun`",
     ),
     Option(
         "process_group_backend", None, _backend, str | None,

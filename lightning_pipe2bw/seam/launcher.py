@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -21,11 +22,14 @@ from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_pipe2bw.compat import (
+    GlobalStateSnapshot,
     Launcher,
     MultiProcessingLauncher,
     SubprocessScriptLauncher,
@@ -33,6 +37,7 @@ from lightning_pipe2bw.compat import (
     launched_processes,
     set_num_threads_if_needed,
     start_worker_scripts,
+    unshare_module_memory,
 )
 from lightning_pipe2bw.failures.record import say
 
@@ -54,6 +59,12 @@ class GatheringStrategy(Protocol):
 
     @property
     def checkpoint_io(self) -> Any: ...
+
+    @property
+    def cluster_environment(self) -> Any: ...
+
+    @property
+    def accelerator(self) -> Any: ...
 
     def full_state_dict(self) -> dict[str, Any]:
         """The whole model's state dict on global rank 0 (collective; ``{}`` elsewhere)."""
@@ -190,11 +201,76 @@ class WorkerWatch(threading.Thread):
         self.end()
 
 
+def preload_fork_server() -> None:
+    """Have the fork server import torch, Lightning, this package and the main module (when it
+    runs as ``python -m``) once, so that each worker forked from it starts without importing them
+    again (several seconds a worker: a sweep's jobs start theirs from one fork server). It takes
+    effect only where the fork server has not started yet."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    modules = ["__main__", "torch", "lightning.pytorch", "lightning_pipe2bw"]
+    if spec is not None and spec.name:
+        modules.append(spec.name)
+    mp.get_context("forkserver").set_forkserver_preload(modules)
+
+
 class _GatheringLauncher(MultiProcessingLauncher):
     """Lightning's multiprocessing launcher, but the weights sent back are the whole model's,
-    gathered from every stage (each worker holds only its own stage)."""
+    gathered from every stage (each worker holds only its own stage), and ``forkserver`` workers
+    start as ``spawn`` workers do.
+
+    Lightning hands a spawned worker the launching process's environment (``os.environ`` when it
+    starts), its random states and deterministic flags, and on the CPU a copy of the model's
+    tensors. A worker forked from the fork server gets none of these: the fork server's
+    environment is the launching process's from when the server started (an earlier job of a
+    sweep), and the model's tensors come through shared memory, so that every stage trains on the
+    same storage (a weight tied across two stages is updated by both). This launcher sends the
+    three along and applies them before the worker starts.
+    """
 
     _strategy: GatheringStrategy  # type: ignore[assignment]
+
+    def __init__(
+        self,
+        strategy: GatheringStrategy,
+        start_method: Literal["spawn", "fork", "forkserver"] = "spawn",
+    ) -> None:
+        super().__init__(strategy, start_method=start_method)  # type: ignore[arg-type]
+        # what a forkserver worker takes from the launching process: set by launch
+        self._launching: tuple[dict[str, str], GlobalStateSnapshot] | None = None
+
+    @override
+    def launch(
+        self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any
+    ) -> Any:
+        if self._start_method == "forkserver":
+            preload_fork_server()
+            # the port Lightning's launch sets is in the environment the worker gets
+            assert self._strategy.cluster_environment is not None
+            os.environ["MASTER_PORT"] = str(self._strategy.cluster_environment.main_port)
+            self._launching = (dict(os.environ), GlobalStateSnapshot.capture())
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    @override
+    def _wrapping_function(
+        self,
+        process_idx: int,
+        trainer: Trainer | None,
+        function: Callable[..., Any],
+        args: Any,
+        kwargs: Any,
+        return_queue: Any,
+        global_states: GlobalStateSnapshot | None = None,
+    ) -> None:
+        if self._launching is not None:
+            environ, global_states = self._launching
+            os.environ.clear()
+            os.environ.update(environ)
+            if isinstance(self._strategy.accelerator, CPUAccelerator):
+                args, kwargs = unshare_module_memory((args, kwargs))
+        super()._wrapping_function(
+            process_idx, trainer, function, args, kwargs, return_queue, global_states
+        )
 
     @override
     def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> WorkerOutput | None:
@@ -233,7 +309,7 @@ class PipeSpawnLauncher(Launcher):
         strategy: GatheringStrategy,
         start_method: Literal["spawn", "fork", "forkserver"] = "spawn",
     ) -> None:
-        self._inner = _GatheringLauncher(strategy, start_method=start_method)  # type: ignore[arg-type]
+        self._inner = _GatheringLauncher(strategy, start_method=start_method)
 
     @property
     @override

@@ -112,9 +112,9 @@ def test_the_sweep_summary_callback_is_configured(hydra_init: None) -> None:
     assert str(cfg.hydra.run.dir).startswith("outputs/")
 
 
-def test_start_method_auto_is_popen_for_one_run_and_spawn_for_a_sweep() -> None:
+def test_start_method_auto_is_popen_for_one_run_and_forkserver_for_a_sweep() -> None:
     assert resolve_start_method("auto", multirun=False) == "popen"
-    assert resolve_start_method("auto", multirun=True) == "spawn"
+    assert resolve_start_method("auto", multirun=True) == "forkserver"
     assert resolve_start_method("fork", multirun=True) == "fork"
 
 
