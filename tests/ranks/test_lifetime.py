@@ -60,12 +60,18 @@ def live_tensor_bytes() -> int:
 
 
 class LiveBytes(Callback):
-    def __init__(self) -> None:
-        self.after_step: list[int] = []
-        self.rings = 0  # the shared-memory mappings during the fit
+    """The live tensor bytes after the steps the test compares (a walk of every object the
+    collector knows: once a step would be most of the test's time), and the shared-memory
+    mappings during the fit."""
 
-    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
-        self.after_step.append(live_tensor_bytes())
+    def __init__(self, at_steps: tuple[int, ...]) -> None:
+        self.at_steps = at_steps
+        self.after_step: dict[int, int] = {}
+        self.rings = 0
+
+    def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+        if trainer.global_step in self.at_steps:
+            self.after_step[trainer.global_step] = live_tensor_bytes()
         self.rings = shared_memory_mappings()
 
 
@@ -78,7 +84,7 @@ def shared_memory_mappings() -> int:
 
 def _fit_and_forget(schedule: str) -> dict[str, Any]:
     rings_before = shared_memory_mappings()
-    probe = LiveBytes()
+    probe = LiveBytes(at_steps=(SETTLED, STEPS))
     model = Wider()
     strategy = Pipe2BWStrategy(schedule=schedule, microbatches=4)
     trainer = quiet_trainer(
@@ -104,7 +110,8 @@ def _fit_and_forget(schedule: str) -> dict[str, Any]:
 def test_training_leaves_nothing_behind(pools: Any, schedule: str) -> None:
     results = pools(2).run(_fit_and_forget, schedule)
     for rank, r in enumerate(results):
-        growth = r["live"][-1] - r["live"][SETTLED - 1]
+        assert sorted(r["live"]) == [SETTLED, STEPS], r["live"]
+        growth = r["live"][STEPS] - r["live"][SETTLED]
         print(
             f"LIFETIME {schedule} rank {rank}: live tensor bytes grew {growth} over steps {SETTLED}-{STEPS}"
         )
