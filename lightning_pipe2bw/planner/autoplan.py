@@ -249,6 +249,7 @@ class AutoPlanInputs:
     processes_per_node: int
     loop_costs: LoopCostsFn | None = None  # see local_cluster
     shard_optimizer: bool = False  # each replica keeps its share of the optimizer state
+    fsdp: bool = False  # FSDP2 on each block over the stage's replicas
 
     @property
     def depth(self) -> int:
@@ -341,6 +342,7 @@ def auto_plan(
         recompute=mode,
         data_parallel=inputs.data_parallel,
         shard_optimizer=inputs.shard_optimizer,
+        fsdp=inputs.fsdp,
     )
     if dist.get_rank() == 0:
         (tell or log.info)("pipe2bw: " + compare_schedules(result, profiles, cluster, sizes, mode))

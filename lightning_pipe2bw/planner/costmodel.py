@@ -181,7 +181,13 @@ class CostModel:
       (``optimizer_bytes_per_param_byte`` x params; divided by w with ``shard_optimizer``, each
       replica keeping its share) + stashed activations + receive buffers. With
       ``shard_optimizer`` a step also all-gathers the updated weights: (w - 1) / w x param
-      bytes more over the replicas' link.
+      bytes more over the replicas' link. With ``fsdp`` (FSDP2 on each block over the w
+      replicas) the weights and the optimizer state are held at 1/w, the gradients whole (the
+      micro-batches' gradients add up unsharded until the step's reduce-scatter), and two of the
+      model's largest blocks are gathered at a time (the one running and the one fetched
+      next); each micro-batch then all-gathers the stage's weights twice, for its forward and
+      its backward ((w - 1) / w x param bytes each, per micro-batch, in the stage's
+      communication), and the step reduce-scatters the gradients (half an all-reduce).
       Versions: 2bw 2, gpipe and 1f1b 1, pipedream d - s. In-flight micro-batches: gpipe m,
       1f1b min(m, d - s), 2bw and pipedream d - s (no flush, so the stream stays full across
       batches). Stash without recompute: saved bytes x in-flight; with recompute: input bytes x
@@ -199,10 +205,18 @@ class CostModel:
         num_microbatches: int,
         optimizer_bytes_per_param_byte: float = 2.0,
         shard_optimizer: bool = False,
+        fsdp: bool = False,
     ) -> None:
         self.schedule = check_schedule(schedule)
         spec = self.spec = schedule_spec(self.schedule)
+        if fsdp and shard_optimizer:
+            raise ValueError(
+                "fsdp=True shards the optimizer state already: plan with shard_optimizer=False"
+            )
         self.profile, self.cluster = profile, cluster
+        self.optimizer_ratio, self.shard_optimizer, self.fsdp = (
+            optimizer_bytes_per_param_byte, shard_optimizer, fsdp
+        )
         w, d, m = data_parallel, depth, num_microbatches
         self.w, self.d, self.m, self.n = w, d, m, profile.num_blocks
         blocks = profile.blocks
@@ -257,11 +271,17 @@ class CostModel:
                     if len(nodes) == 1
                     else cluster.inter_node_bandwidth
                 )
-                # a ring all-reduce of the gradients, and the sharded state's all-gather
-                self.ar_inv[s] = (3 if shard_optimizer else 2) * (w - 1) / w / bw
-        opt = optimizer_bytes_per_param_byte / (w if shard_optimizer else 1)
+                # a ring all-reduce of the gradients, and the sharded state's all-gather; under
+                # FSDP a reduce-scatter a step, and two all-gathers a micro-batch (gather_inv)
+                steps = 3 if shard_optimizer else 1 if fsdp else 2
+                self.ar_inv[s] = steps * (w - 1) / w / bw
+        self.gather_inv = [2 * inv for inv in self.ar_inv] if fsdp else [0.0] * d
+        opt = optimizer_bytes_per_param_byte / (w if shard_optimizer or fsdp else 1)
         versions = [spec.weight_versions(s, d) for s in range(d)]
-        self.param_factor = [v + 1 + opt for v in versions]  # weights, gradient, optimizer
+        shard = 1 / w if fsdp else 1.0  # of the weights a replica holds
+        self.param_factor = [v * shard + 1 + opt for v in versions]  # weights, gradient, state
+        largest = max((b.param_bytes for b in blocks), default=0)
+        self.gathered = 2 * largest * (1 - shard)  # FSDP's gathered blocks, beyond the shards
         self.in_flight = [spec.stashed_microbatches(s, d, m) for s in range(d)]
 
     @property
@@ -307,10 +327,11 @@ class CostModel:
         return (
             fwd + action + (0.0 if last else send),
             bwd + (0.0 if first else send),
-            0.0 if first else x_in * self.in_inv[s] + self.lat_in[s],
+            (0.0 if first else x_in * self.in_inv[s] + self.lat_in[s])
+            + par * self.gather_inv[s],
             0.0 if last else x_out * self.out_inv[s] + self.lat_out[s],
             par * self.ar_inv[s] + self.ar_lat if self.w > 1 else 0.0,
-            par * self.param_factor[s] + stash + buffers,
+            par * self.param_factor[s] + self.gathered + stash + buffers,
         )
 
     def time_for_throughput(self, samples_per_s: float) -> float:

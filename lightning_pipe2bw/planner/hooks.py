@@ -47,7 +47,7 @@ def plan_auto(
     o = options
     inputs = AutoPlanInputs(
         o.schedule, o.data_parallel, o.microbatches, o.recompute, device, world_size,
-        num_processes, loop_costs=loop_costs, shard_optimizer=o.shard_optimizer,
+        num_processes, loop_costs=loop_costs, shard_optimizer=o.shard_optimizer, fsdp=o.fsdp,
     )  # fmt: skip
     loader = compat.training_dataloader(module.trainer)
     plan = plan_from_loader(

@@ -139,6 +139,7 @@ def plan(
     data_parallel: int | None = None,
     shard_optimizer: bool = False,
     step_multipliers: Mapping[str, float] | None = None,
+    fsdp: bool = False,
 ) -> PlanResult:
     """Search every (w, d) with w d = N and d <= blocks, every micro-batch size b dividing the
     per-replica batch B / w (or those in ``microbatch_sizes``), m = B / (w b), and recompute
@@ -151,6 +152,10 @@ def plan(
     ``data_parallel`` fixes w (the strategy's ``balance="auto"`` plans for the width it was given).
     ``shard_optimizer``: each of a stage's w replicas keeps 1/w of its optimizer state, and
     gathers the updated weights after each step (``Pipe2BWStrategy(shard_optimizer=True)``).
+    ``fsdp``: FSDP2 on each block over a stage's w replicas (``Pipe2BWStrategy(fsdp=True)``):
+    weights and optimizer state at 1/w, each block gathered for its forward and its backward;
+    the schedules that keep a second version of each weight are refused with it, as the strategy
+    refuses them (memory and time: :class:`~lightning_pipe2bw.planner.costmodel.CostModel`).
 
     The schedules with two stages per rank (``interleaved-1f1b``, ``zb-v``, ``2bw-v``) are
     planned by :mod:`~lightning_pipe2bw.planner.virtualplan`: 2d stages, step time by
@@ -165,13 +170,19 @@ def plan(
             profiles, cluster, global_batch_size, microbatch_sizes=microbatch_sizes,
             recompute=recompute, optimizer_bytes_per_param_byte=optimizer_bytes_per_param_byte,
             keep=keep, data_parallel=data_parallel, shard_optimizer=shard_optimizer,
-            step_multipliers=step_multipliers,
+            step_multipliers=step_multipliers, fsdp=fsdp,
         )  # fmt: skip
+    if fsdp and not schedule_spec(check_schedule(schedule)).flushes:
+        raise ValueError(
+            f"fsdp=True: schedule {schedule!r} keeps a second version of every weight, whole, "
+            "which FSDP keeps in shards only (the strategy refuses it too); plan a flushed "
+            "schedule with it"
+        )
     if schedule in VIRTUAL_PLANNER_SCHEDULES:  # several stages per rank
         return plan_virtual(
             profiles, cluster, global_batch_size, schedule, microbatch_sizes=microbatch_sizes,
             recompute=recompute, optimizer_bytes_per_param_byte=optimizer_bytes_per_param_byte,
-            keep=keep, data_parallel=data_parallel, shard_optimizer=shard_optimizer,
+            keep=keep, data_parallel=data_parallel, shard_optimizer=shard_optimizer, fsdp=fsdp,
         )  # fmt: skip
     started = time.perf_counter()
     check_schedule(schedule)
@@ -185,7 +196,7 @@ def plan(
     modes = ("off", "on") if recompute == "search" else (recompute,)
     candidates, skipped = _candidates(
         pset, cluster, schedule, batch, microbatch_sizes, modes, ratio, data_parallel,
-        shard_optimizer,
+        shard_optimizer, fsdp,
     )  # fmt: skip
     found, infeasible = _search(candidates, keep, float(cluster.memory_bytes))
     if not found:
@@ -211,6 +222,7 @@ def _candidates(
     ratio: float,
     data_parallel: int | None,
     shard_optimizer: bool = False,
+    fsdp: bool = False,
 ) -> tuple[list[_Candidate], list[str]]:
     """Every configuration (w, d, b, recompute) the schedule's micro-batch rule allows, best
     throughput bound first, and why the others were skipped."""
@@ -242,7 +254,9 @@ def _candidates(
                 continue
             if b not in profiles_at:
                 profiles_at[b] = pset.at(b)
-            model = CostModel(profiles_at[b], cluster, schedule, w, d, m, ratio, shard_optimizer)
+            model = CostModel(
+                profiles_at[b], cluster, schedule, w, d, m, ratio, shard_optimizer, fsdp
+            )
             for mode in modes:
                 t_floor, mem_floor = model.bounds(mode == "on")
                 candidates.append(_Candidate(model, mode, model.throughput(t_floor), mem_floor))
@@ -336,7 +350,8 @@ def _nothing_fits(
                 f"w={mdl.w} d={mdl.d} b={mdl.profile.microbatch_size} m={mdl.m} "
                 f"recompute={cand.recompute}"
             )
-    hints = ["devices with more memory", "more devices (deeper pipelines)", "smaller micro-batches"]
+    hints = [*_sharding_hints(candidates, float(cluster.memory_bytes))]
+    hints += ["devices with more memory", "more devices (deeper pipelines)", "smaller micro-batches"]
     if recompute in ("off",):
         hints.append("recompute='search'")
     if schedule_spec(schedule).asynchronous:
@@ -346,6 +361,31 @@ def _nothing_fits(
         f"largest-stage memory over {len(candidates)} configurations is {need / _GIB:.2f} GiB "
         f"({where}); use {', '.join(hints)}"
     )
+
+
+def _sharding_hints(candidates: list[_Candidate], limit: float) -> list[str]:
+    """The sharding options under which some configuration with replicas would fit in ``limit``
+    bytes, with the smallest largest-stage memory each gives (the planner's proposal when
+    nothing fits as asked): ``shard_optimizer=True``, and ``fsdp=True`` for a flushed schedule."""
+    hints = []
+    options = [{"shard_optimizer": True}] + (
+        [{"fsdp": True}] if all(c.model.flush for c in candidates) else []
+    )
+    for flags in options:
+        need = _INF
+        for cand in candidates:
+            mdl = cand.model
+            if mdl.w == 1 or mdl.shard_optimizer or mdl.fsdp:
+                continue
+            sharded = CostModel(
+                mdl.profile, mdl.cluster, mdl.schedule, mdl.w, mdl.d, mdl.m, mdl.optimizer_ratio,
+                **flags,
+            )  # fmt: skip
+            need = min(need, smallest_peak_memory(sharded, cand.recompute))
+        if need <= limit:
+            name = next(iter(flags))
+            hints.append(f"{name}=True (it fits: {need / _GIB:.2f} GiB at most per device)")
+    return hints
 
 
 # ----------------------------------------------------------------------------- fixed configurations

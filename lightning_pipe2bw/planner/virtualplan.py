@@ -82,13 +82,14 @@ def virtual_plan(
     optimizer_bytes_per_param_byte: float = 2.0,
     balance: Sequence[int] | None = None,
     shard_optimizer: bool = False,
+    fsdp: bool = False,
 ) -> Plan:
     """The plan of ``schedule`` for one configuration (see the module notes); ``balance`` (2d
     block counts) instead of the search's split."""
     w, d, m = data_parallel, depth, num_microbatches
     n = STAGES_PER_RANK * d
     model = CostModel(
-        profile, cluster, "1f1b", w, n, m, optimizer_bytes_per_param_byte, shard_optimizer
+        profile, cluster, "1f1b", w, n, m, optimizer_bytes_per_param_byte, shard_optimizer, fsdp
     )
     if balance is None:
         found = best_partition(model, "on" if recompute else "off")
@@ -217,6 +218,7 @@ def plan_virtual(
     keep: int,
     data_parallel: int | None,
     shard_optimizer: bool = False,
+    fsdp: bool = False,
 ) -> PlanResult:
     """:func:`plan` for a schedule with two stages per rank: every (w, d, b, m, recompute) the
     schedule can run, each split and timed by :func:`virtual_plan` (no bound to prune with:
@@ -246,7 +248,7 @@ def plan_virtual(
                 configurations += 1
                 candidate = virtual_plan(
                     pset.at(b), cluster, schedule, w, d, m, flag, limit, ratio,
-                    shard_optimizer=shard_optimizer,
+                    shard_optimizer=shard_optimizer, fsdp=fsdp,
                 )  # fmt: skip
                 if candidate.fits:
                     found.append(candidate)

@@ -168,6 +168,43 @@ def test_sharded_optimizer_state_lets_a_wider_data_parallel_plan_fit() -> None:
     assert 2 in {q.data_parallel for q in (sharded.best, *sharded.alternatives)}
 
 
+def test_fsdp_is_counted_per_replica_with_its_gathers() -> None:
+    """``fsdp``: a stage's w replicas hold 1/w of its weights and optimizer state, the gradients
+    whole, and two of the largest blocks gathered; each micro-batch all-gathers the stage's
+    weights twice, and the step reduce-scatters its gradients."""
+    c = cluster(n=4, per_node=2, intra=100.0, inter=10.0, latency=0.5)
+    p = profile([1.0, 2.0, 3.0], output=[10, 20, 30], saved=[5, 6, 7], params=[100, 200, 300])
+    plain = CostModel(p, c, "1f1b", 2, 2, 4).stage(0, 0, 2, False)
+    zero1 = CostModel(p, c, "1f1b", 2, 2, 4, shard_optimizer=True).stage(0, 0, 2, False)
+    fsdp = CostModel(p, c, "1f1b", 2, 2, 4, fsdp=True).stage(0, 0, 2, False)
+    # weights 300 / 2 + gradient 300 + state 2 x 300 / 2 + gathered 2 x 300 (largest) / 2,
+    # where unsharded holds 300 x (1 + 1 + 2)
+    assert plain.memory_bytes - fsdp.memory_bytes == pytest.approx(300 * 4 - (150 + 300 + 300 + 300))
+    # its largest block is this stage's weights whole: gathered, FSDP holds more than ZeRO-1
+    assert zero1.memory_bytes < fsdp.memory_bytes < plain.memory_bytes
+    assert fsdp.comm_s - plain.comm_s == pytest.approx(2 * (1 / 2) * 300 / 10)  # per micro-batch
+    assert fsdp.allreduce_s == pytest.approx((1 / 2) * 300 / 10 + 2 * 0.5)
+    with pytest.raises(ValueError, match="shard_optimizer=False"):
+        CostModel(p, c, "1f1b", 2, 2, 4, shard_optimizer=True, fsdp=True)
+
+
+def test_the_planner_proposes_sharding_when_nothing_fits_and_plans_with_fsdp() -> None:
+    """Nothing fits unsharded at w=2: the error names the sharding options that would fit, and
+    planning with them finds those plans; a schedule with two weight versions is refused with
+    fsdp, as the strategy refuses it."""
+    p = profile([1.0] * 4, saved=10, params=1000, output=10, input_bytes=10)
+    # w=2, d=2: 2000 x 4 = 8000 bytes unsharded; ZeRO-1 2000 x 3 = 6000; FSDP 2000 x (1/2 + 1 +
+    # 1) + 1000 (gathered) = 6000
+    limit = cluster(n=4, memory=6500.0)
+    with pytest.raises(ValueError, match=r"shard_optimizer=True \(it fits.*fsdp=True \(it fits"):
+        plan(p, limit, 8, "1f1b", data_parallel=2)
+    for flags in ({"shard_optimizer": True}, {"fsdp": True}):
+        found = plan(p, limit, 8, "1f1b", data_parallel=2, **flags)  # type: ignore[arg-type]
+        assert found.best.data_parallel == 2 and max(found.best.memory_bytes) <= 6500
+    with pytest.raises(ValueError, match="fsdp=True: schedule '2bw'"):
+        plan(p, limit, 8, "2bw", data_parallel=2, fsdp=True)
+
+
 def test_versions_and_in_flight_per_schedule() -> None:
     p = profile([1.0] * 4, saved=100, params=1000, output=0, input_bytes=0)
 
