@@ -248,7 +248,7 @@ class ParameterShards:
 
     def owned_elements(self) -> int:
         """How many of the stage's parameter elements this replica updates."""
-        return sum(b - a for span in self.mine if span is not None for a, b in [span])
+        return sum(b - a for a, b in filter(None, self.mine))
 
     def _part(self, i: int, tensor: Tensor) -> Tensor | None:
         """This replica's part of ``tensor`` (parameter ``i``'s or one of its size): the tensor

@@ -261,7 +261,12 @@ class CostModel:
             inv = max(1.0 / cluster.bandwidth(r * d + s, r * d + s + 1) for r in range(w))
             self.out_inv[s], self.in_inv[s + 1] = inv, inv
             self.lat_out[s], self.lat_in[s + 1] = lat, lat
-        self.ar_inv = [0.0] * d  # all-reduce seconds per param byte of stage s
+        # a step's ring passes over a stage's replicas, each (w - 1) / w of its param bytes over
+        # their link: the gradients' all-reduce (two), and the sharded state's all-gather; under
+        # FSDP one reduce-scatter a step, and two all-gathers a micro-batch (gather_inv)
+        passes = 3 if shard_optimizer else 1 if fsdp else 2
+        self.ar_inv = [0.0] * d  # seconds per param byte of stage s, a step
+        self.gather_inv = [0.0] * d  # seconds per param byte of stage s, a micro-batch
         self.ar_lat = 2 * (w - 1) * lat if w > 1 else 0.0
         for s in range(d):
             if w > 1:
@@ -271,11 +276,8 @@ class CostModel:
                     if len(nodes) == 1
                     else cluster.inter_node_bandwidth
                 )
-                # a ring all-reduce of the gradients, and the sharded state's all-gather; under
-                # FSDP a reduce-scatter a step, and two all-gathers a micro-batch (gather_inv)
-                steps = 3 if shard_optimizer else 1 if fsdp else 2
-                self.ar_inv[s] = steps * (w - 1) / w / bw
-        self.gather_inv = [2 * inv for inv in self.ar_inv] if fsdp else [0.0] * d
+                self.ar_inv[s] = passes * (w - 1) / w / bw
+                self.gather_inv[s] = 2 * (w - 1) / w / bw if fsdp else 0.0
         opt = optimizer_bytes_per_param_byte / (w if shard_optimizer or fsdp else 1)
         versions = [spec.weight_versions(s, d) for s in range(d)]
         shard = 1 / w if fsdp else 1.0  # of the weights a replica holds
