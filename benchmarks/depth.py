@@ -8,7 +8,10 @@ and the gradient of its weights ``--weight-grad-ms`` (W), so that a whole backwa
 B = I + W and a backward cut in two (the zero-bubble schedules) takes I and W apart, each at
 its own set time. The sleeps are gradient hooks (``EmulatedBlock``): one on the block's input
 (sleeping I), one on a gain the block's output is multiplied by (sleeping W, on the weights'
-path only). Everything else is real: tensors, Lightning's
+path only). With ``--set-costs total`` (the default) each sleep is shortened by what its part
+computes besides it, measured before the rounds (:func:`calibrate`), so that a part takes its
+set time in all, as a device's kernel does while the CPU goes on; ``slept`` sleeps the whole
+set time after the arithmetic (the measurements before 2026-12-08). Everything else is real: tensors, Lightning's
 loop and optimizer step (AdamW), the strategy, runtime, transport and schedules, and torch's
 ``torch.distributed.pipelining`` on the same blocks. So 16 stage processes fit on 2 cores, and
 what is measured is the orchestration: schedule, engine, messages, the loop and the update.
@@ -53,7 +56,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -116,10 +119,26 @@ class Workload:
     # parameters and FLOPs, as in a language model); "gpt", a pre-LN block (the outside
     # measurement's, whose own compute adds about 10% to the set costs)
     block: str = "mlp"
+    # what each sleep is shortened by, per micro-batch size: (size, forward, input gradient,
+    # weight gradient) in ms, the block's own arithmetic in that part and a sleep's overrun,
+    # measured before the rounds on one idle process (:func:`calibrate`), so that each part
+    # takes its set time in all, as a device's kernel would while the CPU that launched it
+    # goes on; empty: each part sleeps its whole set time after its arithmetic
+    absorbed: tuple[tuple[int, float, float, float], ...] = ()
 
     @property
     def emulated(self) -> bool:
         return self.forward_ms + self.input_grad_ms + self.weight_grad_ms > 0
+
+    def sleeps(self, microbatch_size: int) -> tuple[float, float, float]:
+        """Seconds the forward, input-gradient and weight-gradient hooks sleep for a
+        micro-batch of ``microbatch_size`` samples."""
+        cut = next((a[1:] for a in self.absorbed if a[0] == microbatch_size), (0.0, 0.0, 0.0))
+        f, i, w = (
+            max(0.0, t - c) / 1e3 if t > 0 else 0.0
+            for t, c in zip((self.forward_ms, self.input_grad_ms, self.weight_grad_ms), cut, strict=True)
+        )  # fmt: skip
+        return f, i, w
 
 
 def _slept(seconds: float) -> Any:
@@ -155,23 +174,77 @@ class EmulatedBlock(nn.Module):
         super().__init__()
         self.block = Block(work.width, HEADS) if work.block == "gpt" else _MLP(work.width)
         self.gain = nn.Parameter(torch.ones(work.width))
-        self.times = (work.forward_ms / 1e3, work.input_grad_ms / 1e3, work.weight_grad_ms / 1e3)
+        self.work = work
 
     def forward(self, x: Tensor) -> Tensor:
-        forward_s, input_grad_s, weight_grad_s = self.times
-        time.sleep(forward_s)
+        forward_s, input_grad_s, weight_grad_s = self.work.sleeps(x.shape[0])
+        if forward_s:
+            time.sleep(forward_s)
         gain = self.gain
         # each hook on a view made here: a stage's input may be a buffer its receiver reuses,
         # and the gain the weight version a micro-batch runs (2BW), whose own hooks would pile
         # up or never fire
-        if x.requires_grad:
+        if x.requires_grad and input_grad_s:
             x = x.view_as(x)
             x.register_hook(_slept(input_grad_s))
-        if gain.requires_grad:
+        if gain.requires_grad and weight_grad_s:
             gain = gain.view_as(gain)
             gain.register_hook(_slept(weight_grad_s))
         out: Tensor = self.block(x) * gain
         return out
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[int(q * (len(ordered) - 1))]
+
+
+def calibrate(work: Workload, microbatch_sizes: Sequence[int], repeats: int = 40) -> Workload:
+    """``work`` with each emulated part's sleep shortened by what the part costs besides it on
+    one idle process with one thread: the block's forward, its input path's backward and the
+    rest of its backward (each timed without sleeps), and a sleep's overrun (timed at the set
+    length). The lower quartile of ``repeats`` runs after 10, so that a part never takes less
+    than its set time; where the machine is busy it takes more, and that stays in the
+    measurement. Everything else (the embedding, the head, the loss, the engine) keeps its own
+    cost."""
+    if not work.emulated or work.absorbed:
+        return work
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        bare = EmulatedBlock(replace(work, forward_ms=0.0, input_grad_ms=0.0, weight_grad_ms=0.0))
+        overrun = []
+        for length in (work.forward_ms, work.input_grad_ms, work.weight_grad_ms):
+            late = []
+            for _ in range(10 if length > 0 else 0):
+                start = time.perf_counter()
+                time.sleep(length / 1e3)
+                late.append(time.perf_counter() - start - length / 1e3)
+            overrun.append(1e3 * _quantile(late, 0.25) if late else 0.0)
+        absorbed = []
+        for size in microbatch_sizes:
+            x = torch.randn(size, work.seq, work.width, requires_grad=True)
+            weights = list(bare.parameters())
+            forward, inputs, whole = [], [], []
+            for run in range(repeats + 10):
+                start = time.perf_counter()
+                out = bare(x)
+                t1 = time.perf_counter()
+                seed = torch.ones_like(out)
+                t2 = time.perf_counter()
+                torch.autograd.grad(out, [x], seed, retain_graph=True)
+                t3 = time.perf_counter()
+                torch.autograd.grad(out, [x, *weights], seed)
+                t4 = time.perf_counter()
+                if run >= 10:
+                    forward.append(t1 - start)
+                    inputs.append(t3 - t2)
+                    whole.append(t4 - t3)
+            f, i, b = (1e3 * _quantile(v, 0.25) for v in (forward, inputs, whole))
+            absorbed.append((size, f + overrun[0], i + overrun[1], max(b - i, 0.0) + overrun[2]))
+    finally:
+        torch.set_num_threads(threads)
+    return replace(work, absorbed=tuple(absorbed))
 
 
 def make_body(work: Workload) -> nn.Sequential:
@@ -663,6 +736,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block", choices=("mlp", "gpt"), default="mlp",
                         help="what an emulated block computes besides its sleeps: a residual "
                         "MLP (little CPU) or a pre-LN block (the outside measurement's)")  # fmt: skip
+    parser.add_argument("--set-costs", choices=("total", "slept"), default="total",
+                        help="total: each emulated part takes its set time in all, its sleep "
+                        "shortened by the block's own arithmetic and the sleep's overrun "
+                        "(measured before the rounds); slept: each part sleeps its set time "
+                        "after its arithmetic (the measurements before 2026-12-08)")  # fmt: skip
     parser.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES))
     parser.add_argument("--peers", default=",".join(DEFAULT_PEERS),
                         help="torch.distributed.pipelining classes, without 'Schedule'")  # fmt: skip
@@ -693,6 +771,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     runs: list[Run] = []
     failures: list[dict[str, Any]] = []
     configs = [(p, f * p) for p in args.ranks for f in args.mb_factors]
+    args.absorbed = ()
+    if args.set_costs == "total":
+        sizes = sorted({args.batch_size // m for _, m in configs})
+        args.absorbed = calibrate(_workload(args, 1), sizes).absorbed
+        _log("each part's sleep shortened by (micro-batch size, F, I, W ms): "
+             + ", ".join(f"({n}, {f:.2f}, {i:.2f}, {w:.2f})" for n, f, i, w in args.absorbed))  # fmt: skip
     pools: dict[int, RankPool] = {}
     try:
         for round_ in range(args.rounds):
@@ -725,7 +809,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"blocks, head], width {work.width}, sequence "
         f"{work.seq}, vocabulary {work.vocab}, batch {args.batch_size}, AdamW, 1 thread per rank"
         + (f"; each block F {work.forward_ms:g} ms, I {work.input_grad_ms:g} ms, W "
-           f"{work.weight_grad_ms:g} ms per micro-batch (slept)" if work.emulated
+           f"{work.weight_grad_ms:g} ms per micro-batch ("
+           + ("in all: arithmetic and sleep" if work.absorbed else "slept, after the arithmetic")
+           + ")" if work.emulated
            else "; real compute")
     )
     notes = [
@@ -772,6 +858,7 @@ def _workload(args: argparse.Namespace, p: int) -> Workload:
         blocks=args.blocks_per_rank * p, width=args.width, seq=args.seq, vocab=args.vocab,
         forward_ms=args.forward_ms, input_grad_ms=args.input_grad_ms,
         weight_grad_ms=args.weight_grad_ms, block=args.block,
+        absorbed=getattr(args, "absorbed", ()),
     )  # fmt: skip
 
 
