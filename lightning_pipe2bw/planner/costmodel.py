@@ -7,6 +7,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from lightning_pipe2bw.optim.delay import CORRECTIONS, DEFAULT_CORRECTION, parse_correction
 from lightning_pipe2bw.planner.profile import Profile
 from lightning_pipe2bw.schedule.registry import names_where, schedule_spec
 
@@ -121,6 +122,14 @@ class Cluster:
         return cls(**data)
 
 
+def correction_bytes(spec: str | None) -> tuple[float, int]:
+    """(buffers per parameter byte, weight buffers) a one-step delay's correction ``spec`` keeps
+    (None: the default one): each term's optimizer-state entries, and one weight buffer more for
+    a term that evaluates batches at predicted weights."""
+    terms = [CORRECTIONS[name] for name, _ in parse_correction(spec or DEFAULT_CORRECTION)]
+    return float(sum(len(t.state_keys) for t in terms)), int(any(t.predicts for t in terms))
+
+
 @dataclass(frozen=True)
 class StageCost:
     """One stage of one configuration, per micro-batch (``allreduce_s`` per optimizer step)."""
@@ -188,7 +197,15 @@ class CostModel:
       next); each micro-batch then all-gathers the stage's weights twice, for its forward and
       its backward ((w - 1) / w x param bytes each, per micro-batch, in the stage's
       communication), and the step reduce-scatters the gradients (half an all-reduce).
-      Versions: 2bw 2, gpipe and 1f1b 1, pipedream d - s. In-flight micro-batches: gpipe m,
+      A stage's peak is the larger of its backward's (the stash, the receive buffers, one
+      block's ``backward_bytes`` at a time, and the ``cut_bytes`` of its blocks for each
+      backward cut in two and not finished: one where a flush schedule cuts the backward its
+      predecessor waits for, up to one per micro-batch in flight under zero bubble, none under
+      FSDP) and its update's (the gradients averaged over the replicas in one flat buffer,
+      or ZeRO-1's gathered weights, 1 + 1/w x params; and, without a flush, the stash). A
+      one-step delay's correction adds its buffers to the optimizer state (``delay_correction``,
+      default :data:`~lightning_pipe2bw.optim.delay.DEFAULT_CORRECTION`), and a predicting one
+      a weight version. Versions: 2bw 2, gpipe and 1f1b 1, pipedream d - s. In-flight micro-batches: gpipe m,
       1f1b min(m, d - s), 2bw and pipedream d - s (no flush, so the stream stays full across
       batches). Stash without recompute: saved bytes x in-flight; with recompute: input bytes x
       in-flight + saved bytes of one micro-batch (live while it is recomputed). Receive buffers:
@@ -206,6 +223,8 @@ class CostModel:
         optimizer_bytes_per_param_byte: float = 2.0,
         shard_optimizer: bool = False,
         fsdp: bool = False,
+        early_input_grad: bool = True,
+        delay_correction: str | None = None,
     ) -> None:
         self.schedule = check_schedule(schedule)
         spec = self.spec = schedule_spec(self.schedule)
@@ -278,13 +297,31 @@ class CostModel:
                 )
                 self.ar_inv[s] = passes * (w - 1) / w / bw
                 self.gather_inv[s] = 2 * (w - 1) / w / bw if fsdp else 0.0
-        opt = optimizer_bytes_per_param_byte / (w if shard_optimizer or fsdp else 1)
-        versions = [spec.weight_versions(s, d) for s in range(d)]
+        # a one-step delay's correction keeps its own buffers per parameter (the optimizer's
+        # state, sharded with it), and a predicting one a weight buffer of each batch's own
+        correction = correction_bytes(delay_correction) if spec.one_step_delay else (0.0, 0)
+        opt = (optimizer_bytes_per_param_byte + correction[0]) / (w if shard_optimizer or fsdp else 1)
+        versions = [spec.weight_versions(s, d) + correction[1] for s in range(d)]
         shard = 1 / w if fsdp else 1.0  # of the weights a replica holds
         self.param_factor = [v * shard + 1 + opt for v in versions]  # weights, gradient, state
         largest = max((b.param_bytes for b in blocks), default=0)
         self.gathered = 2 * largest * (1 - shard)  # FSDP's gathered blocks, beyond the shards
         self.in_flight = [spec.stashed_microbatches(s, d, m) for s in range(d)]
+        # what a backward allocates beyond its start, one block at a time, and what a backward
+        # cut in two keeps between its passes (every block of the stage): the zero-bubble
+        # schedules cut every stage's but the first, at most one per micro-batch in flight; the
+        # flush schedules' early inputs' gradient the backward the previous stage waits for
+        self.backward_bytes = [float(b.backward_bytes) for b in blocks]
+        self.cut_bytes = list(itertools.accumulate((b.cut_bytes for b in blocks), initial=0))
+        cuts = self.in_flight if self.cut else [1] * d if flush and early_input_grad else [0] * d
+        # under FSDP every backward runs whole (its hooks leave nothing to cut)
+        self.cuts = [0 if s == 0 or fsdp else c for s, c in enumerate(cuts)]
+        # the update's own buffers beside what the stage holds, one after the other: the
+        # replicas' gradients averaged in one flat buffer (FSDP reduce-scatters a block's at a
+        # time in its backward), then ZeRO-1's updated weights gathered (every replica's share,
+        # and its own to send); the stashed micro-batches stay only without a flush
+        averaged = 0.0 if w == 1 or fsdp else 1.0
+        self.step_buffers = max(averaged, 1.0 + 1.0 / w if shard_optimizer and w > 1 else 0.0)
 
     @property
     def flush(self) -> bool:
@@ -326,6 +363,12 @@ class CostModel:
             if not first and not recompute:
                 bwd += self.cut_extra[hi] - self.cut_extra[lo]
         send = self.cluster.send_s
+        held = par * self.param_factor[s] + self.gathered
+        # the peak: in a backward (the stash, the backward's own buffers, what cut backwards
+        # keep), or in the update (its buffers; the stash too where no flush empties it)
+        backward = max(self.backward_bytes[lo:hi], default=0.0)
+        cut = (self.cut_bytes[hi] - self.cut_bytes[lo]) * self.cuts[s]
+        update = par * self.step_buffers + (0.0 if self.flush else stash + buffers)
         return (
             fwd + action + (0.0 if last else send),
             bwd + (0.0 if first else send),
@@ -333,7 +376,7 @@ class CostModel:
             + par * self.gather_inv[s],
             0.0 if last else x_out * self.out_inv[s] + self.lat_out[s],
             par * self.ar_inv[s] + self.ar_lat if self.w > 1 else 0.0,
-            par * self.param_factor[s] + self.gathered + stash + buffers,
+            held + max(stash + buffers + backward + cut, update),
         )
 
     def time_for_throughput(self, samples_per_s: float) -> float:

@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_pipe2bw.planner.profile import BlockProfile, Profile, ProfileSet
 from lightning_pipe2bw.planner.timing import (
@@ -26,6 +28,7 @@ from lightning_pipe2bw.planner.timing import (
     tree_map,
 )
 from lightning_pipe2bw.runtime.call import call_input
+from lightning_pipe2bw.runtime.splitgrad import SplitBackward
 from lightning_pipe2bw.runtime.stash import local_shard, run_eagerly
 
 __all__ = ["MakeOptimizer", "profile_sizes", "storage_bytes"]
@@ -260,17 +263,93 @@ def _measure_bytes(block: nn.Module, x: Any, index: int, name: str) -> tuple[Blo
             key, size = storage_key(t)
             if key not in exclude:
                 storages[key] = size
-    del inp
     nxt = tree_map(lambda t: t.detach(), out)
+    output_bytes = _leaf_bytes(out)
+    backward_bytes = _backward_bytes(block, inp, out)
+    del inp, out
     profile = BlockProfile(
         name=name,
         forward_s=0.0,
         backward_s=0.0,
-        output_bytes=_leaf_bytes(out),
+        output_bytes=output_bytes,
         saved_bytes=sum(storages.values()),
         param_bytes=sum(p.numel() * p.element_size() for p in block.parameters()),
+        backward_bytes=backward_bytes,
+        cut_bytes=_cut_bytes(block, x, index, name),
     )
     return profile, nxt
+
+
+def _grad_roots(out: Any) -> tuple[list[Tensor], list[Tensor]]:
+    roots = [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad]
+    return roots, [torch.ones_like(t) for t in roots]
+
+
+def _backward_bytes(block: nn.Module, inp: Any, out: Any) -> int:
+    """The most bytes the backward of ``out`` allocates and holds at once (see
+    :class:`NewStorages`), run with the weights' gradients already in place, as every
+    micro-batch's backward after a step's first finds them."""
+    roots, seeds = _grad_roots(out)
+    if not roots:
+        return 0
+    leaves = [
+        t for t in (*pytree.tree_leaves(inp), *block.parameters())
+        if isinstance(t, Tensor) and t.requires_grad
+    ]  # fmt: skip
+    for p in block.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    new = NewStorages()
+    with new:
+        torch.autograd.backward(roots, seeds, inputs=leaves or None)
+    return new.peak
+
+
+def _cut_bytes(block: nn.Module, x: Any, index: int, name: str) -> int:
+    """What the backward of a fresh forward cut in two keeps between its passes
+    (:attr:`SplitBackward.kept_bytes`); 0 where it cannot be cut."""
+    inp = fresh(x)
+    inputs = [t for t in pytree.tree_leaves(inp) if isinstance(t, Tensor) and t.requires_grad]
+    out = call_block(block, inp, index, name)
+    roots, seeds = _grad_roots(out)
+    split = SplitBackward.plan(roots, list(seeds), inputs) if roots and inputs else None
+    if split is None:
+        return 0
+    split.inputs_pass()
+    kept = split.kept_bytes
+    split.weights_pass()
+    return kept
+
+
+class NewStorages(TorchDispatchMode):
+    """While active: the bytes of the storages that operators create and that are still alive,
+    now and at most (``peak``). A storage an operator returns that one of its inputs already
+    had (a view, an in-place result) is not new; one that exists already is counted once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.now = self.peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        for key in [k for k, (ref, _) in self._live.items() if ref.expired()]:
+            self.now -= self._live.pop(key)[1]
+        out = func(*args, **(kwargs or {}))
+        seen = {
+            t.untyped_storage().data_ptr()
+            for t in pytree.tree_leaves((args, kwargs))
+            if isinstance(t, Tensor)
+        }
+        for t in pytree.tree_leaves(out):
+            if not isinstance(t, Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key and key not in seen and key not in self._live:
+                self._live[key] = (StorageWeakRef(storage), storage.nbytes())
+                self.now += storage.nbytes()
+        self.peak = max(self.peak, self.now)
+        return out
 
 
 def _leaf_bytes(tree: Any) -> int:

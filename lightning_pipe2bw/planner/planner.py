@@ -379,7 +379,7 @@ def _sharding_hints(candidates: list[_Candidate], limit: float) -> list[str]:
                 continue
             sharded = CostModel(
                 mdl.profile, mdl.cluster, mdl.schedule, mdl.w, mdl.d, mdl.m, mdl.optimizer_ratio,
-                **flags,
+                shard_optimizer=flags.get("shard_optimizer", False), fsdp=flags.get("fsdp", False),
             )  # fmt: skip
             need = min(need, smallest_peak_memory(sharded, cand.recompute))
         if need <= limit:

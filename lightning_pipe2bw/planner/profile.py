@@ -33,13 +33,20 @@ class BlockProfile:
     # the graph, and a node on the cut runs twice). Both 0: not measured (see ``split_times``)
     input_grad_s: float = 0.0
     weight_grad_s: float = 0.0
+    # what the block's backward allocates beyond what it starts with, the most live at once: the
+    # gradients of its activations and the weights' gradients before they are added in (0: not
+    # measured)
+    backward_bytes: int = 0
+    # what its backward cut in two keeps from the inputs' pass to the weights' pass: the
+    # gradients flowing into its weights' nodes (0: not measured, or nothing to keep)
+    cut_bytes: int = 0
 
     def __post_init__(self) -> None:
         for label in ("forward_s", "backward_s", "update_s", "input_grad_s", "weight_grad_s"):
             value = getattr(self, label)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"BlockProfile {self.name}: {label} must be >= 0, got {value!r}")
-        for label in ("output_bytes", "saved_bytes", "param_bytes"):
+        for label in ("output_bytes", "saved_bytes", "param_bytes", "backward_bytes", "cut_bytes"):
             if getattr(self, label) < 0:
                 raise ValueError(f"BlockProfile {self.name}: {label} must be >= 0")
 
@@ -177,6 +184,8 @@ class ProfileSet:
                     weight_grad_s=lerp("weight_grad_s"),
                     output_bytes=round(lerp("output_bytes")),
                     saved_bytes=round(lerp("saved_bytes")),
+                    backward_bytes=round(lerp("backward_bytes")),
+                    cut_bytes=round(lerp("cut_bytes")),
                 )
             )
         input_bytes = round(max(_line(x0, lo.input_bytes, x1, hi.input_bytes, b), 0.0))
@@ -207,6 +216,8 @@ def _mapped(
             weight_grad_s=time(block.weight_grad_s, "weight_grad_s"),
             output_bytes=round(size(block.output_bytes, "output_bytes")),
             saved_bytes=round(size(block.saved_bytes, "saved_bytes")),
+            backward_bytes=round(size(block.backward_bytes, "backward_bytes")),
+            cut_bytes=round(size(block.cut_bytes, "cut_bytes")),
         )
         for block in profile.blocks
     )

@@ -168,6 +168,19 @@ class SplitBackward:
         self._captured = captured
         return list(grads)
 
+    @property
+    def kept_bytes(self) -> int:
+        """The bytes the inputs' pass keeps for the weights' pass (the gradients flowing into
+        the weights' nodes, each storage once); 0 before the inputs' pass or after the
+        weights'."""
+        storages = {
+            g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
+            for grads in (self._captured or {}).values()
+            for g in grads
+            if g is not None
+        }
+        return sum(storages.values())
+
     def weights_pass(self) -> None:
         """Accumulate the weights' gradients into their ``.grad`` (after :meth:`inputs_pass`);
         the weights' part of the graph is freed (the rest goes with the graph)."""

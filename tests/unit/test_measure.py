@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_pipe2bw.planner.measure import profile_blocks, profile_sizes
+from lightning_pipe2bw.planner.measure import NewStorages, profile_blocks, profile_sizes
 from lightning_pipe2bw.planner.profile import BlockProfile, Profile, ProfileSet
 
 torch.set_num_threads(1)
@@ -302,8 +302,9 @@ def test_in_place_blocks_are_profiled_on_copies() -> None:
     p = profile_blocks(body, sample, warmup=1, repeats=2)
     assert torch.equal(sample, kept)
     expected = kept.relu() + 1.0
-    # measuring bytes, then warm-up and timed runs with one backward and with the cut one
-    assert len(body[2].seen) == 1 + 2 * (1 + 2)
+    # measuring bytes (a forward, and one more for what the cut backward keeps), then warm-up
+    # and timed runs with one backward and with the cut one
+    assert len(body[2].seen) == 2 + 2 * (1 + 2)
     assert all(torch.equal(x, expected) for x in body[2].seen)
     assert p.blocks[0].saved_bytes == 0  # the in-place ReLU saves its input's storage
     assert p.blocks[4].backward_s > 0
@@ -358,9 +359,45 @@ def test_small_blocks_are_timed_for_at_least_min_time_s() -> None:
     """``min_time_s`` adds timed runs (up to 10 x ``repeats``) while the runs have taken less."""
     Counted.calls = 0
     profile_blocks([Counted(4, 4)], torch.randn(B, 4), warmup=0, repeats=2)
-    few = Counted.calls  # measuring bytes, then 2 runs whole and 2 cut
+    few = Counted.calls  # measuring bytes (two forwards), then 2 runs whole and 2 cut
     Counted.calls = 0
     profile_blocks([Counted(4, 4)], torch.randn(B, 4), warmup=0, repeats=2, min_time_s=60.0)
-    assert (few, Counted.calls) == (1 + 2 + 2, 1 + 20 + 20)
+    assert (few, Counted.calls) == (2 + 2 + 2, 2 + 20 + 20)
     with pytest.raises(ValueError, match="min_time_s must be a number of seconds >= 0"):
         profile_blocks([Counted(4, 4)], torch.randn(B, 4), min_time_s=-1.0)
+
+
+def test_new_storages_counts_what_operators_create_and_keep() -> None:
+    """Each storage an operator creates counts while it lives; a view or an in-place result
+    of an input's storage does not count again; ``peak`` is the most at once."""
+    before = torch.ones(256)  # made outside: never counted
+    with NewStorages() as new:
+        a = torch.ones(1000)  # 4000 bytes
+        b = a * 2  # 8000 live
+        view = b.view(-1)
+        b.add_(1)  # in place: nothing new
+        before.mul_(2)
+        del a
+        c = torch.ones(500)  # a freed: 4000 + 2000
+    assert (new.now, new.peak) == (6000, 8000)
+    assert view.numel() == c.numel() * 2
+
+
+def test_a_blocks_backward_and_cut_bytes_are_measured() -> None:
+    """``backward_bytes``: what a block's backward allocates and holds at once (at least the
+    gradient of its input, at most that and its weights' gradients before they are added in);
+    ``cut_bytes``: what its backward cut in two keeps between the passes (the gradient flowing
+    into the linear layer's node), 0 for a block whose input needs no gradient (nothing to
+    cut: an embedding); both scale with the micro-batch and survive JSON."""
+    body = nn.Sequential(nn.Embedding(32, 6), nn.Linear(6, 6), nn.Linear(6, 3))
+    p = profile_blocks(body, torch.randint(0, 32, (B, 4)), warmup=0, repeats=1)
+    embed, middle, last = p.blocks
+    grad_input = B * 4 * 6 * 4
+    assert grad_input <= middle.backward_bytes <= grad_input + (36 + 6) * 4
+    assert middle.cut_bytes == B * 4 * 6 * 4  # the gradient of its output, kept for W
+    assert last.cut_bytes == B * 4 * 3 * 4
+    assert embed.cut_bytes == 0 and embed.backward_bytes > 0  # its weight's gradient
+    again = Profile.from_json(p.to_json())
+    assert again.blocks[1].backward_bytes == middle.backward_bytes
+    doubled = ProfileSet.of(p).at(2 * B).blocks[1]
+    assert (doubled.backward_bytes, doubled.cut_bytes) == (2 * middle.backward_bytes, 2 * middle.cut_bytes)

@@ -130,10 +130,14 @@ def test_stage_terms_follow_the_formulas() -> None:
     assert first.comm_s == pytest.approx(20 / 100 + 0.5)  # gradient of block 1's output, intra
     assert last.comm_s == pytest.approx(20 / 100 + 0.5)  # activation from block 1, intra
     assert first.allreduce_s == pytest.approx(2 * (1 / 2) * 300 / 10 + 2 * 0.5)  # inter-node
-    # 1f1b: 1 version + gradient + 2.0 optimizer; in flight min(m, d - s) = 2 on stage 0
-    assert first.memory_bytes == pytest.approx(300 * 4 + 11 * 2 + 20)
+    # 1f1b: 1 version + gradient + 2.0 optimizer, then the larger of the backward's peak (in
+    # flight min(m, d - s) = 2 on stage 0, and the gradient's receive buffer) and the update's
+    # (the gradients averaged over the 2 replicas in one flat buffer)
+    assert first.memory_bytes == pytest.approx(300 * 4 + max(11 * 2 + 20, 300))
     # recompute on stage 1: its input stashed per in-flight micro-batch (1) + saved of one
-    assert last.memory_bytes == pytest.approx(300 * 4 + 20 * 1 + 7 + 20)
+    assert last.memory_bytes == pytest.approx(300 * 4 + max(20 * 1 + 7 + 20, 300))
+    alone = CostModel(p, cluster(n=2), "1f1b", 1, 2, 4)  # no replicas: nothing to average
+    assert alone.stage(0, 0, 2, False).memory_bytes == pytest.approx(300 * 4 + 11 * 2 + 20)
     assert first.time_s(4) == pytest.approx(max(9 + 0.7, first.allreduce_s / 4))
 
 
@@ -145,7 +149,10 @@ def test_sharded_optimizer_state_is_counted_per_replica() -> None:
     plain = CostModel(p, c, "1f1b", data_parallel=2, depth=2, num_microbatches=4)
     sharded = CostModel(p, c, "1f1b", 2, 2, 4, shard_optimizer=True)
     a, b = plain.stage(0, 0, 2, False), sharded.stage(0, 0, 2, False)
-    assert a.memory_bytes - b.memory_bytes == pytest.approx(300 * 2.0 / 2)  # half of 2 x params
+    # half of 2 x params saved; the update, larger than the backward's 42 bytes here, gathers
+    # the updated weights (every replica's half and its own to send: 1.5 x params) where the
+    # unsharded one averages the gradients in one flat buffer (1 x params)
+    assert a.memory_bytes - b.memory_bytes == pytest.approx(300 * 2.0 / 2 - 300 * 0.5)
     assert b.allreduce_s == pytest.approx(3 * (1 / 2) * 300 / 10 + 2 * 0.5)
     # one device per stage has nothing to share its state with
     alone = CostModel(p, cluster(n=2), "1f1b", 1, 2, 4, shard_optimizer=True).stage(0, 0, 2, False)
@@ -159,9 +166,10 @@ def test_sharded_optimizer_state_lets_a_wider_data_parallel_plan_fit() -> None:
     """The planner counts each replica's share: a memory limit that only deeper pipelines meet
     without sharding admits two replicas of a shallower one with it."""
     p = profile([1.0] * 4, saved=10, params=1000, output=10, input_bytes=10)
-    # w=2, d=2 (2 blocks a stage): weights + gradient + 2 x optimizer = 4 x 2000 = 8000 bytes,
-    # 2000 x (2 + 2/2) = 6000 sharded; d=4: 4 x 1000 = 4000
-    limit = cluster(n=4, memory=7000.0)
+    # w=2, d=2 (2 blocks a stage): weights + gradient + 2 x optimizer = 4 x 2000 = 8000 bytes
+    # and 2000 to average the gradients, 2000 x (2 + 2/2) = 6000 sharded and 3000 to gather
+    # the updated weights; d=4: 4 x 1000 = 4000
+    limit = cluster(n=4, memory=9500.0)
     plain = plan(p, limit, 8, "1f1b", keep=100)
     sharded = plan(p, limit, 8, "1f1b", keep=100, shard_optimizer=True)
     assert {q.data_parallel for q in (plain.best, *plain.alternatives)} == {1}
@@ -177,11 +185,13 @@ def test_fsdp_is_counted_per_replica_with_its_gathers() -> None:
     plain = CostModel(p, c, "1f1b", 2, 2, 4).stage(0, 0, 2, False)
     zero1 = CostModel(p, c, "1f1b", 2, 2, 4, shard_optimizer=True).stage(0, 0, 2, False)
     fsdp = CostModel(p, c, "1f1b", 2, 2, 4, fsdp=True).stage(0, 0, 2, False)
-    # weights 300 / 2 + gradient 300 + state 2 x 300 / 2 + gathered 2 x 300 (largest) / 2,
-    # where unsharded holds 300 x (1 + 1 + 2)
-    assert plain.memory_bytes - fsdp.memory_bytes == pytest.approx(300 * 4 - (150 + 300 + 300 + 300))
-    # its largest block is this stage's weights whole: gathered, FSDP holds more than ZeRO-1
-    assert zero1.memory_bytes < fsdp.memory_bytes < plain.memory_bytes
+    # weights 300 / 2 + gradient 300 + state 2 x 300 / 2 + gathered 2 x 300 (largest) / 2 and
+    # the backward's 42 (FSDP reduce-scatters in it), where unsharded holds 300 x (1 + 1 + 2)
+    # and, larger than the backward's 42, 300 to average the gradients
+    assert plain.memory_bytes == pytest.approx(300 * 4 + 300)
+    assert fsdp.memory_bytes == pytest.approx(150 + 300 + 300 + 300 + 42)
+    # ZeRO-1's update gathers the weights (1.5 x 300) beside its 300 x 3
+    assert fsdp.memory_bytes < zero1.memory_bytes < plain.memory_bytes
     assert fsdp.comm_s - plain.comm_s == pytest.approx(2 * (1 / 2) * 300 / 10)  # per micro-batch
     assert fsdp.allreduce_s == pytest.approx((1 / 2) * 300 / 10 + 2 * 0.5)
     with pytest.raises(ValueError, match="shard_optimizer=False"):
@@ -193,16 +203,53 @@ def test_the_planner_proposes_sharding_when_nothing_fits_and_plans_with_fsdp() -
     planning with them finds those plans; a schedule with two weight versions is refused with
     fsdp, as the strategy refuses it."""
     p = profile([1.0] * 4, saved=10, params=1000, output=10, input_bytes=10)
-    # w=2, d=2: 2000 x 4 = 8000 bytes unsharded; ZeRO-1 2000 x 3 = 6000; FSDP 2000 x (1/2 + 1 +
-    # 1) + 1000 (gathered) = 6000
-    limit = cluster(n=4, memory=6500.0)
+    # w=2, d=2: 2000 x 4 + 2000 (the update's average) = 10000 bytes unsharded; ZeRO-1
+    # 2000 x 3 + 3000 (its gather) = 9000; FSDP 2000 x (1/2 + 1 + 1) + 1000 (gathered) + the
+    # backward's stash = 6030
+    limit = cluster(n=4, memory=9500.0)
     with pytest.raises(ValueError, match=r"shard_optimizer=True \(it fits.*fsdp=True \(it fits"):
         plan(p, limit, 8, "1f1b", data_parallel=2)
     for flags in ({"shard_optimizer": True}, {"fsdp": True}):
         found = plan(p, limit, 8, "1f1b", data_parallel=2, **flags)  # type: ignore[arg-type]
-        assert found.best.data_parallel == 2 and max(found.best.memory_bytes) <= 6500
+        assert found.best.data_parallel == 2 and max(found.best.memory_bytes) <= 9500
     with pytest.raises(ValueError, match="fsdp=True: schedule '2bw'"):
         plan(p, limit, 8, "2bw", data_parallel=2, fsdp=True)
+
+
+def test_the_backward_and_the_update_peak_apart() -> None:
+    """A stage's memory is what it holds plus the larger of two peaks: in a backward (its
+    stash, one block's backward at a time, and what cut backwards keep between their passes)
+    and in the update (its buffers, and the stash where no flush empties it)."""
+    import dataclasses
+
+    base = profile([1.0] * 3, saved=10, params=100, output=1, input_bytes=1)
+    p = dataclasses.replace(base, blocks=tuple(
+        dataclasses.replace(b, backward_bytes=k, cut_bytes=c)
+        for b, k, c in zip(base.blocks, (5, 50, 7), (3, 30, 300), strict=True)
+    ))  # fmt: skip
+
+    def memory(schedule: str, s: int, w: int = 1, **options: Any) -> float:
+        model = CostModel(p, cluster(n=8), schedule, w, 2, 4, optimizer_bytes_per_param_byte=0.0, **options)
+        return model.stage(s, 0 if s == 0 else 1, 1 if s == 0 else 3, False).memory_bytes
+
+    # stage 0 (block 0): 2 in flight, its largest backward, nothing cut (it sends no gradient)
+    assert memory("1f1b", 0) == 100 * 2 + 10 * 2 + 1 + 5
+    # stage 1 (blocks 1, 2): the largest of their backwards, and its last backward cut for the
+    # previous stage (early_input_grad): every block's kept gradient, once
+    assert memory("1f1b", 1) == 200 * 2 + 20 * 1 + 1 + 50 + 330
+    assert memory("1f1b", 1, early_input_grad=False) == 200 * 2 + 20 + 1 + 50
+    # zero bubble cuts every backward: kept for each micro-batch in flight (1 on the last stage)
+    assert memory("zb-h1", 1) == 200 * 2 + 20 * 2 + 1 + 50 + 330 * 2
+    # FSDP runs every backward whole
+    assert memory("1f1b", 1, w=2, fsdp=True) == 200 * (0.5 + 1) + 100 * 0.5 * 2 + 20 + 1 + 50
+    # with replicas the update averages the gradients in a buffer as large: it is the peak
+    # where it is larger than the backward's
+    assert memory("1f1b", 0, w=2) == 100 * 2 + max(10 * 2 + 1 + 5, 100)
+    # no flush (2BW): the stash stays through the update; the correction keeps its buffer
+    assert memory("2bw", 0, w=2) == 100 * (2 + 1 + 1) + max(10 * 2 + 1 + 5, 100 + 10 * 2 + 1)
+    assert memory("2bw", 0, w=2, delay_correction="none") == 100 * 3 + 100 + 10 * 2 + 1
+    # a predicting correction evaluates each batch at weights of its own: a buffer more
+    assert memory("2bw", 0, delay_correction="predict") == 100 * 4 + 10 * 2 + 1 + 5
 
 
 def test_versions_and_in_flight_per_schedule() -> None:
@@ -214,7 +261,7 @@ def test_versions_and_in_flight_per_schedule() -> None:
 
     assert memory("gpipe", 0) == 1000 * 2 + 100 * 8  # one version + gradient, m in flight
     assert memory("1f1b", 1) == 1000 * 2 + 100 * 3  # d - s in flight
-    assert memory("2bw", 1) == 1000 * 3 + 100 * 3  # two versions
+    assert memory("2bw", 1) == 1000 * 4 + 100 * 3  # two versions, the correction's buffer
     assert memory("pipedream", 1) == 1000 * 4 + 100 * 3  # d - s versions
     assert memory("zb-h1", 3) == 1000 * 2 + 100 * 4  # min(m, d) in flight on every stage
 
@@ -431,12 +478,13 @@ def test_memory_limit_forces_recompute() -> None:
 
 
 def test_memory_limit_forces_a_deeper_pipeline() -> None:
-    # each block's weights + gradient + Adam are 4 MB: the whole model (8 blocks) needs 32 MB
+    # each block's weights + gradient + Adam are 4 MB: the whole model (8 blocks) needs 32 MB,
+    # and replicas average a stage's gradients in a buffer as large (1 MB a block)
     p = profile([1.0] * 8, params=1_000_000, saved=10, output=10, input_bytes=10)
     roomy = plan(p, cluster(n=8, memory=1e9), 64, "1f1b")
     assert roomy.best.depth == 1  # no bubble, cheap all-reduce: pure data parallelism
-    tight = plan(p, cluster(n=8, memory=9_000_000), 64, "1f1b")
-    assert tight.best.depth == 4  # 2 blocks (8 MB) per stage is the least that fits
+    tight = plan(p, cluster(n=8, memory=11_000_000), 64, "1f1b")
+    assert tight.best.depth == 4  # 2 blocks (8 MB + 2 MB) per stage is the least that fits
     assert all(q.depth >= 4 for q in tight.ranked)
     assert roomy.infeasible == 0 and tight.infeasible >= 2  # d = 1 and d = 2 do not fit
 
