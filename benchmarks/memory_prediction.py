@@ -7,7 +7,9 @@ of width 256, sequence 128, AdamW) for a few steps.
 
 * **Measured.** Each rank's peak resident memory over its training, above what it held when
   training started, plus the stage's weights then (``/proc/self/status``: ``VmHWM``, reset at
-  the first batch through ``/proc/self/clear_refs``, less ``VmRSS`` then). Each rank sets
+  the first batch through ``/proc/self/clear_refs`` and read at each batch's end, less ``VmRSS``
+  at the first batch; after fit every rank receives the whole trained body back, which is not
+  training's memory). Each rank sets
   glibc's mmap threshold to 64 KiB first (``mallopt``), so that every tensor larger than that
   is mapped when allocated and unmapped when freed, and resident memory follows the tensors
   the rank holds; the pool runs one untimed fit first, so that what every fit reuses (the
@@ -63,15 +65,17 @@ def _memory_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def run(schedule: str, option: str, replicas: int, batch: int, m: int, steps: int) -> Any:
-    """Runs on every rank: one fit; this rank's memory figures."""
+def measured_fit(model: Any, strategy: Any, batch: int, steps: int, replicas: int,
+                 data: Any = None) -> dict[str, Any]:  # fmt: skip
+    """Runs on every rank: fit ``model`` with ``strategy`` for ``steps`` steps and measure this
+    rank's peak (see the module notes): ``measured_peak_bytes``, ``accounted_peak_bytes`` (the
+    memory monitor's), the stage and the split."""
     import ctypes
 
     import torch
     import torch.distributed as dist
     from lightning.pytorch import Callback
 
-    from lightning_pipe2bw import Pipe2BWStrategy
     from lightning_pipe2bw.callbacks.memory import stage_memory
 
     ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 64 * 1024)
@@ -82,7 +86,7 @@ def run(schedule: str, option: str, replicas: int, batch: int, m: int, steps: in
         """The resident high-water mark from the first batch on, and the monitor's figures."""
 
         def __init__(self) -> None:
-            self.accounted = self.weights = self.start_kib = 0
+            self.accounted = self.weights = self.start_kib = self.high_kib = 0
 
         def on_train_batch_start(self, trainer: Any, module: Any, *args: Any) -> None:
             if self.start_kib == 0:
@@ -93,19 +97,19 @@ def run(schedule: str, option: str, replicas: int, batch: int, m: int, steps: in
                 self.start_kib = _memory_kib("VmRSS")
 
         def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            # read at each batch's end, not after fit: fit's teardown gives every rank the whole
+            # model back, which is not training's memory
+            self.high_kib = _memory_kib("VmHWM")
             f = stage_memory(trainer)
             total = f["weight_versions"] + f["grads"] + f["optimizer_state"] + f["activations_peak"]
             self.accounted = max(self.accounted, total)
 
     peak = Peak()
-    kwargs = {} if option == "none" else {option: True}
-    strategy = Pipe2BWStrategy(schedule=schedule, microbatches=m, data_parallel=replicas, **kwargs)
     # each replica reads its own batches: d times as many for the same steps on each
     schedules.fit_quietly(
-        schedules._lightning_module(), strategy, batch, steps, [peak],
-        num_batches=replicas * steps,
+        model, strategy, batch, steps, [peak], num_batches=replicas * steps, data=data
     )  # fmt: skip
-    grown = (_memory_kib("VmHWM") - peak.start_kib) * 1024
+    grown = (peak.high_kib - peak.start_kib) * 1024
     assert strategy.split is not None
     return {
         "rank": dist.get_rank(),
@@ -115,6 +119,15 @@ def run(schedule: str, option: str, replicas: int, batch: int, m: int, steps: in
         "weights_at_start_bytes": peak.weights,
         "accounted_peak_bytes": peak.accounted,
     }
+
+
+def run(schedule: str, option: str, replicas: int, batch: int, m: int, steps: int) -> Any:
+    """Runs on every rank: one fit of the GPT-like model; this rank's memory figures."""
+    from lightning_pipe2bw import Pipe2BWStrategy
+
+    kwargs = {} if option == "none" else {option: True}
+    strategy = Pipe2BWStrategy(schedule=schedule, microbatches=m, data_parallel=replicas, **kwargs)
+    return measured_fit(schedules._lightning_module(), strategy, batch, steps, replicas)
 
 
 def predict(schedule: str, option: str, replicas: int, batch: int, m: int,
