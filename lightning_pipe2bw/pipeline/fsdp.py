@@ -4,7 +4,9 @@ stages with FSDP2.
 
 Each block's weights, gradients and optimizer state are DTensors sharded along their first
 dimension over the replica group (a 1-D ``DeviceMesh`` made from it). A block's weights are
-gathered before its forward and again before its backward (``reshard_after_forward``), and its
+gathered before its forward and again before its backward (``reshard_after_forward=True``, said
+outright: every block is its own FSDP root, and a root left to choose keeps them gathered in
+between, which in a pipeline holds every block whole while a micro-batch is in flight), and its
 gradient is reduce-scattered (averaged over the replicas) after the batch's last backward of
 its stage: :class:`GradientSync` turns FSDP's gradient synchronisation on for that backward only,
 so that the micro-batches' gradients add up unsharded first, as the strategy's own average over
@@ -74,7 +76,10 @@ def shard_blocks(
     mesh = DeviceMesh.from_group(group, device.type)
     for block in blocks:
         if any(True for _ in block.parameters()):
-            fully_shard(block, mesh=mesh)
+            # said, not left to FSDP: each block is its own root (no module above it is
+            # sharded), and a root left to choose keeps its weights gathered from its forward to
+            # its backward, which in a pipeline is every block, for every micro-batch in flight
+            fully_shard(block, mesh=mesh, reshard_after_forward=True)
 
 
 def sharded_blocks(blocks: Iterable[nn.Module]) -> list[FSDPModule]:

@@ -186,6 +186,43 @@ def test_after_fit_the_module_keeps_its_shards_and_says_how_to_save_the_whole(
     assert results[0]["keys"] == sorted(RegressionModel().state_dict())
 
 
+def _gathered_after_forward() -> list[bool]:
+    """A short FSDP fit; for every forward of a block, whether its weights were still gathered
+    right after it (FSDP's own hook has run by then: this one is registered after it)."""
+    import torch.distributed as dist
+    from helpers.models import RegressionModel, loader, quiet_trainer
+    from lightning.pytorch import Callback
+    from torch.distributed.tensor import DTensor
+
+    from lightning_pipe2bw import Pipe2BWStrategy
+
+    seen: list[bool] = []
+
+    def after_forward(block: Any, args: Any, output: Any) -> None:
+        seen.append(any(not isinstance(p, DTensor) for p in block.parameters()))
+
+    class Watch(Callback):
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            for block in module.body.children():
+                if any(True for _ in block.parameters()):
+                    block.register_forward_hook(after_forward)
+
+    strategy = Pipe2BWStrategy(schedule="1f1b", microbatches=M, data_parallel=2, fsdp=True)
+    trainer = quiet_trainer(
+        devices=dist.get_world_size(), strategy=strategy, max_steps=2, callbacks=[Watch()]
+    )
+    trainer.fit(RegressionModel(), loader(LOCAL, n=16))
+    return seen
+
+
+def test_a_block_gives_its_gathered_weights_back_after_each_forward(pools: Any) -> None:
+    """Each block is its own FSDP root, and a root left to choose keeps its weights gathered
+    from its forward to its backward: in a pipeline that is every block with a micro-batch in
+    flight, so no weight was sharded at the stage's peak. Every forward now ends sharded."""
+    for seen in pools(4).run(_gathered_after_forward):
+        assert seen and not any(seen), seen
+
+
 def _fit_hf_both(family: str) -> dict[str, Any]:
     """A Hugging Face model as it comes, 2 replicas x 2 stages, without and with FSDP (or the
     error with FSDP)."""
