@@ -15,7 +15,7 @@ configuration the same layout.
   of the same blocks at that width, for the split the strategy makes by default) keeps within
   the budget on every stage.
 
-    python benchmarks/largest_model.py                         # 256 MiB a rank: ~25 minutes
+    python benchmarks/largest_model.py                         # 256 MiB a rank: ~20 minutes
     python benchmarks/largest_model.py --budget-mib 192 --schedules 1f1b,2bw --options none
 
 Writes ``benchmarks/results/largest_model.json`` and prints a table. Nothing here is asserted by
