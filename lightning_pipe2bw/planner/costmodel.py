@@ -201,7 +201,7 @@ class CostModel:
       block's ``backward_bytes`` at a time, and the ``cut_bytes`` of its blocks for each
       backward cut in two and not finished: one where a flush schedule cuts the backward its
       predecessor waits for, up to one per micro-batch in flight under zero bubble, none under
-      FSDP) and its update's (the gradients averaged over the replicas in one flat buffer,
+      FSDP or on a stage that recomputes) and its update's (the gradients averaged over the replicas in one flat buffer,
       or ZeRO-1's gathered weights, 1 + 1/w x params; and, without a flush, the stash). A
       one-step delay's correction adds its buffers to the optimizer state (``delay_correction``,
       default :data:`~lightning_pipe2bw.optim.delay.DEFAULT_CORRECTION`), and a predicting one
@@ -367,7 +367,8 @@ class CostModel:
         # the peak: in a backward (the stash, the backward's own buffers, what cut backwards
         # keep), or in the update (its buffers; the stash too where no flush empties it)
         backward = max(self.backward_bytes[lo:hi], default=0.0)
-        cut = (self.cut_bytes[hi] - self.cut_bytes[lo]) * self.cuts[s]
+        # a stage that recomputes runs its backwards whole (the engine cuts none of them)
+        cut = 0.0 if recompute else (self.cut_bytes[hi] - self.cut_bytes[lo]) * self.cuts[s]
         update = par * self.step_buffers + (0.0 if self.flush else stash + buffers)
         return (
             fwd + action + (0.0 if last else send),

@@ -238,6 +238,10 @@ def test_the_backward_and_the_update_peak_apart() -> None:
     # previous stage (early_input_grad): every block's kept gradient, once
     assert memory("1f1b", 1) == 200 * 2 + 20 * 1 + 1 + 50 + 330
     assert memory("1f1b", 1, early_input_grad=False) == 200 * 2 + 20 + 1 + 50
+    # a stage that recomputes runs its backwards whole: its input stashed, one micro-batch's
+    # saved activations live again, nothing kept for a weights' pass
+    model = CostModel(p, cluster(n=8), "1f1b", 1, 2, 4, optimizer_bytes_per_param_byte=0.0)
+    assert model.stage(1, 1, 3, True).memory_bytes == 200 * 2 + (1 * 1 + 20) + 1 + 50
     # zero bubble cuts every backward: kept for each micro-batch in flight (1 on the last stage)
     assert memory("zb-h1", 1) == 200 * 2 + 20 * 2 + 1 + 50 + 330 * 2
     # FSDP runs every backward whole
