@@ -105,7 +105,6 @@ def predicted_peak(schedule: str, option: str, width: int, batch: int) -> float:
 
     from lightning_pipe2bw.partition.balance import balance_by_weights
     from lightning_pipe2bw.partition.cost import multiplied_parameters
-    from lightning_pipe2bw.planner.costmodel import Cluster, CostModel
     from lightning_pipe2bw.planner.measure import profile_blocks
     from lightning_pipe2bw.schedule.registry import schedule_spec
 
@@ -117,19 +116,9 @@ def predicted_peak(schedule: str, option: str, width: int, batch: int) -> float:
     balance = balance_by_weights(
         multiplied_parameters(blocks), STAGES * spec.stages_per_rank, spec.placement_for(STAGES)
     )
-    cluster = Cluster(
-        num_devices=REPLICAS * STAGES, devices_per_node=REPLICAS * STAGES, memory_bytes=2**40,
-        intra_node_bandwidth=1e9, inter_node_bandwidth=1e9,
-    )  # fmt: skip
-    model = CostModel(
-        profile, cluster, schedule, REPLICAS, STAGES, MICROBATCHES,
-        shard_optimizer=option == "shard_optimizer", fsdp=option == "fsdp",
-    )  # fmt: skip
-    peaks, lo = [], 0
-    for s, count in enumerate(balance):
-        peaks.append(model.stage(s, lo, lo + count, recompute=option == "recompute").memory_bytes)
-        lo += count
-    return max(peaks)
+    return float(max(memory_prediction.stage_memories(
+        profile, schedule, option, REPLICAS, MICROBATCHES, list(balance)
+    )))  # fmt: skip
 
 
 def largest(fits: Any, widths: list[int]) -> tuple[int | None, dict[int, Any]]:

@@ -130,18 +130,13 @@ def run(schedule: str, option: str, replicas: int, batch: int, m: int, steps: in
     return measured_fit(schedules._lightning_module(), strategy, batch, steps, replicas)
 
 
-def predict(schedule: str, option: str, replicas: int, batch: int, m: int,
-            balance: list[int]) -> list[float]:  # fmt: skip
-    """The cost model's memory of each stage of ``balance`` (module counts per stage)."""
-    import torch
-
+def stage_memories(profile: Any, schedule: str, option: str, replicas: int, m: int,
+                   balance: list[int]) -> list[float]:  # fmt: skip
+    """The cost model's memory of each stage of ``balance`` (module counts per stage) on
+    ``profile``, with ``option`` (``none``, ``recompute``, ``shard_optimizer`` or ``fsdp``) on a
+    machine whose memory and links do not bind."""
     from lightning_pipe2bw.planner.costmodel import Cluster, CostModel
-    from lightning_pipe2bw.planner.measure import profile_blocks
 
-    torch.set_num_threads(1)
-    body = schedules.make_body()
-    x, _ = schedules.make_data(batch // m, 1)
-    profile = profile_blocks(list(body.children()), x, warmup=1, repeats=1)
     depth = len(balance)
     cluster = Cluster(
         num_devices=replicas * depth, devices_per_node=replicas * depth,
@@ -153,9 +148,23 @@ def predict(schedule: str, option: str, replicas: int, batch: int, m: int,
     )  # fmt: skip
     out, lo = [], 0
     for s, count in enumerate(balance):
-        out.append(model.stage(s, lo, lo + count, recompute=False).memory_bytes)
+        out.append(model.stage(s, lo, lo + count, recompute=option == "recompute").memory_bytes)
         lo += count
     return out
+
+
+def predict(schedule: str, option: str, replicas: int, batch: int, m: int,
+            balance: list[int]) -> list[float]:  # fmt: skip
+    """The cost model's memory of each stage of ``balance`` for the GPT-like model."""
+    import torch
+
+    from lightning_pipe2bw.planner.measure import profile_blocks
+
+    torch.set_num_threads(1)
+    body = schedules.make_body()
+    x, _ = schedules.make_data(batch // m, 1)
+    profile = profile_blocks(list(body.children()), x, warmup=1, repeats=1)
+    return stage_memories(profile, schedule, option, replicas, m, balance)
 
 
 def main() -> None:
