@@ -28,6 +28,7 @@ from lightning_pipe2bw.planner.timing import (
     tree_map,
 )
 from lightning_pipe2bw.runtime.call import call_input
+from lightning_pipe2bw.runtime.payload import grad_leaves
 from lightning_pipe2bw.runtime.splitgrad import SplitBackward
 from lightning_pipe2bw.runtime.stash import local_shard, run_eagerly
 
@@ -280,25 +281,18 @@ def _measure_bytes(block: nn.Module, x: Any, index: int, name: str) -> tuple[Blo
     return profile, nxt
 
 
-def _grad_roots(out: Any) -> tuple[list[Tensor], list[Tensor]]:
-    roots = [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad]
-    return roots, [torch.ones_like(t) for t in roots]
-
-
 def _backward_bytes(block: nn.Module, inp: Any, out: Any) -> int:
     """The most bytes the backward of ``out`` allocates and holds at once (see
     :class:`NewStorages`), run with the weights' gradients already in place, as every
     micro-batch's backward after a step's first finds them."""
-    roots, seeds = _grad_roots(out)
+    roots = grad_leaves(out)
     if not roots:
         return 0
-    leaves = [
-        t for t in (*pytree.tree_leaves(inp), *block.parameters())
-        if isinstance(t, Tensor) and t.requires_grad
-    ]  # fmt: skip
+    leaves = grad_leaves((inp, list(block.parameters())))
     for p in block.parameters():
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
+    seeds = [torch.ones_like(t) for t in roots]  # the gradient that arrives: not the backward's
     new = NewStorages()
     with new:
         torch.autograd.backward(roots, seeds, inputs=leaves or None)
@@ -309,10 +303,10 @@ def _cut_bytes(block: nn.Module, x: Any, index: int, name: str) -> int:
     """What the backward of a fresh forward cut in two keeps between its passes
     (:attr:`SplitBackward.kept_bytes`); 0 where it cannot be cut."""
     inp = fresh(x)
-    inputs = [t for t in pytree.tree_leaves(inp) if isinstance(t, Tensor) and t.requires_grad]
-    out = call_block(block, inp, index, name)
-    roots, seeds = _grad_roots(out)
-    split = SplitBackward.plan(roots, list(seeds), inputs) if roots and inputs else None
+    inputs = grad_leaves(inp)
+    roots = grad_leaves(call_block(block, inp, index, name))
+    seeds: list[Tensor | None] = [torch.ones_like(t) for t in roots]
+    split = SplitBackward.plan(roots, seeds, inputs) if roots and inputs else None
     if split is None:
         return 0
     split.inputs_pass()

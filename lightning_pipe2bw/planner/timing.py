@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from lightning_pipe2bw.runtime.inplace import writable
+from lightning_pipe2bw.runtime.payload import grad_leaves
 from lightning_pipe2bw.runtime.splitgrad import SplitBackward
 
 __all__ = ["Runs", "call_block", "fresh", "sync", "time_in_sequence", "time_split", "tree_map"]
@@ -60,9 +61,7 @@ def time_in_sequence(
             if run >= warmup:
                 forward[i].append(time.perf_counter() - start)
         for i in reversed(range(n)):
-            roots = [
-                t for t in pytree.tree_leaves(outs[i]) if isinstance(t, Tensor) and t.requires_grad
-            ]
+            roots = grad_leaves(outs[i])
             ones = [torch.ones_like(t) for t in roots]
             sync(dev)
             start = time.perf_counter()
@@ -106,12 +105,7 @@ def time_split(
         outs = [call_block(block, ins[i], i, names[i]) for i, block in enumerate(blocks)]
         cuts: list[SplitBackward | None] = [None] * n
         for i in reversed(range(n)):
-            roots = [
-                t for t in pytree.tree_leaves(outs[i]) if isinstance(t, Tensor) and t.requires_grad
-            ]
-            leaves = [
-                t for t in pytree.tree_leaves(ins[i]) if isinstance(t, Tensor) and t.requires_grad
-            ]
+            roots, leaves = grad_leaves(outs[i]), grad_leaves(ins[i])
             ones: list[Tensor | None] = [torch.ones_like(t) for t in roots]
             sync(dev)
             start = time.perf_counter()
